@@ -1,0 +1,236 @@
+//! The `kvrelay` command line (clap): `run`, `layout`, `plan --json`, `check`, `bench`.
+//!
+//! The only module that prints, reads the clock or exits. Errors go to stderr with a non-zero exit.
+
+#![allow(clippy::print_stdout, clippy::print_stderr, reason = "the CLI is the printing edge")]
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, Subcommand};
+
+use crate::harness;
+use crate::model::{Problem, RankId};
+use crate::plan;
+use crate::render;
+use crate::scenario::{self, Scenario};
+
+#[derive(Debug, Parser)]
+#[command(name = "kvrelay", version, about = "Byte-exact conformance harness for prefill -> decode KV-cache transfer")]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plan a scenario, execute it on the in-memory fabric, verify every decode byte and summarise.
+    Run { scenario: PathBuf },
+    /// Show what landed where on each decode rank (run-length encoded).
+    Layout {
+        scenario: PathBuf,
+        /// Only this decode rank (index in stage-major order, i.e. the TP rank when decode PP is 1).
+        #[arg(long)]
+        rank: Option<u32>,
+    },
+    /// Export every copy of the plan.
+    Plan {
+        scenario: PathBuf,
+        /// Machine-readable JSON (schema in README.md).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run every scenario under DIR against its golden layout and expectation; the CI gate.
+    Check {
+        #[arg(default_value = "scenarios")]
+        dir: PathBuf,
+        /// Directory of golden files.
+        #[arg(long, default_value = "golden")]
+        golden: PathBuf,
+    },
+    /// Time the planner on the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape.
+    Bench {
+        /// Prompt length of the benchmarked request.
+        #[arg(long, default_value_t = 32768)]
+        tokens: u32,
+        /// Timed repetitions (the median is reported).
+        #[arg(long, default_value_t = 21)]
+        iterations: u32,
+    },
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(path: &Path) -> anyhow::Result<Scenario> {
+    Ok(scenario::load(path)?)
+}
+
+/// Runs one command; `Ok(FAILURE)` for a completed command whose verdict is negative.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    match args.command {
+        Command::Run { scenario } => {
+            let scenario = load(&scenario)?;
+            let outcome = harness::run(&scenario);
+            print!("{}", render::golden_header(&scenario, &outcome));
+            if outcome.passed() {
+                println!("pass {}", scenario.name);
+                Ok(ExitCode::SUCCESS)
+            } else {
+                eprintln!("FAIL {}: {}", scenario.name, outcome.failures.join("; "));
+                eprintln!("reproduce: cargo run --release -- run {}", scenario.file);
+                Ok(ExitCode::FAILURE)
+            }
+        }
+        Command::Layout { scenario, rank } => {
+            let scenario = load(&scenario)?;
+            let only = match rank {
+                None => None,
+                Some(index) => {
+                    let decode = &scenario.problem.decode.topology;
+                    let Some(rank) = decode.ranks().nth(index as usize) else {
+                        bail!("--rank {index} is out of range: decode has {} ranks", decode.tp * decode.pp);
+                    };
+                    Some(rank)
+                }
+            };
+            let outcome = harness::run(&scenario);
+            if let Err(error) = &outcome.plan {
+                eprintln!("note: plan rejected ({error}); showing the untouched decode memory");
+            }
+            print!("{}", render::layout(&scenario.problem, &outcome.observation, only));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plan { scenario, json } => {
+            let scenario = load(&scenario)?;
+            let plan = plan::plan(&scenario.problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            if json {
+                render::plan_json(&scenario.problem, &plan, &mut out)?;
+            } else {
+                out.write_all(render::plan_summary(&plan).as_bytes())?;
+            }
+            out.flush()?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Check { dir, golden } => check(&dir, &golden),
+        Command::Bench { tokens, iterations } => bench(tokens, iterations),
+    }
+}
+
+/// Every `*.yaml` under `dir`, sorted, with paths relative to `dir`.
+fn scenario_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+        for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let path = entry?.path();
+            if path.is_dir() {
+                walk(&path, out)?;
+            } else if path.extension().is_some_and(|ext| ext == "yaml") {
+                out.push(path);
+            }
+        }
+        Ok(())
+    }
+    let mut files = Vec::new();
+    walk(dir, &mut files)?;
+    files.sort();
+    Ok(files)
+}
+
+fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
+    let files = scenario_files(dir)?;
+    if files.is_empty() {
+        bail!("no *.yaml scenarios under {}", dir.display());
+    }
+    let mut failed = 0;
+    for file in &files {
+        let relative = file.strip_prefix(dir).unwrap_or(file);
+        let scenario = match scenario::load(file) {
+            Ok(scenario) => scenario,
+            Err(error) => {
+                eprintln!("FAIL {}: {error}", relative.display());
+                failed += 1;
+                continue;
+            }
+        };
+        let outcome = harness::run(&scenario);
+        let actual = render::golden(&scenario, &outcome);
+        let golden_path = golden_dir.join(render::golden_file_name(relative));
+        let expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));
+        let mut problems = outcome.failures.clone();
+        match expected {
+            None => problems.push(format!("no golden layout at {} (fix: cargo insta test --accept, then review)", golden_path.display())),
+            Some(expected) if expected.trim_end() != actual.trim_end() => {
+                problems.push(format!("layout differs from {}:\n{}", golden_path.display(), render::diff(&expected, &actual)));
+            }
+            Some(_) => {}
+        }
+        if problems.is_empty() {
+            println!("pass {}", relative.display());
+        } else {
+            failed += 1;
+            eprintln!("FAIL {}: {}", relative.display(), problems.join("; "));
+            let shown = render::violations(&outcome.violations);
+            if !shown.is_empty() {
+                eprint!("{shown}");
+            }
+            eprintln!("reproduce: cargo run --release -- run {}", file.display());
+        }
+    }
+    println!("{} scenarios, {} passed, {failed} failed", files.len(), files.len() - failed);
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The benchmark problem: Kimi-K3 (24 MLA layers), prefill PP8/TP1, decode TP8/DCP8, P = 64, one chunk.
+fn bench_problem(tokens: u32) -> anyhow::Result<Problem> {
+    let text = format!(
+        "model: {{preset: kimi-k3}}\nprefill: {{pp: 8, page_size: 64}}\ndecode: {{tp: 8, dcp: 8, page_size: 64}}\nrequests: [{{tokens: {tokens}}}]\nexpect: ok\n"
+    );
+    Ok(scenario::parse(&text, "<bench>", "bench-kimi-k3")?.problem)
+}
+
+fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
+    let problem = bench_problem(tokens)?;
+    let time = |work: &mut dyn FnMut() -> u64| {
+        let mut samples = Vec::new();
+        let mut result = 0;
+        for _ in 0..iterations.max(1) {
+            #[allow(clippy::disallowed_methods, reason = "benchmarks read the wall clock at the CLI edge")]
+            let start = Instant::now();
+            result = work();
+            samples.push(start.elapsed());
+        }
+        samples.sort();
+        (samples[samples.len() / 2], result)
+    };
+    let (plan_time, groups) = time(&mut || plan::plan(&problem).map(|plan| plan.groups.len() as u64).unwrap_or(0));
+    let plan = plan::plan(&problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
+    let (expand_time, copies) = time(&mut || {
+        let mut count = 0;
+        for copy in plan.copies() {
+            std::hint::black_box(&copy);
+            count += 1;
+        }
+        count
+    });
+    let decode_ranks: Vec<RankId> = problem.decode.topology.ranks().collect();
+    println!("bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, {} MLA layers, {} decode ranks", problem.model.mla_layers.len(), decode_ranks.len());
+    println!("plan:   median {:>10.3} ms over {iterations} runs ({groups} transfer groups)", plan_time.as_secs_f64() * 1e3);
+    println!("expand: median {:>10.3} ms to enumerate {copies} copies ({} bytes)", expand_time.as_secs_f64() * 1e3, plan.bytes_total());
+    println!("ratio expand/plan: {:.1}", expand_time.as_secs_f64() / plan_time.as_secs_f64().max(1e-12));
+    Ok(ExitCode::SUCCESS)
+}
+

@@ -1,0 +1,27 @@
+//! kvrelay: byte-exact simulation and conformance harness for prefill → decode KV-cache transfer.
+//!
+//! The pipeline is scenario → problem → plan → execution on a transport → observation → verdict.
+//! ARCHITECTURE.md has the full map; the modules, in dependency order:
+//!
+//! - [`model`]: pure vocabulary (ranks, topologies, model geometry, registered regions, requests).
+//!   Start at [`model::Problem`].
+//! - [`seed`]: the one seeded generator ([`seed::SimRng`], Xoshiro256++) and its named sub-streams.
+//! - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows YAML.
+//! - [`plan`]: the pure planner, `plan(&Problem) -> Result<Plan, PlanError>` (domain.md §2–§4).
+//! - [`verify`]: the independent oracle; the source byte pattern, row decoding and `check`. Never calls `plan`.
+//! - [`fabric`]: the [`fabric::Transport`] trait (verbs-shaped one-sided writes) and the in-memory [`fabric::SimFabric`].
+//! - [`exec`]: drives a plan over any transport and reads back an [`verify::Observation`].
+//! - [`harness`]: one scenario end to end and its pass/fail judgement.
+//! - [`render`]: stable text for golden files and the CLI.
+//! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
+
+pub mod cli;
+pub mod exec;
+pub mod fabric;
+pub mod harness;
+pub mod model;
+pub mod plan;
+pub mod render;
+pub mod scenario;
+pub mod seed;
+pub mod verify;

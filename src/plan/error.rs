@@ -1,0 +1,76 @@
+//! `PlanError`: every rejection the planner raises, worded as domain.md words it.
+//!
+//! Messages keep upstream's spelling (capitalised, as in domain.md) because scenarios and users match on them.
+
+use std::fmt;
+
+use crate::model::LayerId;
+
+/// A topology, geometry or request the planner refuses; raised before any byte moves (domain.md §12.6).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// domain.md §2.5 case 3.
+    #[error("Unsupported PD DCP topology: {prefill} -> {decode}")]
+    UnsupportedDcpTopology { prefill: u32, decode: u32 },
+    /// domain.md §2.5 case 1.
+    #[error("PD peers must connect matching DCP ranks, got prefill={prefill}, decode={decode}")]
+    MismatchedDcpRanks { prefill: u32, decode: u32 },
+    /// domain.md §2.5 decode-side gate.
+    #[error("Page size mismatch: prefill={prefill}, decode={decode}")]
+    PageSizeMismatch { prefill: u32, decode: u32 },
+    /// domain.md §2.2 / §3.1: sizes that cannot be mapped onto each other.
+    #[error("Unsupported PD topology: {reason}")]
+    UnsupportedTopology { reason: String },
+    /// domain.md §2.4 validation 1. [I] also applied without DCP, where `V = P`.
+    #[error("PD DCP transfer requires decode_prefix_len to align to the virtual DCP page size (V={virtual_page_size}), got {decode_prefix}")]
+    UnalignedDecodePrefix { virtual_page_size: u32, decode_prefix: u32 },
+    /// domain.md §2.4 validation 4.
+    #[error("Insufficient destination DCP pages: required={required}, provided={provided}, src_page_offset={src_page_offset}, dcp_rank={dcp_rank}")]
+    InsufficientDcpPages { required: u64, provided: u64, src_page_offset: u64, dcp_rank: u32 },
+    /// [I] the non-DCP counterpart of §2.4 validation 4: a chunk's page slice runs past `dst_kv_indices`.
+    #[error("Insufficient destination pages: required={required}, provided={provided}, src_page_offset={src_page_offset}")]
+    InsufficientPages { required: u64, provided: u64, src_page_offset: u64 },
+    /// domain.md §4.3 step 3.
+    #[error("Decode peer is missing a transfer entry for model layer {layer}")]
+    MissingLayer { layer: LayerId },
+    /// domain.md §4.3 step 2 (no positional fallback).
+    #[error("Layer metadata must be provided by both PD peers or neither")]
+    OneSidedLayerMetadata,
+    /// domain.md §4.3 step 3 (id list length differs from the entry count).
+    #[error("Layer metadata length must match transfer entries: src ids={source_ids} entries={source_entries}, dst ids={target_ids} entries={target_entries}")]
+    LayerMetadataLength { source_ids: usize, source_entries: usize, target_ids: usize, target_entries: usize },
+    /// domain.md §4.3 step 4.
+    #[error("PP-heterogeneous transfer requires layer ids on both peers; got src={prefill} dst={decode} entries")]
+    PositionalPairing { prefill: usize, decode: usize },
+    /// domain.md §2.6 version 1 (per paired entry).
+    #[error("PD DCP source/destination KV geometry differs: src=[{}], dst=[{}]", RunLengths(.prefill), RunLengths(.decode))]
+    DcpGeometry { prefill: Vec<u64>, decode: Vec<u64> },
+    /// [I] replicated latent copied page for page needs equal item lengths (domain.md §3.3).
+    #[error("KV item length mismatch for model layer {layer}: src={prefill}, dst={decode}")]
+    ItemLength { layer: LayerId, prefill: u64, decode: u64 },
+}
+
+/// Renders `[576, 576, 256]` as `576 x2, 256` like domain.md's geometry message.
+struct RunLengths<'a>(&'a [u64]);
+
+impl fmt::Display for RunLengths<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        let mut index = 0;
+        while index < self.0.len() {
+            let value = self.0[index];
+            let count = self.0[index..].iter().take_while(|it| **it == value).count();
+            if !first {
+                f.write_str(", ")?;
+            }
+            first = false;
+            if count == 1 {
+                write!(f, "{value}")?;
+            } else {
+                write!(f, "{value} x{count}")?;
+            }
+            index += count;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,135 @@
+//! Which prefill ranks talk to which decode ranks (domain.md §3.1), and how (domain.md §2.5).
+
+use std::fmt::Write as _;
+
+use super::PlanError;
+use crate::model::{PoolKind, RankId, Topology};
+
+/// What a prefill rank does for one decode rank it is connected to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// Writes the replicated latent KV.
+    Writer,
+    /// Pure MLA with `Td < Tp`: reports success but sends nothing (domain.md §3.1).
+    Dummy,
+    /// Hybrid-MLA with `Td < Tp`: a real peer that skips KV and only sends state (domain.md §3.3).
+    StateOnly,
+}
+
+/// How KV bytes of one connection move (domain.md §2.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Mode {
+    /// Equal DCP sizes: same layout on both sides, item for item.
+    PageCopy,
+    /// Prefill DCP 1 → decode DCP `dcp`: token rows owned by `dcp_rank` are re-laid out.
+    Relayout { dcp: u32, dcp_rank: u32 },
+}
+
+pub(crate) struct Connection {
+    pub(crate) prefill: RankId,
+    pub(crate) decode: RankId,
+    pub(crate) role: Role,
+}
+
+/// Rejects sizes that cannot be mapped at all: DCP carved out of TP, integral TP ratio, decode PP ∈ {1, prefill PP}.
+pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology) -> Result<(), PlanError> {
+    let unsupported = |reason: String| Err(PlanError::UnsupportedTopology { reason });
+    for (side, topology) in [("prefill", prefill), ("decode", decode)] {
+        if topology.tp == 0 || topology.pp == 0 || topology.dcp == 0 || topology.page_size == 0 {
+            return unsupported(format!("{side} tp, pp, dcp and page_size must be at least 1"));
+        }
+        if topology.tp % topology.dcp != 0 {
+            return unsupported(format!("{side} tp {} is not a multiple of dcp {}", topology.tp, topology.dcp));
+        }
+    }
+    if prefill.page_size != decode.page_size {
+        return Err(PlanError::PageSizeMismatch { prefill: prefill.page_size, decode: decode.page_size });
+    }
+    if decode.pp != 1 && decode.pp != prefill.pp {
+        return unsupported(format!("decode pp {} must be 1 or equal prefill pp {}", decode.pp, prefill.pp));
+    }
+    if prefill.tp % decode.tp != 0 && decode.tp % prefill.tp != 0 {
+        return unsupported(format!("prefill tp {} and decode tp {} do not divide", prefill.tp, decode.tp));
+    }
+    Ok(())
+}
+
+/// Every (prefill rank, decode rank) connection with the prefill rank's role (domain.md §3.1, §3.3).
+pub(crate) fn connections(prefill: &Topology, decode: &Topology, pool: PoolKind) -> Vec<Connection> {
+    let mut res = Vec::new();
+    for target in decode.ranks() {
+        let stages = if decode.pp == prefill.pp { target.pp..target.pp + 1 } else { 0..prefill.pp };
+        for stage in stages {
+            if decode.tp >= prefill.tp {
+                let ratio = decode.tp / prefill.tp;
+                let source = RankId { pp: stage, tp: target.tp / ratio };
+                res.push(Connection { prefill: source, decode: target, role: Role::Writer });
+            } else {
+                let ratio = prefill.tp / decode.tp;
+                for offset in 0..ratio {
+                    let role = match (offset, pool) {
+                        (0, _) => Role::Writer,
+                        (_, PoolKind::Mla) => Role::Dummy,
+                        (_, PoolKind::HybridMla) => Role::StateOnly,
+                    };
+                    let source = RankId { pp: stage, tp: target.tp * ratio + offset };
+                    res.push(Connection { prefill: source, decode: target, role });
+                }
+            }
+        }
+    }
+    res
+}
+
+/// `requires_dcp_relayout` evaluated on the prefill side for one decode peer (domain.md §2.5).
+pub(crate) fn transfer_mode(
+    prefill: &Topology,
+    source: RankId,
+    decode: &Topology,
+    target: RankId,
+) -> Result<Mode, PlanError> {
+    if prefill.dcp == decode.dcp {
+        let (prefill_rank, decode_rank) = (prefill.dcp_rank(source.tp), decode.dcp_rank(target.tp));
+        if prefill_rank != decode_rank {
+            return Err(PlanError::MismatchedDcpRanks { prefill: prefill_rank, decode: decode_rank });
+        }
+        return Ok(Mode::PageCopy);
+    }
+    // Both pool kinds here are MLA or hybrid-MLA, the only ones case 2 admits.
+    if prefill.dcp == 1 {
+        return Ok(Mode::Relayout { dcp: decode.dcp, dcp_rank: decode.dcp_rank(target.tp) });
+    }
+    Err(PlanError::UnsupportedDcpTopology { prefill: prefill.dcp, decode: decode.dcp })
+}
+
+/// One explain line for the rank mapping.
+pub(crate) fn describe_mapping(prefill: &Topology, decode: &Topology, pool: PoolKind) -> String {
+    let mut res = String::new();
+    if decode.tp == prefill.tp {
+        let _ = write!(res, "rank mapping: decode TP{} = prefill TP{}: decode tp d <- prefill tp d", decode.tp, prefill.tp);
+    } else if decode.tp > prefill.tp {
+        let ratio = decode.tp / prefill.tp;
+        let _ = write!(
+            res,
+            "rank mapping: decode TP{} > prefill TP{} (k={ratio}): decode tp d <- prefill tp d div {ratio}; each prefill rank serves {ratio} decode ranks",
+            decode.tp, prefill.tp
+        );
+    } else {
+        let ratio = prefill.tp / decode.tp;
+        let others = match pool {
+            PoolKind::Mla => "the others are dummies (pure MLA)",
+            PoolKind::HybridMla => "the others send state only (hybrid-MLA)",
+        };
+        let _ = write!(
+            res,
+            "rank mapping: decode TP{} < prefill TP{} (k={ratio}): decode tp d <- prefill tp d*{ratio}..d*{ratio}+{}; the first writes KV, {others}",
+            decode.tp, prefill.tp, ratio - 1
+        );
+    }
+    if decode.pp == prefill.pp {
+        let _ = write!(res, "; decode stage s <- prefill stage s");
+    } else {
+        let _ = write!(res, "; each decode rank contacts all {} prefill stages", prefill.pp);
+    }
+    res
+}

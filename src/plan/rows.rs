@@ -1,0 +1,188 @@
+//! Token-row index pairs of one chunk for one decode rank, coalesced into runs (domain.md §2.4, §2.5 case 1).
+//!
+//! Rows are token indices inside a KV entry (`page * P + slot`), identical for every layer, so one run list
+//! serves every entry pair of a connection.
+
+use super::PlanError;
+
+/// `rows` consecutive token rows from `source_row` to `target_row`; both sides advance by one per row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowRun {
+    pub source_row: u64,
+    pub target_row: u64,
+    pub rows: u64,
+}
+
+/// One chunk as the sender sees it (domain.md §2.3).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkView<'a> {
+    /// This chunk's prefill allocator pages.
+    pub(crate) source_pages: &'a [u32],
+    /// The decode allocator pages of the whole send range (never sliced under DCP).
+    pub(crate) target_pages: &'a [u32],
+    /// `index_slice.start`: prefill pages of the send range before this chunk.
+    pub(crate) source_page_offset: u64,
+    pub(crate) decode_prefix: u64,
+    /// `num_kv_tokens`: valid tokens in this chunk.
+    pub(crate) tokens: u64,
+    /// Physical page size `P`.
+    pub(crate) page_size: u64,
+}
+
+/// Appends a pair of rows, extending the last run when both sides are contiguous (`group_concurrent_contiguous`).
+fn push(runs: &mut Vec<RowRun>, source_row: u64, target_row: u64, rows: u64) {
+    if let Some(last) = runs.last_mut() {
+        if last.source_row + last.rows == source_row && last.target_row + last.rows == target_row {
+            last.rows += rows;
+            return;
+        }
+    }
+    runs.push(RowRun { source_row, target_row, rows });
+}
+
+/// `build_dcp_token_transfer_plan`, target rows (domain.md §2.4): tokens at positions `p ≡ dcp_rank (mod dcp)`.
+pub(crate) fn relayout(chunk: &ChunkView<'_>, dcp: u32, dcp_rank: u32) -> Result<Vec<RowRun>, PlanError> {
+    let page = chunk.page_size;
+    let dcp = u64::from(dcp);
+    let chunk_start = chunk.decode_prefix + chunk.source_page_offset * page;
+    let first = (u64::from(dcp_rank) + dcp - chunk_start % dcp) % dcp;
+    if first >= chunk.tokens {
+        // This rank owns no token of the chunk: an empty plan, the chunk still counts (domain.md §2.4).
+        return Ok(Vec::new());
+    }
+    let last = first + (chunk.tokens - 1 - first) / dcp * dcp;
+    let required = (chunk.source_page_offset * page + last) / dcp / page + 1;
+    if required > chunk.target_pages.len() as u64 {
+        return Err(PlanError::InsufficientDcpPages {
+            required,
+            provided: chunk.target_pages.len() as u64,
+            src_page_offset: chunk.source_page_offset,
+            dcp_rank,
+        });
+    }
+    let mut runs = Vec::with_capacity(((chunk.tokens - first) / dcp + 1) as usize);
+    let mut offset = first;
+    while offset < chunk.tokens {
+        let source_row = u64::from(chunk.source_pages[(offset / page) as usize]) * page + offset % page;
+        let local = (chunk.source_page_offset * page + offset) / dcp;
+        let target_row = u64::from(chunk.target_pages[(local / page) as usize]) * page + local % page;
+        push(&mut runs, source_row, target_row, 1);
+        offset += dcp;
+    }
+    Ok(runs)
+}
+
+/// Plain page copy (domain.md §2.5 case 1): the chunk's pages pair 1:1 with `dst_kv_indices[index_slice]`.
+///
+/// Whole items move, including the unused tail of a last partial page, as upstream's item-granular copy does.
+pub(crate) fn page_copy(chunk: &ChunkView<'_>) -> Result<Vec<RowRun>, PlanError> {
+    let start = chunk.source_page_offset as usize;
+    let end = start + chunk.source_pages.len();
+    if end > chunk.target_pages.len() {
+        return Err(PlanError::InsufficientPages {
+            required: end as u64,
+            provided: chunk.target_pages.len() as u64,
+            src_page_offset: chunk.source_page_offset,
+        });
+    }
+    let page = chunk.page_size;
+    let mut runs = Vec::new();
+    for (source, target) in chunk.source_pages.iter().zip(&chunk.target_pages[start..end]) {
+        push(&mut runs, u64::from(*source) * page, u64::from(*target) * page, page);
+    }
+    Ok(runs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(runs: &[RowRun]) -> (Vec<u64>, Vec<u64>) {
+        let expanded = runs.iter().flat_map(|run| (0..run.rows).map(move |k| (run.source_row + k, run.target_row + k)));
+        expanded.unzip()
+    }
+
+    /// domain.md §2.4 worked example A: P=2, c=4, src=[5,2,11,4], dst=[7], n=8.
+    #[test]
+    fn worked_example_a_every_rank_gets_its_two_rows() {
+        let chunk = ChunkView {
+            source_pages: &[5, 2, 11, 4],
+            target_pages: &[7],
+            source_page_offset: 0,
+            decode_prefix: 0,
+            tokens: 8,
+            page_size: 2,
+        };
+        let expected = [(vec![10, 22], vec![14, 15]), (vec![11, 23], vec![14, 15]), (vec![4, 8], vec![14, 15]), (vec![5, 9], vec![14, 15])];
+        for (rank, expected) in expected.into_iter().enumerate() {
+            assert_eq!(pairs(&relayout(&chunk, 4, rank as u32).unwrap()), expected, "dcp rank {rank}");
+        }
+    }
+
+    /// domain.md §2.4 worked example B: second chunk with offset 1 after a one-virtual-page prefix.
+    #[test]
+    fn worked_example_b_second_chunk_uses_full_decode_page_list() {
+        let chunk = ChunkView {
+            source_pages: &[9, 3],
+            target_pages: &[4, 6],
+            source_page_offset: 1,
+            decode_prefix: 4,
+            tokens: 4,
+            page_size: 2,
+        };
+        assert_eq!(pairs(&relayout(&chunk, 2, 0).unwrap()), (vec![18, 6], vec![9, 12]));
+        assert_eq!(pairs(&relayout(&chunk, 2, 1).unwrap()), (vec![19, 7], vec![9, 12]));
+    }
+
+    /// domain.md §2.4 worked example C: K3-like, rank 5 of DCP8, 1000 tokens on pages 100..115 into [3, 9].
+    #[test]
+    fn worked_example_c_rank_five_spans_two_virtual_pages() {
+        let source_pages: Vec<u32> = (100..116).collect();
+        let chunk = ChunkView {
+            source_pages: &source_pages,
+            target_pages: &[3, 9],
+            source_page_offset: 0,
+            decode_prefix: 0,
+            tokens: 1000,
+            page_size: 64,
+        };
+        let (source, target) = pairs(&relayout(&chunk, 8, 5).unwrap());
+        assert_eq!(source.len(), 125);
+        assert_eq!((source[0], source[1]), (6405, 6413));
+        assert_eq!(&target[..64], &(192..256).collect::<Vec<_>>()[..]);
+        assert_eq!(&target[64..], &(576..637).collect::<Vec<_>>()[..]);
+        assert_eq!((source[124], target[124]), (7397, 636));
+    }
+
+    #[test]
+    fn rank_owning_no_token_gets_an_empty_plan() {
+        let chunk = ChunkView {
+            source_pages: &[3],
+            target_pages: &[1],
+            source_page_offset: 0,
+            decode_prefix: 0,
+            tokens: 5,
+            page_size: 64,
+        };
+        assert_eq!(relayout(&chunk, 8, 6), Ok(Vec::new()));
+        assert_eq!(relayout(&chunk, 8, 4).map(|runs| runs.len()), Ok(1));
+    }
+
+    #[test]
+    fn too_few_decode_pages_names_offset_and_rank() {
+        let chunk = ChunkView {
+            source_pages: &[1, 2, 3, 4],
+            target_pages: &[7],
+            source_page_offset: 0,
+            decode_prefix: 0,
+            tokens: 8,
+            page_size: 1,
+        };
+        // Rank 0 owns positions 0, 2, 4, 6 -> local rows 0..3, four one-token pages.
+        let res = relayout(&chunk, 2, 0);
+        assert_eq!(
+            res,
+            Err(PlanError::InsufficientDcpPages { required: 4, provided: 1, src_page_offset: 0, dcp_rank: 0 })
+        );
+    }
+}
