@@ -171,21 +171,28 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
         let golden_path = golden_dir.join(render::golden_file_name(relative));
         let expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));
         let mut problems = outcome.failures.clone();
-        match expected {
-            None => problems.push(format!("no golden layout at {} (fix: cargo insta test --accept, then review)", golden_path.display())),
-            Some(expected) if expected.trim_end() != actual.trim_end() => {
-                problems.push(format!("layout differs from {}:\n{}", golden_path.display(), render::diff(&expected, &actual)));
+        let golden_diff = match expected {
+            None => {
+                problems.push(format!(
+                    "no golden layout at {} (fix: run `cargo test`, review the .snap.new, accept it)",
+                    golden_path.display()
+                ));
+                String::new()
             }
-            Some(_) => {}
-        }
+            Some(expected) if expected.trim_end() != actual.trim_end() => {
+                problems.push(format!("layout differs from {}", golden_path.display()));
+                render::diff(&expected, &actual)
+            }
+            Some(_) => String::new(),
+        };
         if problems.is_empty() {
             println!("pass {}", relative.display());
         } else {
             failed += 1;
             eprintln!("FAIL {}: {}", relative.display(), problems.join("; "));
-            let shown = render::violations(&outcome.violations);
-            if !shown.is_empty() {
-                eprint!("{shown}");
+            eprint!("{}", render::violations(&outcome.violations));
+            if !golden_diff.is_empty() {
+                eprint!("golden diff:\n{golden_diff}");
             }
             eprintln!("reproduce: cargo run --release -- run {}", file.display());
         }
@@ -227,10 +234,20 @@ fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
         count
     });
     let decode_ranks: Vec<RankId> = problem.decode.topology.ranks().collect();
-    println!("bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, {} MLA layers, {} decode ranks", problem.model.mla_layers.len(), decode_ranks.len());
-    println!("plan:   median {:>10.3} ms over {iterations} runs ({groups} transfer groups)", plan_time.as_secs_f64() * 1e3);
-    println!("expand: median {:>10.3} ms to enumerate {copies} copies ({} bytes)", expand_time.as_secs_f64() * 1e3, plan.bytes_total());
+    println!(
+        "bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, {} MLA layers, {} decode ranks",
+        problem.model.mla_layers.len(),
+        decode_ranks.len()
+    );
+    println!(
+        "plan:   median {:>10.3} ms over {iterations} runs ({groups} transfer groups)",
+        plan_time.as_secs_f64() * 1e3
+    );
+    println!(
+        "expand: median {:>10.3} ms to enumerate {copies} copies ({} bytes)",
+        expand_time.as_secs_f64() * 1e3,
+        plan.bytes_total()
+    );
     println!("ratio expand/plan: {:.1}", expand_time.as_secs_f64() / plan_time.as_secs_f64().max(1e-12));
     Ok(ExitCode::SUCCESS)
 }
-

@@ -53,7 +53,10 @@ pub fn execute(plan: &Plan, transport: &mut impl Transport) -> Result<Vec<WriteR
         transport.post_writes(posted)?;
         transport.poll(&mut completions);
         if completions.len() != posted.len() {
-            return Err(ExecError::LostCompletions { posted: posted.len() as u64, completed: completions.len() as u64 });
+            return Err(ExecError::LostCompletions {
+                posted: posted.len() as u64,
+                completed: completions.len() as u64,
+            });
         }
         for completion in completions.drain(..) {
             let index = (completion.id - posted[0].id) as usize;
@@ -94,7 +97,11 @@ pub fn execute(plan: &Plan, transport: &mut impl Transport) -> Result<Vec<WriteR
 }
 
 /// Reads every decode region back.
-pub fn observe(problem: &Problem, transport: &impl Transport, writes: Vec<WriteRecord>) -> Result<Observation, ExecError> {
+pub fn observe(
+    problem: &Problem,
+    transport: &impl Transport,
+    writes: Vec<WriteRecord>,
+) -> Result<Observation, ExecError> {
     let mut observation = Observation { writes, ..Observation::default() };
     for layout in &problem.decode.ranks {
         for index in 0..layout.regions.len() as u32 {

@@ -57,7 +57,9 @@ pub fn run_on(scenario: &Scenario, transport: &mut impl Transport) -> Outcome {
     let mut failures = Vec::new();
     match (&scenario.expect, &plan) {
         (Expectation::Ok, Err(error)) => failures.push(format!("expected a clean transfer, planner rejected: {error}")),
-        (Expectation::Error(message), Ok(_)) => failures.push(format!("expected rejection `{message}`, planner accepted")),
+        (Expectation::Error(message), Ok(_)) => {
+            failures.push(format!("expected rejection `{message}`, planner accepted"))
+        }
         (Expectation::Error(message), Err(error)) if error.to_string() != *message => {
             failures.push(format!("expected rejection `{message}`, got `{error}`"));
         }

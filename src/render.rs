@@ -71,7 +71,13 @@ pub fn diff(expected: &str, actual: &str) -> String {
         if want == got {
             continue;
         }
-        let _ = writeln!(out, "  line {}:\n    golden: {}\n    actual: {}", index + 1, want.unwrap_or(&"<none>"), got.unwrap_or(&"<none>"));
+        let _ = writeln!(
+            out,
+            "  line {}:\n    golden: {}\n    actual: {}",
+            index + 1,
+            want.unwrap_or(&"<none>"),
+            got.unwrap_or(&"<none>")
+        );
         shown += 1;
         if shown == 10 {
             out.push_str("  ...\n");
@@ -142,7 +148,13 @@ pub fn plan_json(problem: &Problem, plan: &Plan, out: &mut impl std::io::Write) 
 /// Copy and byte totals, per (prefill rank, decode rank) pair, and the planner's decisions.
 pub fn plan_summary(plan: &Plan) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "plan: {} copies, {} bytes, {} transfer groups", plan.copy_count(), plan.bytes_total(), plan.groups.len());
+    let _ = writeln!(
+        out,
+        "plan: {} copies, {} bytes, {} transfer groups",
+        plan.copy_count(),
+        plan.bytes_total(),
+        plan.groups.len()
+    );
     out.push_str("explain:\n");
     for decision in &plan.explain {
         let _ = writeln!(out, "  - {decision}");

@@ -28,12 +28,7 @@ pub struct SideOptions {
 }
 
 /// Builds the regions of every rank of one side: one KV entry per MLA layer of the rank's stage.
-pub fn build_side_layout(
-    side: Side,
-    topology: Topology,
-    model: &ModelGeometry,
-    options: &SideOptions,
-) -> SideLayout {
+pub fn build_side_layout(side: Side, topology: Topology, model: &ModelGeometry, options: &SideOptions) -> SideLayout {
     let item_len = u64::from(topology.page_size) * model.token_len();
     let ranks = topology
         .ranks()
@@ -52,9 +47,8 @@ pub fn build_side_layout(
                     page_size: topology.page_size,
                 })
                 .collect();
-            let advertised_layer_ids = options
-                .advertise_layer_ids
-                .then(|| regions.iter().map(|region| region.layer).collect());
+            let advertised_layer_ids =
+                options.advertise_layer_ids.then(|| regions.iter().map(|region| region.layer).collect());
             RankLayout { rank, regions, advertised_layer_ids }
         })
         .collect();
@@ -69,9 +63,6 @@ mod tests {
     #[test]
     fn stage_partition_gives_last_stages_the_extra_layers() {
         let stages: Vec<_> = (0..8).map(|s| stage_layers(93, 8, s)).collect();
-        assert_eq!(
-            stages,
-            vec![0..11, 11..22, 22..33, 33..45, 45..57, 57..69, 69..81, 81..93]
-        );
+        assert_eq!(stages, vec![0..11, 11..22, 22..33, 33..45, 45..57, 57..69, 69..81, 81..93]);
     }
 }

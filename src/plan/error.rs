@@ -28,7 +28,9 @@ pub enum PlanError {
     #[error("Insufficient destination DCP pages: required={required}, provided={provided}, src_page_offset={src_page_offset}, dcp_rank={dcp_rank}")]
     InsufficientDcpPages { required: u64, provided: u64, src_page_offset: u64, dcp_rank: u32 },
     /// [I] the non-DCP counterpart of §2.4 validation 4: a chunk's page slice runs past `dst_kv_indices`.
-    #[error("Insufficient destination pages: required={required}, provided={provided}, src_page_offset={src_page_offset}")]
+    #[error(
+        "Insufficient destination pages: required={required}, provided={provided}, src_page_offset={src_page_offset}"
+    )]
     InsufficientPages { required: u64, provided: u64, src_page_offset: u64 },
     /// domain.md §4.3 step 3.
     #[error("Decode peer is missing a transfer entry for model layer {layer}")]

@@ -182,7 +182,9 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
         }
         // Runs depend only on (chunk, mode), not on the layer or the stage: compute each once.
         let mut cache: BTreeMap<(u32, Mode), Arc<[RowRun]>> = BTreeMap::new();
-        for (chunk_index, chunk) in chunks(request, prefill.virtual_page_size(), u64::from(prefill.page_size)).enumerate() {
+        for (chunk_index, chunk) in
+            chunks(request, prefill.virtual_page_size(), u64::from(prefill.page_size)).enumerate()
+        {
             for (connection, mode, entries) in &links {
                 let key = (chunk_index as u32, *mode);
                 let runs = match cache.get(&key) {
@@ -291,7 +293,9 @@ fn describe_mode(mode: Mode, pool: crate::model::PoolKind) -> String {
     match mode {
         Mode::PageCopy => "transfer mode: plain page copy, equal DCP sizes (domain.md §2.5 case 1)".to_owned(),
         Mode::Relayout { dcp, .. } => {
-            format!("transfer mode: token relayout, prefill DCP 1 -> decode DCP {dcp}, {pool} pool (domain.md §2.5 case 2)")
+            format!(
+                "transfer mode: token relayout, prefill DCP 1 -> decode DCP {dcp}, {pool} pool (domain.md §2.5 case 2)"
+            )
         }
     }
 }

@@ -36,10 +36,7 @@ pub(crate) fn pair_entries(
             source
                 .iter()
                 .map(|layer| {
-                    queues
-                        .get_mut(layer)
-                        .and_then(VecDeque::pop_front)
-                        .ok_or(PlanError::MissingLayer { layer: *layer })
+                    queues.get_mut(layer).and_then(VecDeque::pop_front).ok_or(PlanError::MissingLayer { layer: *layer })
                 })
                 .collect()
         }

@@ -106,7 +106,8 @@ pub(crate) fn transfer_mode(
 pub(crate) fn describe_mapping(prefill: &Topology, decode: &Topology, pool: PoolKind) -> String {
     let mut res = String::new();
     if decode.tp == prefill.tp {
-        let _ = write!(res, "rank mapping: decode TP{} = prefill TP{}: decode tp d <- prefill tp d", decode.tp, prefill.tp);
+        let _ =
+            write!(res, "rank mapping: decode TP{} = prefill TP{}: decode tp d <- prefill tp d", decode.tp, prefill.tp);
     } else if decode.tp > prefill.tp {
         let ratio = decode.tp / prefill.tp;
         let _ = write!(

@@ -113,7 +113,12 @@ mod tests {
             tokens: 8,
             page_size: 2,
         };
-        let expected = [(vec![10, 22], vec![14, 15]), (vec![11, 23], vec![14, 15]), (vec![4, 8], vec![14, 15]), (vec![5, 9], vec![14, 15])];
+        let expected = [
+            (vec![10, 22], vec![14, 15]),
+            (vec![11, 23], vec![14, 15]),
+            (vec![4, 8], vec![14, 15]),
+            (vec![5, 9], vec![14, 15]),
+        ];
         for (rank, expected) in expected.into_iter().enumerate() {
             assert_eq!(pairs(&relayout(&chunk, 4, rank as u32).unwrap()), expected, "dcp rank {rank}");
         }

@@ -23,7 +23,8 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     let expect = match raw.expect {
         RawExpect::Word(word) if word == "ok" => Expectation::Ok,
         RawExpect::Word(word) => {
-            diagnostics.push("expect", format!("unknown verdict `{word}` (fix: write `ok` or `{{error: \"message\"}}`)"));
+            diagnostics
+                .push("expect", format!("unknown verdict `{word}` (fix: write `ok` or `{{error: \"message\"}}`)"));
             Expectation::Ok
         }
         RawExpect::Error { error } => Expectation::Error(error),
@@ -55,7 +56,8 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         return Err(diagnostics.0);
     }
     let side = |side, topology, raw: &RawSide, page_count| {
-        let options = SideOptions { advertise_layer_ids: raw.layer_ids, missing_layers: raw.missing_layers.clone(), page_count };
+        let options =
+            SideOptions { advertise_layer_ids: raw.layer_ids, missing_layers: raw.missing_layers.clone(), page_count };
         build_side_layout(side, topology, &model, &options)
     };
     let problem = Problem {
@@ -78,7 +80,14 @@ fn preset(name: &str) -> Option<ModelGeometry> {
         "deepseek-v2-lite" => (27, (0..27).collect(), 2),
         _ => return None,
     };
-    Some(ModelGeometry { name: name.to_owned(), layer_count: layers, mla_layers, kv_lora_rank: 512, qk_rope_head_dim: 64, dtype_bytes })
+    Some(ModelGeometry {
+        name: name.to_owned(),
+        layer_count: layers,
+        mla_layers,
+        kv_lora_rank: 512,
+        qk_rope_head_dim: 64,
+        dtype_bytes,
+    })
 }
 
 fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeometry> {
@@ -105,8 +114,10 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         res
     };
     let layers = pick("layers", raw.layers, base.as_ref().map(|model| model.layer_count), diagnostics);
-    let kv_lora_rank = pick("kv_lora_rank", raw.kv_lora_rank, base.as_ref().map(|model| model.kv_lora_rank), diagnostics);
-    let rope = pick("qk_rope_head_dim", raw.qk_rope_head_dim, base.as_ref().map(|model| model.qk_rope_head_dim), diagnostics);
+    let kv_lora_rank =
+        pick("kv_lora_rank", raw.kv_lora_rank, base.as_ref().map(|model| model.kv_lora_rank), diagnostics);
+    let rope =
+        pick("qk_rope_head_dim", raw.qk_rope_head_dim, base.as_ref().map(|model| model.qk_rope_head_dim), diagnostics);
     let dtype_bytes = pick("dtype_bytes", raw.dtype_bytes, base.as_ref().map(|model| model.dtype_bytes), diagnostics);
     let layers = layers?;
     let mla_layers = match (&raw.mla_layers, &base) {
@@ -149,7 +160,12 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
     ok.then_some(Topology { tp: raw.tp, pp: raw.pp, dcp: raw.dcp, page_size: raw.page_size })
 }
 
-fn lower_requests(raw: &[RawRequest], prefill: &Topology, decode: &Topology, diagnostics: &mut Diagnostics) -> Vec<Request> {
+fn lower_requests(
+    raw: &[RawRequest],
+    prefill: &Topology,
+    decode: &Topology,
+    diagnostics: &mut Diagnostics,
+) -> Vec<Request> {
     let chunk_page = prefill.virtual_page_size();
     let mut requests = Vec::new();
     for (index, request) in raw.iter().enumerate() {
@@ -161,7 +177,10 @@ fn lower_requests(raw: &[RawRequest], prefill: &Topology, decode: &Topology, dia
         if request.decode_prefix >= request.tokens {
             diagnostics.push(
                 path("decode_prefix"),
-                format!("{} leaves nothing to send of {} tokens (fix: make it smaller than tokens)", request.decode_prefix, request.tokens),
+                format!(
+                    "{} leaves nothing to send of {} tokens (fix: make it smaller than tokens)",
+                    request.decode_prefix, request.tokens
+                ),
             );
             continue;
         }
@@ -169,9 +188,14 @@ fn lower_requests(raw: &[RawRequest], prefill: &Topology, decode: &Topology, dia
         let chunks = request.chunks.clone().unwrap_or_else(|| vec![send_len]);
         let total: u64 = chunks.iter().map(|it| u64::from(*it)).sum();
         if total != u64::from(send_len) {
-            diagnostics.push(path("chunks"), format!("chunks sum to {total} but the send range holds {send_len} tokens (fix: tokens - decode_prefix)"));
+            diagnostics.push(
+                path("chunks"),
+                format!(
+                    "chunks sum to {total} but the send range holds {send_len} tokens (fix: tokens - decode_prefix)"
+                ),
+            );
         }
-        if chunks.iter().any(|it| *it == 0) {
+        if chunks.contains(&0) {
             diagnostics.push(path("chunks"), "empty chunk (fix: drop chunks of 0 tokens)");
         }
         if let Some(chunk) = chunks[..chunks.len().saturating_sub(1)].iter().find(|it| **it % chunk_page != 0) {
@@ -241,9 +265,15 @@ fn allocate(
         }
         for (position, page) in pages.iter().enumerate() {
             if *page == 0 {
-                diagnostics.push(format!("requests[{index}].{field}[{position}]"), "page 0 is the padding page (fix: use pages from 1)");
+                diagnostics.push(
+                    format!("requests[{index}].{field}[{position}]"),
+                    "page 0 is the padding page (fix: use pages from 1)",
+                );
             } else if !taken.insert(*page) {
-                diagnostics.push(format!("requests[{index}].{field}[{position}]"), format!("page {page} is used twice on the {side} side"));
+                diagnostics.push(
+                    format!("requests[{index}].{field}[{position}]"),
+                    format!("page {page} is used twice on the {side} side"),
+                );
             }
         }
     }
@@ -253,7 +283,10 @@ fn allocate(
         None => (2 * needed + 1).max(u64::from(highest) + 1).min(u64::from(u32::MAX)) as u32,
     };
     if highest >= capacity {
-        diagnostics.push(format!("{side}.pool_pages"), format!("{capacity} pages cannot hold listed page {highest} (fix: raise pool_pages)"));
+        diagnostics.push(
+            format!("{side}.pool_pages"),
+            format!("{capacity} pages cannot hold listed page {highest} (fix: raise pool_pages)"),
+        );
         return capacity;
     }
     let mut free: Vec<u32> = (1..capacity).filter(|page| !taken.contains(page)).collect();

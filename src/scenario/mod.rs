@@ -87,7 +87,17 @@ pub fn parse(text: &str, file: &str, default_name: &str) -> Result<Scenario, Sce
         let inner = failure.into_inner();
         let line = inner.location().map(|location| location.line()).or_else(|| lower::locate(text, &path));
         let path = if path == "." { String::new() } else { path };
-        error(vec![Diagnostic { line, path, message: inner.to_string() }])
+        // serde_yaml_ng repeats the location and a path prefix in its message; the diagnostic already has both.
+        let mut message = inner.to_string();
+        if let Some(at) = message.rfind(" at line ") {
+            message.truncate(at);
+        }
+        if let Some((head, rest)) = message.split_once(": ") {
+            if !head.contains(' ') && path.starts_with(head) {
+                message = rest.to_owned();
+            }
+        }
+        error(vec![Diagnostic { line, path, message }])
     })?;
     let (problem, expect) = lower::lower(raw, default_name).map_err(|mut diagnostics| {
         for diagnostic in &mut diagnostics {

@@ -87,9 +87,7 @@ pub enum RawExpect {
     /// `expect: ok`.
     Word(String),
     /// `expect: {error: "..."}`.
-    Error {
-        error: String,
-    },
+    Error { error: String },
 }
 
 fn one() -> u32 {

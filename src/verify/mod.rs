@@ -43,8 +43,9 @@ pub enum Content {
     Token { request: u32, position: u32, source: RankId, layer: LayerId },
     /// A prefill row that holds no token of any request (unused slot of a page).
     Slot { source: RankId, layer: LayerId, row: u64 },
-    /// Bytes that are neither a whole source row nor sentinel; `origin` decodes the row's first word if it can.
-    Garbled { origin: Option<(RankId, LayerId, u64)> },
+    /// Bytes that are neither a whole source row nor sentinel. `origin` is the source range the row's first
+    /// decodable word points at, and `differing_bytes` how many bytes of the row differ from that range.
+    Garbled { origin: Option<(RankId, LayerId, u64)>, differing_bytes: u64 },
 }
 
 impl fmt::Display for Content {
@@ -55,10 +56,11 @@ impl fmt::Display for Content {
                 write!(f, "token {position} of request {request} from prefill {source} layer {layer}")
             }
             Content::Slot { source, layer, row } => write!(f, "unused slot row {row} of prefill {source} layer {layer}"),
-            Content::Garbled { origin: Some((source, layer, offset)) } => {
-                write!(f, "a partial row starting at byte {offset} of prefill {source} layer {layer}")
-            }
-            Content::Garbled { origin: None } => f.write_str("bytes of no known origin"),
+            Content::Garbled { origin: Some((source, layer, offset)), differing_bytes } => write!(
+                f,
+                "a damaged row: {differing_bytes} bytes differ from the row at byte {offset} of prefill {source} layer {layer}"
+            ),
+            Content::Garbled { origin: None, .. } => f.write_str("bytes of no known origin"),
         }
     }
 }
@@ -141,20 +143,25 @@ impl<'a> Sources<'a> {
         if pattern::matches_sentinel(offset, found) {
             return Content::Sentinel;
         }
-        let Some(first) = found.get(..8) else {
-            return Content::Garbled { origin: None };
-        };
-        let first = u64::from_le_bytes(first.try_into().expect("slice of 8 bytes"));
-        let Some((number, source_offset)) = pattern::decode_word(first) else {
-            return Content::Garbled { origin: None };
-        };
-        let Some((source, source_region)) = self.regions.get(number as usize).copied() else {
-            return Content::Garbled { origin: None };
+        // The first word that decodes names where the row was meant to come from, even if others are damaged.
+        let decoded = found.chunks_exact(8).enumerate().find_map(|(index, word)| {
+            let word = u64::from_le_bytes(word.try_into().expect("chunks of 8 bytes"));
+            let (number, offset) = pattern::decode_word(word)?;
+            let (source, region) = self.regions.get(number as usize).copied()?;
+            Some((number, source, region, offset.checked_sub(index as u64 * 8)?))
+        });
+        let Some((number, source, source_region, source_offset)) = decoded else {
+            return Content::Garbled { origin: None, differing_bytes: found.len() as u64 };
         };
         let region = &self.problem.prefill.rank(source).regions[source_region as usize];
         let source_len = region.token_len();
         if source_offset % source_len != 0 || !pattern::matches_source(number, source_offset, found) {
-            return Content::Garbled { origin: Some((source, region.layer, source_offset)) };
+            let differing_bytes = found
+                .iter()
+                .enumerate()
+                .filter(|(index, byte)| **byte != pattern::source_byte(number, source_offset + *index as u64))
+                .count() as u64;
+            return Content::Garbled { origin: Some((source, region.layer, source_offset)), differing_bytes };
         }
         self.describe(source, source_region, source_offset / source_len)
     }
@@ -223,7 +230,11 @@ pub fn check_untouched(problem: &Problem, observation: &Observation) -> Vec<Viol
 fn sender(problem: &Problem, target: RankId, layer: LayerId) -> Option<(RankId, u32)> {
     let prefill = &problem.prefill.topology;
     let decode = &problem.decode.topology;
-    let tp = if decode.tp >= prefill.tp { target.tp / (decode.tp / prefill.tp) } else { target.tp * (prefill.tp / decode.tp) };
+    let tp = if decode.tp >= prefill.tp {
+        target.tp / (decode.tp / prefill.tp)
+    } else {
+        target.tp * (prefill.tp / decode.tp)
+    };
     problem.prefill.ranks.iter().filter(|layout| layout.rank.tp == tp).find_map(|layout| {
         if decode.pp == prefill.pp && layout.rank.pp != target.pp {
             return None;
@@ -251,7 +262,12 @@ fn expected_rows(
     let target_region = problem.decode.rank(target).regions.iter().find(|region| region.layer == layer);
     let target_len = target_region.map_or(source_len, |region| region.token_len());
     if source_len != target_len {
-        violations.push(Violation { rank: target, layer, row: 0, kind: ViolationKind::Geometry { source_len, target_len } });
+        violations.push(Violation {
+            rank: target,
+            layer,
+            row: 0,
+            kind: ViolationKind::Geometry { source_len, target_len },
+        });
         return expected;
     }
     let page = u64::from(decode.page_size);
@@ -289,7 +305,10 @@ fn expected_rows(
                     continue;
                 };
                 let source_page = request.prefill_pages[(u64::from(position) / page) as usize];
-                place(u64::from(*target_page) * page + local % page, u64::from(source_page) * page + u64::from(position) % page);
+                place(
+                    u64::from(*target_page) * page + local % page,
+                    u64::from(source_page) * page + u64::from(position) % page,
+                );
             }
         }
     }
@@ -326,7 +345,12 @@ fn compare(
             Some(want) => sources.describe(want.source, want.source_region, want.source_row),
         };
         let found = sources.classify(offset, found);
-        violations.push(Violation { rank: key.rank, layer: region.layer, row: row as u64, kind: ViolationKind::Wrong { expected, found } });
+        violations.push(Violation {
+            rank: key.rank,
+            layer: region.layer,
+            row: row as u64,
+            kind: ViolationKind::Wrong { expected, found },
+        });
     }
 }
 

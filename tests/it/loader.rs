@@ -1,1 +1,81 @@
-//! placeholder
+//! Scenario loader diagnostics: every error names the file, the line and the field path, and says how to fix it.
+
+use kvrelay::scenario::{self, ScenarioError};
+
+#[track_caller]
+fn error(yaml: &str) -> String {
+    match scenario::parse(yaml, "scenarios/bad.yaml", "bad") {
+        Ok(scenario) => panic!("expected an error, loaded {}", scenario.name),
+        Err(ScenarioError { .. }) => scenario::parse(yaml, "scenarios/bad.yaml", "bad").unwrap_err().to_string(),
+    }
+}
+
+const GOOD_TAIL: &str = "decode: {page_size: 4}\nrequests:\n  - tokens: 20\nexpect: ok\n";
+
+#[test]
+fn unknown_field_is_named_with_line_and_path() {
+    let res = error(&format!("model: {{preset: kimi-k3}}\nprefill:\n  page_size: 4\n  tp_size: 2\n{GOOD_TAIL}"));
+    assert!(res.starts_with("scenarios/bad.yaml:4:"), "{res}");
+    assert!(res.contains("prefill.tp_size: unknown field `tp_size`, expected one of `tp`"), "{res}");
+}
+
+#[test]
+fn wrong_type_is_named_with_line_and_path() {
+    let res = error("model: {preset: kimi-k3}\nprefill: {page_size: 4}\ndecode: {page_size: 4}\nrequests:\n  - tokens: many\nexpect: ok\n");
+    assert!(res.starts_with("scenarios/bad.yaml:5:"), "{res}");
+    assert!(res.contains("requests[0].tokens"), "{res}");
+}
+
+#[test]
+fn misaligned_chunk_points_at_the_request_line() {
+    let res = error(
+        "model: {preset: kimi-k3}\nprefill: {pp: 8, page_size: 64}\ndecode: {page_size: 64}\nrequests:\n  - tokens: 100\n  - tokens: 300\n    chunks: [100, 200]\nexpect: ok\n",
+    );
+    assert_eq!(
+        res,
+        "scenarios/bad.yaml:7: requests[1].chunks: non-last chunk of 100 tokens is not a multiple of the prefill page size 64 (domain.md §2.3)"
+    );
+}
+
+#[test]
+fn every_diagnostic_is_reported_at_once() {
+    let res = error(
+        "model: {preset: kimi-k9}\nprefill: {page_size: 0}\ndecode: {page_size: 4}\nrequests: []\nexpect: maybe\n",
+    );
+    let lines: Vec<&str> = res.lines().collect();
+    assert_eq!(lines.len(), 4, "{res}");
+    assert!(lines[0].contains("model.preset: unknown preset `kimi-k9`"), "{res}");
+    assert!(
+        lines.iter().any(|line| line.starts_with("scenarios/bad.yaml:2: prefill.page_size: must be at least 1")),
+        "{res}"
+    );
+    assert!(lines.iter().any(|line| line.contains("expect: unknown verdict `maybe`")), "{res}");
+    assert!(lines.iter().any(|line| line.contains("requests: no requests")), "{res}");
+}
+
+#[test]
+fn explicit_page_zero_and_duplicates_are_rejected() {
+    let res = error(
+        "model: {layers: 1, kv_lora_rank: 4, qk_rope_head_dim: 4, dtype_bytes: 1}\nprefill: {page_size: 4}\ndecode: {page_size: 4}\nrequests:\n  - {tokens: 8, prefill_pages: [0, 3]}\n  - {tokens: 4, prefill_pages: [3]}\nexpect: ok\n",
+    );
+    assert!(res.contains("requests[0].prefill_pages[0]: page 0 is the padding page"), "{res}");
+    assert!(res.contains("requests[1].prefill_pages[0]: page 3 is used twice on the prefill side"), "{res}");
+}
+
+#[test]
+fn seeded_allocator_never_hands_out_page_zero_or_contiguous_lists() {
+    let scenario = scenario::parse(
+        "model: {layers: 1, kv_lora_rank: 4, qk_rope_head_dim: 4, dtype_bytes: 1}\nprefill: {page_size: 4}\ndecode: {page_size: 4}\nrequests:\n  - {tokens: 200}\n  - {tokens: 120}\nexpect: ok\n",
+        "inline",
+        "inline",
+    )
+    .unwrap();
+    let pages: Vec<u32> = scenario.problem.requests.iter().flat_map(|request| request.prefill_pages.clone()).collect();
+    assert!(!pages.contains(&0));
+    let mut unique = pages.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), pages.len(), "pages are handed out once");
+    let contiguous = pages.windows(2).filter(|pair| pair[1] == pair[0] + 1).count();
+    assert!(contiguous < pages.len() / 4, "{contiguous} contiguous neighbours in {pages:?}");
+}

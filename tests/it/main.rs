@@ -1,17 +1,17 @@
 //! The one integration test binary. Debug a failure with `cargo test --test it -- <name> --nocapture`;
 //! golden mismatches are reviewed with `cargo insta review` (or `cargo insta test --accept` after reading them).
 
-/// Shared `#[track_caller]` helpers: scenario builders and pipeline runners.
-mod support;
-/// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
-mod golden;
 /// Named planner and oracle cases (rstest): rejections, sender roles, deliberate corruption.
 mod cases;
-/// Proptest invariants over random topologies (domain.md §12).
-mod props;
-/// Scenario loader diagnostics: unknown fields, file/line/field paths.
-mod loader;
 /// The `kvrelay` binary end to end.
 mod cli;
+/// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
+mod golden;
+/// Scenario loader diagnostics: unknown fields, file/line/field paths.
+mod loader;
+/// Proptest invariants over random topologies (domain.md §12).
+mod props;
+/// Shared `#[track_caller]` helpers: scenario builders and pipeline runners.
+mod support;
 /// Repository hygiene: module docs, purity of pure modules, scenario headers, golden coverage.
 mod tidy;

@@ -1,1 +1,247 @@
-//! placeholder
+//! Planner and oracle invariants over random topologies (domain.md §12), via proptest.
+//!
+//! Cases default to 48 per property; `PROPTEST_CASES=1000 cargo test --test it props` runs a deeper sweep.
+
+use std::collections::BTreeMap;
+
+use kvrelay::harness;
+use kvrelay::model::{RankId, Side};
+use kvrelay::plan;
+use kvrelay::verify::{Content, RegionKey, Sources};
+use proptest::prelude::*;
+
+use crate::support::scenario;
+
+/// A random but valid transfer problem, rendered as scenario YAML so the loader is exercised too.
+#[derive(Debug, Clone)]
+struct Shape {
+    prefill_tp: u32,
+    prefill_pp: u32,
+    decode_tp: u32,
+    decode_dcp: u32,
+    /// Decode PP equals prefill PP (otherwise 1).
+    decode_pp_matches: bool,
+    /// Prefill uses the decode's DCP size (plain page copy); only applied when the TP sizes are equal.
+    mirror_dcp: bool,
+    page_size: u32,
+    layers: u32,
+    mla_mask: u32,
+    dtype_bytes: u32,
+    seed: u64,
+    requests: Vec<RequestShape>,
+}
+
+#[derive(Debug, Clone)]
+struct RequestShape {
+    prefix_pages: u32,
+    send_len: u32,
+    cuts: Vec<u32>,
+}
+
+impl Shape {
+    fn prefill_dcp(&self) -> u32 {
+        if self.mirror_dcp && self.prefill_tp == self.decode_tp {
+            self.decode_dcp
+        } else {
+            1
+        }
+    }
+
+    fn mla_layers(&self) -> Vec<u32> {
+        let res: Vec<u32> = (0..self.layers).filter(|layer| self.mla_mask >> layer & 1 == 1).collect();
+        if res.is_empty() {
+            vec![self.layers - 1]
+        } else {
+            res
+        }
+    }
+
+    /// Chunk sizes of a send range cut at prefill-page-aligned points derived from raw draws `cuts`.
+    fn chunks(&self, send_len: u32, cuts: &[u32]) -> Vec<u32> {
+        let unit = self.page_size * self.prefill_dcp();
+        let mut ends: Vec<u32> = cuts
+            .iter()
+            .map(|cut| cut % (send_len / unit + 1) * unit)
+            .filter(|cut| *cut > 0 && *cut < send_len)
+            .collect();
+        ends.sort_unstable();
+        ends.dedup();
+        ends.push(send_len);
+        let mut start = 0;
+        ends.into_iter().map(|end| end - std::mem::replace(&mut start, end)).collect()
+    }
+
+    fn yaml_with(&self, cuts_of: impl Fn(usize) -> Vec<u32>) -> String {
+        let virtual_page = self.page_size * self.decode_dcp;
+        let mut yaml = format!(
+            "model: {{layers: {}, mla_layers: {:?}, kv_lora_rank: 4, qk_rope_head_dim: 4, dtype_bytes: {}}}\n\
+             prefill: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
+             decode: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
+             seed: {}\nrequests:\n",
+            self.layers,
+            self.mla_layers(),
+            self.dtype_bytes,
+            self.prefill_tp,
+            self.prefill_pp,
+            self.prefill_dcp(),
+            self.page_size,
+            self.decode_tp,
+            if self.decode_pp_matches { self.prefill_pp } else { 1 },
+            self.decode_dcp,
+            self.page_size,
+            self.seed,
+        );
+        for (index, request) in self.requests.iter().enumerate() {
+            let prefix = request.prefix_pages * virtual_page;
+            let chunks = self.chunks(request.send_len, &cuts_of(index));
+            yaml.push_str(&format!(
+                "  - {{tokens: {}, decode_prefix: {prefix}, chunks: {chunks:?}}}\n",
+                prefix + request.send_len
+            ));
+        }
+        yaml.push_str("expect: ok\n");
+        yaml
+    }
+
+    fn yaml(&self) -> String {
+        self.yaml_with(|index| self.requests[index].cuts.clone())
+    }
+}
+
+fn shapes() -> impl Strategy<Value = Shape> {
+    let tps = (prop::sample::select(vec![1u32, 2, 4]), prop::sample::select(vec![1u32, 2, 4, 8]));
+    (
+        tps,
+        1u32..=3,
+        any::<bool>(),
+        any::<bool>(),
+        prop::sample::select(vec![1u32, 2, 4, 8]),
+        0u32..=4,
+        any::<u32>(),
+        1u32..=2,
+        any::<u64>(),
+    )
+        .prop_flat_map(
+            |(
+                (prefill_tp, decode_tp),
+                prefill_pp,
+                decode_pp_matches,
+                mirror_dcp,
+                page_size,
+                extra_layers,
+                mla_mask,
+                dtype_bytes,
+                seed,
+            )| {
+                let dcps: Vec<u32> = [1u32, 2, 4, 8].into_iter().filter(|dcp| decode_tp % dcp == 0).collect();
+                let request = (0u32..=2, 1u32..=150, prop::collection::vec(any::<u32>(), 0..4))
+                    .prop_map(|(prefix_pages, send_len, cuts)| RequestShape { prefix_pages, send_len, cuts });
+                (prop::sample::select(dcps), prop::collection::vec(request, 1..=3)).prop_map(
+                    move |(decode_dcp, requests)| Shape {
+                        prefill_tp,
+                        prefill_pp,
+                        decode_tp,
+                        decode_dcp,
+                        decode_pp_matches,
+                        mirror_dcp,
+                        page_size,
+                        layers: prefill_pp + extra_layers,
+                        mla_mask,
+                        dtype_bytes,
+                        seed,
+                        requests,
+                    },
+                )
+            },
+        )
+}
+
+fn config() -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|it| it.parse().ok()).unwrap_or(48);
+    ProptestConfig { cases, ..ProptestConfig::default() }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Zero-fault in-memory run + oracle ⇒ no violation, for every valid topology (domain.md §12.1–§12.4).
+    #[test]
+    fn random_topologies_transfer_without_violations(shape in shapes()) {
+        let scenario = scenario(&shape.yaml());
+        let outcome = harness::run(&scenario);
+        prop_assert!(outcome.passed(), "{}\n{}", outcome.failures.join("; "), kvrelay::render::violations(&outcome.violations));
+    }
+
+    /// Within each decode DCP group every send-range position of every layer lands exactly once (domain.md §12.2),
+    /// read back from the bytes rather than from the plan.
+    #[test]
+    fn each_dcp_group_holds_every_sent_position_once(shape in shapes()) {
+        let scenario = scenario(&shape.yaml());
+        let problem = &scenario.problem;
+        let outcome = harness::run(&scenario);
+        let sources = Sources::new(problem);
+        let dcp = problem.decode.topology.dcp;
+        let mut seen: BTreeMap<(u32, u32, RankId), Vec<u32>> = BTreeMap::new();
+        for layout in &problem.decode.ranks {
+            let group = RankId { pp: layout.rank.pp, tp: layout.rank.tp / dcp };
+            for (index, region) in layout.regions.iter().enumerate() {
+                let bytes = &outcome.observation.images[&RegionKey { side: Side::Decode, rank: layout.rank, region: index as u32 }];
+                let row_len = region.token_len();
+                for row in 0..region.row_count() {
+                    let offset = row * row_len;
+                    if let Content::Token { request, position, .. } = sources.classify(offset, &bytes[offset as usize..(offset + row_len) as usize]) {
+                        seen.entry((request, region.layer, group)).or_default().push(position);
+                    }
+                }
+            }
+        }
+        // Every (request, layer, DCP group) must show up, or the loop below would check nothing.
+        // Regions summed over all decode ranks, divided by the DCP size, is the number of (layer, group) pairs.
+        let layer_groups = problem.decode.ranks.iter().map(|layout| layout.regions.len() as u32).sum::<u32>() / dcp;
+        prop_assert_eq!(seen.len() as u32, problem.requests.len() as u32 * layer_groups);
+        for ((request, layer, group), mut positions) in seen {
+            let request = &problem.requests[request as usize];
+            positions.sort_unstable();
+            let expected: Vec<u32> = (request.decode_prefix..request.tokens).collect();
+            prop_assert_eq!(positions, expected, "request {} layer {} decode group {}", request.id, layer, group);
+        }
+    }
+
+    /// Every source entry of a writing connection is paired exactly once, with distinct targets of the same layer.
+    #[test]
+    fn every_source_entry_is_paired_once_by_layer_id(shape in shapes()) {
+        let scenario = scenario(&shape.yaml());
+        let problem = &scenario.problem;
+        let plan = plan::plan(problem).unwrap();
+        for group in &plan.groups {
+            let sources: Vec<u32> = group.entries.iter().map(|entry| entry.source_region).collect();
+            let expected: Vec<u32> = (0..problem.prefill.rank(group.source).regions.len() as u32).collect();
+            prop_assert_eq!(&sources, &expected);
+            let mut targets: Vec<u32> = group.entries.iter().map(|entry| entry.target_region).collect();
+            targets.sort_unstable();
+            targets.dedup();
+            prop_assert_eq!(targets.len(), sources.len());
+            for entry in group.entries.iter() {
+                let target = &problem.decode.rank(group.target).regions[entry.target_region as usize];
+                let source = &problem.prefill.rank(group.source).regions[entry.source_region as usize];
+                prop_assert_eq!(target.layer, source.layer);
+            }
+        }
+    }
+
+    /// The plan is a pure function of the problem.
+    #[test]
+    fn plan_is_deterministic(shape in shapes()) {
+        let problem = scenario(&shape.yaml()).problem;
+        prop_assert_eq!(plan::plan(&problem), plan::plan(&problem));
+    }
+
+    /// Any page-aligned re-chunking of the send range yields the same final decode image (domain.md §7, §12.2).
+    #[test]
+    fn rechunking_yields_the_same_decode_image(shape in shapes(), other_cuts in prop::collection::vec(any::<u32>(), 0..5)) {
+        let first = harness::run(&scenario(&shape.yaml()));
+        let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.clone())));
+        prop_assert!(first.passed() && second.passed());
+        prop_assert!(first.observation.images == second.observation.images, "decode images differ between chunkings");
+    }
+}

@@ -5,13 +5,13 @@ use kvrelay::scenario::{self, Scenario};
 
 /// Parses an inline scenario, panicking with its diagnostics.
 #[track_caller]
-pub fn scenario(yaml: &str) -> Scenario {
+pub(crate) fn scenario(yaml: &str) -> Scenario {
     scenario::parse(yaml, "<inline>", "inline").unwrap_or_else(|error| panic!("bad test scenario:\n{error}"))
 }
 
 /// Runs an inline scenario and asserts its own expectation holds.
 #[track_caller]
-pub fn check_run(yaml: &str) -> Outcome {
+pub(crate) fn check_run(yaml: &str) -> Outcome {
     let scenario = scenario(yaml);
     let outcome = harness::run(&scenario);
     assert!(

@@ -1,1 +1,136 @@
-//! placeholder
+//! Repository hygiene that `cargo test` enforces; each failure says how to fix it.
+
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn files(dir: &Path, extension: &str) -> Vec<PathBuf> {
+    let mut res = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|ext| ext == extension) {
+                res.push(path);
+            }
+        }
+    }
+    res.sort();
+    res
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap()
+}
+
+#[test]
+fn every_source_file_starts_with_module_docs() {
+    for path in files(&root().join("src"), "rs") {
+        assert!(
+            read(&path).starts_with("//!"),
+            "{} must start with a `//!` doc comment saying what the module is",
+            path.display()
+        );
+    }
+}
+
+/// ARCHITECTURE.md invariant: model, plan, verify and render do no IO, read no clock and draw no randomness.
+#[test]
+fn pure_modules_do_no_io_time_or_randomness() {
+    let forbidden = [
+        "std::fs",
+        "std::time",
+        "Instant",
+        "SystemTime",
+        "tokio",
+        "thread_rng",
+        "rand::",
+        "HashMap",
+        "HashSet",
+        "std::net",
+        "std::env",
+        "println!",
+        "eprintln!",
+        "SimRng",
+    ];
+    let mut pure: Vec<PathBuf> =
+        ["src/model", "src/plan", "src/verify"].iter().flat_map(|dir| files(&root().join(dir), "rs")).collect();
+    pure.push(root().join("src/render.rs"));
+    for path in pure {
+        let text = read(&path);
+        for word in forbidden {
+            assert!(
+                !text.contains(word),
+                "{} uses `{word}`: pure modules must not do IO, time or randomness (move it to cli/exec/fabric)",
+                path.display()
+            );
+        }
+    }
+}
+
+/// The oracle is written independently of the planner: verify/ never names plan code.
+#[test]
+fn oracle_never_calls_the_planner() {
+    for path in files(&root().join("src/verify"), "rs") {
+        let text = read(&path);
+        assert!(
+            !text.contains("crate::plan") && !text.contains("plan::"),
+            "{} refers to the planner; derive expectations from domain.md instead",
+            path.display()
+        );
+    }
+}
+
+#[test]
+fn no_should_panic_or_ignored_tests() {
+    let banned = [concat!("#[should", "_panic"), concat!("#[", "ignore")];
+    for path in files(&root().join("tests"), "rs").into_iter().chain(files(&root().join("src"), "rs")) {
+        let text = read(&path);
+        for word in banned {
+            assert!(
+                !text.contains(word),
+                "{} contains `{word}`: assert the current behaviour with a FIXME instead",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn every_scenario_starts_with_a_comment() {
+    for path in files(&root().join("scenarios"), "yaml") {
+        assert!(
+            read(&path).starts_with('#'),
+            "{} must start with a `#` comment saying what it exercises and why",
+            path.display()
+        );
+    }
+}
+
+/// Every scenario has a golden layout and every golden layout has a scenario (insta's `--unreferenced=reject`).
+#[test]
+fn golden_files_and_scenarios_match_one_to_one() {
+    let scenarios_dir = root().join("scenarios");
+    let expected: Vec<String> = files(&scenarios_dir, "yaml")
+        .iter()
+        .map(|path| kvrelay::render::golden_file_name(path.strip_prefix(&scenarios_dir).unwrap()))
+        .collect();
+    let mut actual: Vec<String> = files(&root().join("golden"), "snap")
+        .iter()
+        .map(|path| path.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    actual.sort();
+    let mut expected_sorted = expected.clone();
+    expected_sorted.sort();
+    let missing: Vec<&String> = expected_sorted.iter().filter(|name| !actual.contains(name)).collect();
+    let orphaned: Vec<&String> = actual.iter().filter(|name| !expected_sorted.contains(name)).collect();
+    assert!(
+        missing.is_empty(),
+        "scenarios without golden layout {missing:?}: run `cargo test`, review golden/*.snap.new and accept them"
+    );
+    assert!(orphaned.is_empty(), "golden files without scenario {orphaned:?}: delete them");
+}
