@@ -67,6 +67,12 @@ pub fn main() -> ExitCode {
     let args = Args::parse();
     match run(args) {
         Ok(code) => code,
+        // A closed stdout (`kvrelay plan --json | head`) is the reader's choice, not an error.
+        Err(error)
+            if error.downcast_ref::<std::io::Error>().is_some_and(|it| it.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(error) => {
             eprintln!("error: {error:#}");
             ExitCode::FAILURE
