@@ -76,3 +76,19 @@ impl fmt::Display for RunLengths<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// domain.md §2.6: the K3 DSPARK failure message, run-length encoded as upstream prints it.
+    #[test]
+    fn geometry_message_run_length_encodes_item_lengths() {
+        let error =
+            PlanError::DcpGeometry { prefill: [vec![1152; 24], vec![256; 10]].concat(), decode: vec![1152; 34] };
+        assert_eq!(
+            error.to_string(),
+            "PD DCP source/destination KV geometry differs: src=[1152 x24, 256 x10], dst=[1152 x34]"
+        );
+    }
+}
