@@ -241,8 +241,9 @@ fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
     });
     let decode_ranks: Vec<RankId> = problem.decode.topology.ranks().collect();
     println!(
-        "bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, {} MLA layers, {} decode ranks",
-        problem.model.mla_layers.len(),
+        "bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, {} MLA layers, {} KDA layers, {} decode ranks",
+        problem.model.kv_layers.len(),
+        problem.model.state.first().map_or(0, |component| component.layers.len()),
         decode_ranks.len()
     );
     println!(

@@ -99,10 +99,16 @@ pub fn execute(plan: &Plan, transport: &mut impl Transport) -> Result<Vec<WriteR
 /// Reads every decode region back.
 pub fn observe(
     problem: &Problem,
-    transport: &impl Transport,
+    transport: &mut impl Transport,
     writes: Vec<WriteRecord>,
 ) -> Result<Observation, ExecError> {
     let mut observation = Observation { writes, ..Observation::default() };
+    // Prefill bytes are not observed (the oracle recomputes the pattern); free them before verification.
+    for layout in &problem.prefill.ranks {
+        for index in 0..layout.regions.len() as u32 {
+            transport.release(RegionKey { side: Side::Prefill, rank: layout.rank, region: index })?;
+        }
+    }
     for layout in &problem.decode.ranks {
         for index in 0..layout.regions.len() as u32 {
             let key = RegionKey { side: Side::Decode, rank: layout.rank, region: index };

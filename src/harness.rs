@@ -42,7 +42,7 @@ pub fn run_on(scenario: &Scenario, transport: &mut impl Transport) -> Outcome {
             Err(error) => exec_error = Some(error),
         }
     }
-    let observation = match exec::observe(problem, transport, writes) {
+    let observation = match exec::observe(problem, &mut *transport, writes) {
         Ok(observation) => observation,
         Err(error) => {
             exec_error.get_or_insert(error);

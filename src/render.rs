@@ -6,9 +6,9 @@ use std::path::Path;
 
 use crate::harness::Outcome;
 use crate::model::{Problem, RankId, Side};
-use crate::plan::Plan;
+use crate::plan::{Plan, TransferKind};
 use crate::scenario::{Expectation, Scenario};
-use crate::verify::{Content, Observation, RegionKey, Sources, Violation};
+use crate::verify::{item_noun, tensor_name, Described, Observation, Origin, RegionKey, Run, Sources, Violation};
 
 /// Violations shown in a rendering; the rest are counted.
 const VIOLATIONS_SHOWN: usize = 40;
@@ -102,7 +102,7 @@ pub fn plan_json(problem: &Problem, plan: &Plan, out: &mut impl std::io::Write) 
             Side::Decode => problem.decode.rank(owner),
         };
         let region = &layout.regions[index as usize];
-        serde_json::json!({"index": index, "kind": region.kind.to_string(), "layer": region.layer})
+        serde_json::json!({"index": index, "kind": region.kind.to_string(), "tensor": tensor_name(problem, region), "layer": region.layer})
     };
     writeln!(out, "{{\"scenario\": {},", serde_json::Value::from(problem.name.clone()))?;
     writeln!(out, "\"regions\": [")?;
@@ -115,8 +115,9 @@ pub fn plan_json(problem: &Problem, plan: &Plan, out: &mut impl std::io::Write) 
                     "rank": rank(side_layout.side, layout.rank),
                     "region": region(side_layout.side, layout.rank, index as u32),
                     "item_len": item.item_len,
-                    "token_len": item.token_len(),
-                    "page_count": item.page_count,
+                    "row_len": item.row_len(),
+                    "rows_per_item": item.rows_per_item,
+                    "item_count": item.item_count,
                     "len": item.len_bytes(),
                 });
                 write!(out, "{}{value}", if first { "  " } else { ",\n  " })?;
@@ -131,6 +132,7 @@ pub fn plan_json(problem: &Problem, plan: &Plan, out: &mut impl std::io::Write) 
         let value = serde_json::json!({
             "request": copy.request,
             "chunk": copy.chunk,
+            "transfer": transfer_kind(copy.kind),
             "source": rank(Side::Prefill, copy.source),
             "source_region": region(Side::Prefill, copy.source, copy.source_region),
             "source_offset": copy.source_offset,
@@ -188,7 +190,9 @@ pub fn violations(violations: &[Violation]) -> String {
     out
 }
 
-/// What landed where on each decode rank (or only `only`), run-length encoded, decoded from the bytes.
+/// What landed where on each decode rank (or only `only`), run-length encoded and decoded from the bytes.
+///
+/// Consecutive regions whose maps are identical (typically the layers of one stage) share one block.
 pub fn layout(problem: &Problem, observation: &Observation, only: Option<RankId>) -> String {
     let sources = Sources::new(problem);
     let mut out = String::from("layout:\n");
@@ -199,23 +203,38 @@ pub fn layout(problem: &Problem, observation: &Observation, only: Option<RankId>
         }
         let _ = writeln!(out, "decode {rank} (dcp rank {}):", problem.decode.topology.dcp_rank(rank.tp));
         let mut untouched = 0;
+        let mut blocks: Vec<(String, Vec<u32>, Vec<String>)> = Vec::new();
         for (index, region) in rank_layout.regions.iter().enumerate() {
             let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
             let Some(bytes) = observation.images.get(&key) else {
                 continue;
             };
-            let row_len = region.token_len();
-            let segments = segments((0..region.row_count()).map(|row| {
-                let offset = row * row_len;
-                sources.classify(offset, &bytes[offset as usize..(offset + row_len) as usize])
-            }));
-            if segments.is_empty() {
+            let lines = region_lines(
+                &sources,
+                region.layer,
+                &tensor_name(problem, region),
+                region.row_len(),
+                item_noun(problem, region),
+                bytes,
+            );
+            if lines.is_empty() {
                 untouched += 1;
                 continue;
             }
-            let _ = writeln!(out, "  layer {}:", region.layer);
-            for segment in segments {
-                let _ = writeln!(out, "    {}", segment.render(region.layer));
+            let tensor = tensor_name(problem, region);
+            match blocks.last_mut() {
+                Some((last_tensor, layers, last_lines)) if *last_tensor == tensor && *last_lines == lines => {
+                    layers.push(region.layer)
+                }
+                _ => blocks.push((tensor, vec![region.layer], lines)),
+            }
+        }
+        for (tensor, layers, lines) in blocks {
+            let names: Vec<String> = layers.iter().map(ToString::to_string).collect();
+            let noun = if layers.len() == 1 { "layer" } else { "layers" };
+            let _ = writeln!(out, "  {noun} {} {tensor}:", names.join(", "));
+            for line in lines {
+                let _ = writeln!(out, "    {line}");
             }
         }
         if untouched > 0 {
@@ -225,84 +244,175 @@ pub fn layout(problem: &Problem, observation: &Observation, only: Option<RankId>
     out
 }
 
-/// A run of consecutive decode rows whose contents advance by a constant step.
-struct Segment {
-    first_row: u64,
-    rows: u64,
-    first: Content,
-    step: i64,
+/// One row-aligned piece of a decode region and where its bytes came from.
+#[derive(Debug, Clone, Copy)]
+struct Cell {
+    row: u64,
+    column: u64,
+    length: u64,
+    number: u32,
+    source_offset: u64,
 }
 
-/// The coordinate of a content that advances along a segment, and the key that must stay equal.
-fn progression(content: &Content) -> Option<(i64, (u8, u32, RankId, u32))> {
-    match *content {
-        Content::Token { request, position, source, layer } => Some((i64::from(position), (0, request, source, layer))),
-        Content::Slot { source, layer, row } => Some((row as i64, (1, 0, source, layer))),
-        Content::Garbled { .. } => Some((0, (2, 0, RankId { pp: 0, tp: 0 }, 0))),
-        Content::Sentinel => None,
-    }
-}
-
-fn segments(rows: impl Iterator<Item = Content>) -> Vec<Segment> {
-    let mut res: Vec<Segment> = Vec::new();
-    let mut last: Option<(u64, i64)> = None;
-    for (row, content) in rows.enumerate() {
-        let row = row as u64;
-        let Some((value, key)) = progression(&content) else {
-            last = None;
-            continue;
-        };
-        if let (Some(segment), Some((last_row, last_value))) = (res.last_mut(), last) {
-            let same_key = progression(&segment.first).map(|it| it.1) == Some(key);
-            let step = value - last_value;
-            let fits = segment.rows == 1 || step == segment.step;
-            if last_row + 1 == row && same_key && fits {
-                if segment.rows == 1 {
-                    segment.step = step;
+/// The run-length encoded lines of one region, independent of the region's own layer id.
+fn region_lines(
+    sources: &Sources<'_>,
+    layer: u32,
+    tensor: &str,
+    row_len: u64,
+    noun: &str,
+    bytes: &[u8],
+) -> Vec<String> {
+    let mut cells: Vec<Cell> = Vec::new();
+    // (first row, column, text), sorted so each item reads top to bottom.
+    let mut lines: Vec<(u64, u64, String)> = Vec::new();
+    for run in sources.runs(0, bytes) {
+        match run {
+            Run::Sentinel { .. } => {}
+            Run::Unknown { offset, length } => {
+                lines.push((
+                    offset / row_len,
+                    offset % row_len,
+                    format!("bytes {offset}..{} <- GARBLED", offset + length),
+                ));
+            }
+            Run::Source { offset, length, number, source_offset } => {
+                // Split at row boundaries so relaid-out and head-sliced rows line up in columns.
+                let mut at = offset;
+                while at < offset + length {
+                    let end = ((at / row_len + 1) * row_len).min(offset + length);
+                    cells.push(Cell {
+                        row: at / row_len,
+                        column: at % row_len,
+                        length: end - at,
+                        number,
+                        source_offset: source_offset + (at - offset),
+                    });
+                    at = end;
                 }
-                segment.rows += 1;
-                last = Some((row, value));
-                continue;
             }
         }
-        res.push(Segment { first_row: row, rows: 1, first: content, step: 0 });
-        last = Some((row, value));
     }
-    res
+    // Columns first (head slices, state blocks), then rows, so each column run-length encodes on its own.
+    let mut columns: BTreeMap<(u64, u64), Vec<Cell>> = BTreeMap::new();
+    for cell in cells {
+        columns.entry((cell.column, cell.length)).or_default().push(cell);
+    }
+    for ((column, length), cells) in columns {
+        // Segments advance by a constant step in the source's own coordinate: token position, slot row or byte.
+        let coordinates: Vec<(Described, (u8, u32, u32), i64)> = cells
+            .iter()
+            .map(|cell| {
+                let described = sources.describe(cell.number, cell.source_offset, cell.length);
+                let (class, value) = match described.origin {
+                    Origin::Token { request, position, .. } => ((0, request, cell.number), i64::from(position)),
+                    Origin::Slot { row } => ((1, 0, cell.number), row as i64),
+                    Origin::State { request, .. } | Origin::Aux { request, .. } => {
+                        ((2, request.unwrap_or(u32::MAX), cell.number), cell.source_offset as i64)
+                    }
+                };
+                (described, class, value)
+            })
+            .collect();
+        let mut start = 0;
+        while start < cells.len() {
+            let mut end = start + 1;
+            let step = coordinates.get(start + 1).map(|next| next.2 - coordinates[start].2);
+            while end < cells.len() {
+                let fits = cells[end].row == cells[end - 1].row + 1
+                    && coordinates[end].1 == coordinates[start].1
+                    && Some(coordinates[end].2 - coordinates[end - 1].2) == step;
+                if !fits {
+                    break;
+                }
+                end += 1;
+            }
+            let (first, last) = (&cells[start], &cells[end - 1]);
+            let rows = if end - start == 1 {
+                format!("{noun} {}", first.row)
+            } else {
+                format!("{noun}s {}..{}", first.row, last.row)
+            };
+            let columns = if column == 0 && length == row_len {
+                String::new()
+            } else {
+                format!(" bytes {column}..{}", column + length)
+            };
+            let span = describe_span(&coordinates[start].0, &coordinates[end - 1].0, end - start, layer, tensor);
+            lines.push((first.row, column, format!("{rows}{columns} <- {span}")));
+            start = end;
+        }
+    }
+    lines.sort_by_key(|line| (line.0, line.1));
+    lines.into_iter().map(|line| line.2).collect()
 }
 
-impl Segment {
-    fn render(&self, target_layer: u32) -> String {
-        let rows = if self.rows == 1 {
-            format!("row {}", self.first_row)
-        } else {
-            format!("rows {}..{}", self.first_row, self.first_row + self.rows - 1)
-        };
-        let span = |first: i64, noun: &str| {
-            if self.rows == 1 {
-                format!("{noun} {first}")
-            } else {
-                let last = first + self.step * (self.rows as i64 - 1);
-                let step = if self.step == 1 { String::new() } else { format!(" step {}", self.step) };
-                format!("{noun}s {first}..{last}{step}")
-            }
-        };
-        let from = |source: RankId, layer: u32| {
-            if layer == target_layer {
-                format!("from prefill {source}")
-            } else {
-                format!("from prefill {source} layer {layer}")
-            }
-        };
-        match self.first {
-            Content::Token { request, position, source, layer } => {
-                format!("{rows} <- request {request} {} {}", span(i64::from(position), "position"), from(source, layer))
-            }
-            Content::Slot { source, layer, row } => {
-                format!("{rows} <- unused {} {}", span(row as i64, "slot row"), from(source, layer))
-            }
-            Content::Garbled { .. } => format!("{rows} <- GARBLED bytes"),
-            Content::Sentinel => unreachable!("sentinel rows are never in a segment"),
+/// `request 2 positions 5..509 step 8 from prefill pp0/tp0`, naming the source layer only when it differs.
+fn describe_span(first: &Described, last: &Described, count: usize, layer: u32, tensor: &str) -> String {
+    let mut text = match (&first.origin, &last.origin) {
+        (
+            Origin::Token { request, position, heads },
+            Origin::Token { request: last_request, position: last_position, .. },
+        ) if request == last_request && count > 1 => {
+            let step = (last_position - position) / (count as u32 - 1);
+            let step = if step == 1 { String::new() } else { format!(" step {step}") };
+            let heads = heads.map_or(String::new(), |(head, count)| heads_text(head, count));
+            format!("request {request} positions {position}..{last_position}{step}{heads}")
         }
+        (Origin::Token { request, position, heads }, _) if count == 1 => {
+            let heads = heads.map_or(String::new(), |(head, count)| heads_text(head, count));
+            format!("request {request} position {position}{heads}")
+        }
+        (Origin::Slot { row }, Origin::Slot { row: last_row }) => {
+            if count == 1 {
+                format!("unused slot row {row}")
+            } else {
+                format!("unused slot rows {row}..{last_row}")
+            }
+        }
+        _ if count == 1 => origin_text(&first.origin),
+        _ => format!("{} .. {}", origin_text(&first.origin), origin_text(&last.origin)),
+    };
+    text.push_str(&format!(" from prefill {}", first.source));
+    if first.layer != layer || first.tensor != tensor {
+        text.push_str(&format!(" layer {} {}", first.layer, first.tensor));
+    }
+    text
+}
+
+fn heads_text(head: u32, count: u32) -> String {
+    if count == 1 {
+        format!(" head {head}")
+    } else {
+        format!(" heads {head}..{}", head + count - 1)
+    }
+}
+
+fn origin_text(origin: &Origin) -> String {
+    match origin {
+        Origin::Token { request, position, heads } => {
+            format!(
+                "request {request} position {position}{}",
+                heads.map_or(String::new(), |(head, count)| heads_text(head, count))
+            )
+        }
+        Origin::Slot { row } => format!("unused slot row {row}"),
+        Origin::State { request: Some(request), noun, item, within } => {
+            format!("request {request} {noun} {item} {within}").trim_end().to_owned()
+        }
+        Origin::State { request: None, noun, item, within } => {
+            format!("unowned {noun} {item} {within}").trim_end().to_owned()
+        }
+        Origin::Aux { request: Some(request), row } => format!("request {request} aux row {row}"),
+        Origin::Aux { request: None, row } => format!("unowned aux row {row}"),
+    }
+}
+
+fn transfer_kind(kind: TransferKind) -> String {
+    match kind {
+        TransferKind::Kv => "kv".to_owned(),
+        TransferKind::Draft => "draft".to_owned(),
+        TransferKind::State { component } => format!("state{component}"),
+        TransferKind::Aux => "aux".to_owned(),
     }
 }

@@ -63,4 +63,6 @@ pub trait Transport {
     fn poll(&mut self, completions: &mut Vec<Completion>);
     /// A copy of a registered region's current bytes.
     fn read(&self, key: RegionKey) -> Result<Vec<u8>, TransportError>;
+    /// Deregisters a region and hands back its bytes (what `read` returns, without keeping a second copy).
+    fn release(&mut self, key: RegionKey) -> Result<Vec<u8>, TransportError>;
 }

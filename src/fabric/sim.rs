@@ -68,6 +68,10 @@ impl Transport for SimFabric {
     fn read(&self, key: RegionKey) -> Result<Vec<u8>, TransportError> {
         self.regions.get(&key).cloned().ok_or(TransportError::NotRegistered(key))
     }
+
+    fn release(&mut self, key: RegionKey) -> Result<Vec<u8>, TransportError> {
+        self.regions.remove(&key).ok_or(TransportError::NotRegistered(key))
+    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,11 @@
-//! Derivation of each rank's registered regions from topology and model geometry.
+//! Derivation of each rank's registered regions and advertised metadata from topology and model geometry.
 
 use std::ops::Range;
 
-use super::{LayerId, ModelGeometry, RankLayout, Region, RegionKind, Side, SideLayout, Topology};
+use super::{
+    draft_layer_id, Attention, KvPart, LayerId, ModelGeometry, RankId, RankLayout, Region, RegionKind, Side,
+    SideLayout, StateKind, StateMetadata, TensorShape, Topology,
+};
 
 /// Layers held by pipeline stage `stage` of `pp` (domain.md §4.1): the last `L mod pp` stages get one extra.
 pub fn stage_layers(layer_count: u32, pp: u32, stage: u32) -> Range<u32> {
@@ -16,43 +19,169 @@ pub fn stage_layers(layer_count: u32, pp: u32, stage: u32) -> Range<u32> {
     }
 }
 
+/// Replaces what a side advertises for one state entry (models a buggy or mismatched peer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetadataOverride {
+    pub component: u32,
+    /// Entry index inside the component on the rank (tensor-major, then layer).
+    pub entry: u32,
+    pub conv_groups: Option<Option<Vec<u32>>>,
+    pub dim: Option<u32>,
+}
+
 /// Registration choices of one side that scenarios may vary.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SideOptions {
     /// Whether ranks advertise `kv_layer_ids` (domain.md §4.2).
     pub advertise_layer_ids: bool,
-    /// Layers whose entry this side fails to register (models a broken peer).
+    /// Layers whose KV entry this side fails to register (models a broken peer).
     pub missing_layers: Vec<LayerId>,
-    /// Pool capacity in pages, including padding page 0.
+    /// KV pool capacity in pages, including padding page 0.
     pub page_count: u32,
+    /// Mamba slots and aux rows, including index 0.
+    pub slot_count: u32,
+    /// Pool capacity in pages of each state component (unused for Mamba components).
+    pub state_page_counts: Vec<u32>,
+    /// An older peer whose per-component metadata lists cover only the first N components (domain.md §5.5).
+    pub metadata_components: Option<usize>,
+    pub overrides: Vec<MetadataOverride>,
 }
 
-/// Builds the regions of every rank of one side: one KV entry per MLA layer of the rank's stage.
+/// Builds the regions and metadata of every rank of one side.
+///
+/// Region order on a rank: KV entries (MLA latent per layer, or all K then all V, domain.md §1.2), draft entries
+/// (last stage only), state entries (per component, tensor-kind-major then layer, domain.md §1.7), aux buffers.
 pub fn build_side_layout(side: Side, topology: Topology, model: &ModelGeometry, options: &SideOptions) -> SideLayout {
-    let item_len = u64::from(topology.page_size) * model.token_len();
-    let ranks = topology
-        .ranks()
-        .map(|rank| {
-            let layers = stage_layers(model.layer_count, topology.pp, rank.pp);
-            let regions: Vec<Region> = model
-                .mla_layers
-                .iter()
-                .copied()
-                .filter(|layer| layers.contains(layer) && !options.missing_layers.contains(layer))
-                .map(|layer| Region {
-                    kind: RegionKind::Kv,
-                    layer,
-                    item_len,
-                    page_count: options.page_count,
-                    page_size: topology.page_size,
-                })
-                .collect();
-            let advertised_layer_ids =
-                options.advertise_layer_ids.then(|| regions.iter().map(|region| region.layer).collect());
-            RankLayout { rank, regions, advertised_layer_ids }
-        })
-        .collect();
+    let ranks = topology.ranks().map(|rank| build_rank(&topology, rank, model, options)).collect();
     SideLayout { side, topology, ranks }
+}
+
+fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options: &SideOptions) -> RankLayout {
+    let stage = stage_layers(model.layer_count, topology.pp, rank.pp);
+    let page = topology.page_size;
+    let mut regions = Vec::new();
+    let mut ids = Vec::new();
+    let kv_layers: Vec<LayerId> = model
+        .kv_layers
+        .iter()
+        .copied()
+        .filter(|layer| stage.contains(layer) && !options.missing_layers.contains(layer))
+        .collect();
+    let parts: &[KvPart] = match model.attention {
+        Attention::Mla { .. } => &[KvPart::Latent],
+        Attention::Mha { .. } => &[KvPart::Key, KvPart::Value],
+    };
+    let token_len = model.token_len(topology.tp);
+    for part in parts {
+        for layer in &kv_layers {
+            regions.push(Region {
+                kind: RegionKind::Kv(*part),
+                layer: *layer,
+                item_len: u64::from(page) * token_len,
+                item_count: options.page_count,
+                rows_per_item: page,
+            });
+            ids.push(*layer);
+        }
+    }
+    let mut draft_entries = 0;
+    if let Some(draft) = model.draft.filter(|_| rank.pp == topology.pp - 1) {
+        // The draft pool is paged by the allocator page V (domain.md §2.4 draft rows); V = P without DCP.
+        let rows = topology.virtual_page_size();
+        for index in 0..draft.entries {
+            regions.push(Region {
+                kind: RegionKind::Draft,
+                layer: draft_layer_id(index),
+                item_len: u64::from(rows) * draft.token_len,
+                item_count: options.page_count,
+                rows_per_item: rows,
+            });
+            ids.push(draft_layer_id(index));
+        }
+        draft_entries = draft.entries;
+    }
+    let kv_entries: Vec<u32> = (0..regions.len() as u32).collect();
+
+    let mut state = StateMetadata::default();
+    for (component_index, component) in model.state.iter().enumerate() {
+        let layers: Vec<LayerId> = component.layers.iter().copied().filter(|layer| stage.contains(layer)).collect();
+        let item_count = match component.kind {
+            StateKind::Mamba => options.slot_count,
+            _ => options.state_page_counts.get(component_index).copied().unwrap_or(1),
+        };
+        let (mut entry_regions, mut layer_ids, mut dims, mut groups, mut outers) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (tensor_index, tensor) in component.tensors.iter().enumerate() {
+            for layer in &layers {
+                entry_regions.push(regions.len() as u32);
+                regions.push(Region {
+                    kind: RegionKind::State { component: component_index as u32, tensor: tensor_index as u32 },
+                    layer: *layer,
+                    item_len: tensor.item_len(topology.tp),
+                    item_count,
+                    rows_per_item: 1,
+                });
+                layer_ids.push(*layer);
+                dims.push(tensor.local_dim(topology.tp));
+                match &tensor.shape {
+                    TensorShape::Sliced { outer_count, groups: tensor_groups, .. } => {
+                        groups.push(tensor_groups.clone());
+                        outers.push(*outer_count);
+                    }
+                    TensorShape::Replicated { .. } => {
+                        groups.push(None);
+                        outers.push(1);
+                    }
+                }
+            }
+        }
+        state.kinds.push(component.kind);
+        state.regions.push(entry_regions);
+        state.layer_ids.push(layer_ids);
+        state.dims.push(dims);
+        state.conv_groups.push(groups);
+        state.outer_counts.push(outers);
+    }
+    for item in &options.overrides {
+        let (component, entry) = (item.component as usize, item.entry as usize);
+        if let Some(groups) = &item.conv_groups {
+            if let Some(slot) = state.conv_groups.get_mut(component).and_then(|list| list.get_mut(entry)) {
+                *slot = groups.clone();
+            }
+        }
+        if let Some(dim) = item.dim {
+            if let Some(slot) = state.dims.get_mut(component).and_then(|list| list.get_mut(entry)) {
+                *slot = dim;
+            }
+        }
+    }
+    if let Some(count) = options.metadata_components {
+        state.layer_ids.truncate(count);
+        state.dims.truncate(count);
+        state.conv_groups.truncate(count);
+        state.outer_counts.truncate(count);
+    }
+
+    let mut aux_entries = Vec::new();
+    for (buffer, item_len) in model.aux_item_lens.iter().enumerate() {
+        aux_entries.push(regions.len() as u32);
+        regions.push(Region {
+            kind: RegionKind::Aux { buffer: buffer as u32 },
+            layer: 0,
+            item_len: *item_len,
+            item_count: options.slot_count,
+            rows_per_item: 1,
+        });
+    }
+    RankLayout {
+        rank,
+        regions,
+        kv_entries,
+        advertised_layer_ids: options.advertise_layer_ids.then_some(ids),
+        draft_entries,
+        state,
+        aux_entries,
+    }
 }
 
 #[cfg(test)]

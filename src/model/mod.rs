@@ -6,7 +6,7 @@
 
 mod layout;
 
-pub use layout::{build_side_layout, stage_layers, SideOptions};
+pub use layout::{build_side_layout, stage_layers, MetadataOverride, SideOptions};
 
 use std::fmt;
 
@@ -77,31 +77,163 @@ impl Topology {
     }
 }
 
-/// Attention geometry of the model: which global layers carry MLA latent KV and how wide a token row is.
+/// How full-attention layers store KV (domain.md §1.2, §1.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attention {
+    /// One latent entry per layer, replicated on every TP rank.
+    Mla { kv_lora_rank: u32, qk_rope_head_dim: u32 },
+    /// K and V entries per layer, heads sharded over TP (replicated when TP exceeds the head count).
+    Mha { kv_heads: u32, head_dim: u32 },
+}
+
+/// Which state tensors a component holds and how its indices behave (domain.md §5, §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StateKind {
+    /// Mamba / KDA / GDN: one slot per request, sliced over TP (domain.md §5).
+    Mamba,
+    /// Sliding-window KV pages (paged: a length drift truncates, domain.md §8).
+    Swa,
+    /// DSA indexer keys, one page per KV page (paged).
+    Dsa,
+    /// A position-indexed ring: lengths must match exactly (domain.md §8).
+    SwaRing,
+}
+
+impl StateKind {
+    /// Paged kinds tolerate a length drift by truncating; position-indexed kinds reject it (domain.md §8).
+    pub fn is_paged(self) -> bool {
+        matches!(self, StateKind::Swa | StateKind::Dsa)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StateKind::Mamba => "mamba",
+            StateKind::Swa => "swa",
+            StateKind::Dsa => "dsa",
+            StateKind::SwaRing => "swa_ring",
+        }
+    }
+}
+
+impl fmt::Display for StateKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Byte shape of one state tensor of one layer, for one request slot or one page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TensorShape {
+    /// `outer_count` rows, each `full_dim / tp` units of `unit_bytes` on a rank (domain.md §5.2).
+    /// `groups` are the full widths of independently sharded sub-blocks (conv `q|k|v`), in units.
+    Sliced { full_dim: u32, unit_bytes: u64, outer_count: u32, groups: Option<Vec<u32>> },
+    /// Not sliceable: the same `item_len` bytes on every rank (advertised dim 0).
+    Replicated { item_len: u64 },
+}
+
+/// One state tensor kind of a component (e.g. `conv`, `temporal`, `k`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateTensor {
+    pub name: String,
+    pub shape: TensorShape,
+}
+
+impl StateTensor {
+    /// Bytes of one item on a rank of attention-TP size `tp`.
+    pub fn item_len(&self, tp: u32) -> u64 {
+        match &self.shape {
+            TensorShape::Sliced { full_dim, unit_bytes, outer_count, .. } => {
+                u64::from(*outer_count) * u64::from(full_dim / tp) * unit_bytes
+            }
+            TensorShape::Replicated { item_len } => *item_len,
+        }
+    }
+
+    /// The sliced axis on a rank (`state_dim_per_tensor`): `full_dim / tp`, or 0 when replicated.
+    pub fn local_dim(&self, tp: u32) -> u32 {
+        match &self.shape {
+            TensorShape::Sliced { full_dim, .. } => full_dim / tp,
+            TensorShape::Replicated { .. } => 0,
+        }
+    }
+}
+
+/// A state component (one `state_types` entry): its kind, the layers that carry it and its tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateComponent {
+    pub kind: StateKind,
+    /// Sorted global layer ids.
+    pub layers: Vec<LayerId>,
+    pub tensors: Vec<StateTensor>,
+    /// Paged kinds: pages a request keeps (the sliding window); `None` keeps every page of the request.
+    pub window_pages: Option<u32>,
+}
+
+/// Speculative draft KV entries appended after the target entries (domain.md §2.4 draft rows, §2.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftGeometry {
+    pub entries: u32,
+    /// Bytes of one draft token row.
+    pub token_len: u64,
+}
+
+/// Layer id of draft entry `index` on the wire (domain.md §4.2).
+pub fn draft_layer_id(index: u32) -> LayerId {
+    1_000_000 + index
+}
+
+/// The model's true geometry: what every byte means. Peers advertise metadata derived from it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelGeometry {
     pub name: String,
     /// Number of decoder layers (all kinds).
     pub layer_count: u32,
-    /// Sorted global ids of the layers with an MLA KV entry (domain.md §1.3, §1.4).
-    pub mla_layers: Vec<LayerId>,
-    pub kv_lora_rank: u32,
-    pub qk_rope_head_dim: u32,
+    pub attention: Attention,
+    /// Sorted global ids of the full-attention layers, which have KV entries (domain.md §1.4).
+    pub kv_layers: Vec<LayerId>,
     pub dtype_bytes: u32,
+    pub state: Vec<StateComponent>,
+    /// Bytes of one row of each aux buffer (domain.md §1.6).
+    pub aux_item_lens: Vec<u64>,
+    pub draft: Option<DraftGeometry>,
 }
 
 impl ModelGeometry {
-    /// Bytes of one token row of one layer: `(kv_lora_rank + rope) * dtype` (domain.md §1.3).
-    pub fn token_len(&self) -> u64 {
-        u64::from(self.kv_lora_rank + self.qk_rope_head_dim) * u64::from(self.dtype_bytes)
+    /// KV heads held by a rank of TP size `tp`: `max(1, H / tp)` (domain.md §1.2); 1 for MLA.
+    pub fn kv_heads_local(&self, tp: u32) -> u32 {
+        match self.attention {
+            Attention::Mla { .. } => 1,
+            Attention::Mha { kv_heads, .. } => (kv_heads / tp).max(1),
+        }
     }
 
-    /// Hybrid pools register KV entries for a compact subset of layers (domain.md §1.4).
+    /// Bytes of one head of one token (the whole latent row for MLA).
+    pub fn head_len(&self) -> u64 {
+        match self.attention {
+            Attention::Mla { kv_lora_rank, qk_rope_head_dim } => {
+                u64::from(kv_lora_rank + qk_rope_head_dim) * u64::from(self.dtype_bytes)
+            }
+            Attention::Mha { head_dim, .. } => u64::from(head_dim) * u64::from(self.dtype_bytes),
+        }
+    }
+
+    /// Bytes of one token row of one K, V or latent entry on a rank of TP size `tp`.
+    pub fn token_len(&self, tp: u32) -> u64 {
+        u64::from(self.kv_heads_local(tp)) * self.head_len()
+    }
+
+    pub fn is_mla(&self) -> bool {
+        matches!(self.attention, Attention::Mla { .. })
+    }
+
+    /// Hybrid pools register KV entries for a compact subset of layers or carry state (domain.md §1.4).
     pub fn pool_kind(&self) -> PoolKind {
-        if self.mla_layers.len() as u32 == self.layer_count {
-            PoolKind::Mla
-        } else {
-            PoolKind::HybridMla
+        let hybrid = self.kv_layers.len() as u32 != self.layer_count || !self.state.is_empty();
+        match (self.is_mla(), hybrid) {
+            (true, false) => PoolKind::Mla,
+            (true, true) => PoolKind::HybridMla,
+            (false, false) => PoolKind::Mha,
+            (false, true) => PoolKind::HybridMha,
         }
     }
 }
@@ -111,6 +243,15 @@ impl ModelGeometry {
 pub enum PoolKind {
     Mla,
     HybridMla,
+    Mha,
+    HybridMha,
+}
+
+impl PoolKind {
+    /// MLA and hybrid-MLA pools replicate the latent over TP (domain.md §1.3).
+    pub fn replicated_latent(self) -> bool {
+        matches!(self, PoolKind::Mla | PoolKind::HybridMla)
+    }
 }
 
 impl fmt::Display for PoolKind {
@@ -118,22 +259,43 @@ impl fmt::Display for PoolKind {
         f.write_str(match self {
             PoolKind::Mla => "MLA",
             PoolKind::HybridMla => "hybrid-MLA",
+            PoolKind::Mha => "MHA",
+            PoolKind::HybridMha => "hybrid-MHA",
         })
     }
+}
+
+/// Which half of an MHA layer an entry holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum KvPart {
+    Latent,
+    Key,
+    Value,
 }
 
 /// What a registered region holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum RegionKind {
-    /// One KV entry: `page_count` items of `item_len` bytes, one page of one layer each.
-    Kv,
+    /// One KV entry: items are pages of one layer, rows are tokens.
+    Kv(KvPart),
+    /// One draft KV entry (paged by `V` on a DCP decode).
+    Draft,
+    /// One state tensor of one layer: items are request slots (Mamba) or state pages (paged kinds).
+    State { component: u32, tensor: u32 },
+    /// One aux buffer: items are request aux rows.
+    Aux { buffer: u32 },
 }
 
 impl fmt::Display for RegionKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            RegionKind::Kv => "kv",
-        })
+        match self {
+            RegionKind::Kv(KvPart::Latent) => f.write_str("kv"),
+            RegionKind::Kv(KvPart::Key) => f.write_str("k"),
+            RegionKind::Kv(KvPart::Value) => f.write_str("v"),
+            RegionKind::Draft => f.write_str("draft"),
+            RegionKind::State { component, tensor } => write!(f, "state{component}.{tensor}"),
+            RegionKind::Aux { buffer } => write!(f, "aux{buffer}"),
+        }
     }
 }
 
@@ -141,28 +303,48 @@ impl fmt::Display for RegionKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Region {
     pub kind: RegionKind,
+    /// Global layer id (draft entries: `1_000_000 + index`; aux: 0).
     pub layer: LayerId,
-    /// Bytes of one item (one page of one layer).
+    /// Bytes of one item.
     pub item_len: u64,
-    /// Items in the region, including the never-used padding page 0.
-    pub page_count: u32,
-    /// Tokens per item (the physical page size `P`).
-    pub page_size: u32,
+    /// Items in the region (pages, slots or aux rows), including never-used index 0.
+    pub item_count: u32,
+    /// Token rows per item: the page size for KV, `V` for a decode draft entry, 1 for state and aux.
+    pub rows_per_item: u32,
 }
 
 impl Region {
     pub fn len_bytes(&self) -> u64 {
-        self.item_len * u64::from(self.page_count)
+        self.item_len * u64::from(self.item_count)
     }
 
-    /// Bytes of one token row: `item_len / P` (domain.md §1.1).
-    pub fn token_len(&self) -> u64 {
-        self.item_len / u64::from(self.page_size)
+    /// Bytes of one row: a token row for KV (`item_len / P`, domain.md §1.1), the whole item otherwise.
+    pub fn row_len(&self) -> u64 {
+        self.item_len / u64::from(self.rows_per_item)
     }
 
     pub fn row_count(&self) -> u64 {
-        u64::from(self.page_count) * u64::from(self.page_size)
+        u64::from(self.item_count) * u64::from(self.rows_per_item)
     }
+}
+
+/// Per-entry state metadata a rank advertises, per component (domain.md §1.1, §5.2).
+///
+/// Older peers send lists shorter than the component list; readers apply the defaults of domain.md §5.5.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StateMetadata {
+    /// `state_types`.
+    pub kinds: Vec<StateKind>,
+    /// Region index (into `RankLayout::regions`) of each entry of each component.
+    pub regions: Vec<Vec<u32>>,
+    /// `state_layer_ids[c][i]`.
+    pub layer_ids: Vec<Vec<LayerId>>,
+    /// `state_dim_per_tensor[c][i]`: sliced axis size on this rank, 0 = not sliceable.
+    pub dims: Vec<Vec<u32>>,
+    /// `state_conv_shard_groups[c][i]`: full sub-block widths, `None` for ungrouped tensors.
+    pub conv_groups: Vec<Vec<Option<Vec<u32>>>>,
+    /// `state_slice_outer_counts[c][i]`.
+    pub outer_counts: Vec<Vec<u32>>,
 }
 
 /// What one rank registers and advertises.
@@ -170,8 +352,15 @@ impl Region {
 pub struct RankLayout {
     pub rank: RankId,
     pub regions: Vec<Region>,
+    /// Region indices of the KV entries in wire order (target entries, then draft entries).
+    pub kv_entries: Vec<u32>,
     /// The `kv_layer_ids` this rank advertises; `None` when it sends no layer metadata.
     pub advertised_layer_ids: Option<Vec<LayerId>>,
+    /// `num_draft_entries`.
+    pub draft_entries: u32,
+    pub state: StateMetadata,
+    /// Region indices of the aux buffers.
+    pub aux_entries: Vec<u32>,
 }
 
 /// Topology plus every rank's registrations, for one side.
@@ -189,6 +378,17 @@ impl SideLayout {
     }
 }
 
+/// Per-request state indices on one side (domain.md §1.6, §5.1, §8).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StateIndices {
+    /// The request's Mamba slot (shared by all Mamba components).
+    pub slot: u32,
+    /// The request's aux row.
+    pub aux: u32,
+    /// State pages per component (empty for non-paged components).
+    pub pages: Vec<Vec<u32>>,
+}
+
 /// One request's handoff: its length, what decode already holds, how prefill chunks it, and its pages.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
@@ -203,6 +403,8 @@ pub struct Request {
     pub prefill_pages: Vec<u32>,
     /// Decode allocator pages of the send range (`dst_kv_indices`, domain.md §2.3).
     pub decode_pages: Vec<u32>,
+    pub prefill_state: StateIndices,
+    pub decode_state: StateIndices,
 }
 
 impl Request {

@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use crate::model::LayerId;
+use crate::model::{LayerId, StateKind};
 
 /// A topology, geometry or request the planner refuses; raised before any byte moves (domain.md §12.6).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -47,9 +47,51 @@ pub enum PlanError {
     /// domain.md §2.6 version 1 (per paired entry).
     #[error("PD DCP source/destination KV geometry differs: src=[{}], dst=[{}]", RunLengths(.prefill), RunLengths(.decode))]
     DcpGeometry { prefill: Vec<u64>, decode: Vec<u64> },
+    /// domain.md §2.6 version 2: per entry, targets equal, drafts `c` times larger on decode.
+    #[error("PD DCP source/destination KV geometry differs at entry {entry}: src={prefill}, dst={decode}, expected dst={expected}")]
+    DcpGeometryAt { entry: usize, prefill: u64, decode: u64, expected: u64 },
     /// [I] replicated latent copied page for page needs equal item lengths (domain.md §3.3).
     #[error("KV item length mismatch for model layer {layer}: src={prefill}, dst={decode}")]
     ItemLength { layer: LayerId, prefill: u64, decode: u64 },
+    /// domain.md §2.5 decode-side gate.
+    #[error("PD decode DCP requires an MLA or hybrid-MLA KV pool.")]
+    DcpNeedsMla,
+    /// domain.md §3.4, non-MLA SWA hybrid models.
+    #[error("PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models yet.")]
+    SwaTpMismatch,
+    /// [I] paged state is not token-sharded; relaying it into a DCP decode is not modelled (dsa_dcp.py aside).
+    #[error("PD DCP relayout does not support paged state component {kind}")]
+    PagedStateUnderDcp { kind: StateKind },
+    /// domain.md §3.2 sanity check.
+    #[error("Slice size exceeds destination token capacity (slice={slice}, dst_token_len={target_token_len})")]
+    SliceTooLarge { slice: u64, target_token_len: u64 },
+    /// domain.md §3.4 / §5.5, same TP.
+    #[error("Prefill/Decode Mamba slot size mismatch (src={prefill}, dst={decode})")]
+    MambaSlotSize { prefill: u64, decode: u64 },
+    /// domain.md §3.4, dims missing and item lengths differ.
+    #[error("Mamba state layouts differ between prefill and decode (src item {prefill}, dst item {decode}) and no slice dims were advertised")]
+    MambaLayouts { prefill: u64, decode: u64 },
+    /// domain.md §3.4, later Mori.
+    #[error("Replicated Mamba PD state transfer currently requires matching prefill/decode attention TP sizes")]
+    ReplicatedMambaTp,
+    /// [I] out-of-range or inconsistent per-entry state metadata; never an index panic (domain.md §5.5, §12.5).
+    #[error("invalid state metadata for component {component} entry {entry}: {reason}")]
+    StateMetadata { component: usize, entry: usize, reason: String },
+    /// [I] paged state copies whole items, so both sides' items must agree (domain.md §8, "checked equal").
+    #[error("{kind} state item length mismatch for model layer {layer}: src={prefill}, dst={decode}")]
+    StateItemLength { kind: StateKind, layer: LayerId, prefill: u64, decode: u64 },
+    /// domain.md §8 step 2.
+    #[error("No overlapping state indices for state_type={kind}")]
+    NoOverlappingState { kind: StateKind },
+    /// domain.md §8 step 2, position-indexed kinds.
+    #[error("{kind} state index length mismatch: src={prefill}, dst={decode}")]
+    StateIndexLength { kind: StateKind, prefill: usize, decode: usize },
+    /// [I] aux buffers pair positionally and must have equal rows (domain.md §1.6).
+    #[error("aux buffers differ: src={prefill:?}, dst={decode:?}")]
+    AuxGeometry { prefill: Vec<u64>, decode: Vec<u64> },
+    /// [I] both sides must register the same state components in the same order.
+    #[error("state components differ: src={prefill:?}, dst={decode:?}")]
+    StateComponents { prefill: Vec<StateKind>, decode: Vec<StateKind> },
 }
 
 /// Renders `[576, 576, 256]` as `576 x2, 256` like domain.md's geometry message.

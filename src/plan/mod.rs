@@ -5,9 +5,11 @@
 //! [`Copy`]s. No IO, clock or randomness here (ARCHITECTURE.md).
 
 mod error;
+mod heads;
 mod pairing;
 mod ranks;
 mod rows;
+mod state;
 
 pub use error::PlanError;
 pub use rows::RowRun;
@@ -15,9 +17,22 @@ pub use rows::RowRun;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::model::{LayerId, Problem, RankId, Request};
-use ranks::{Mode, Role};
+use crate::model::{Attention, KvPart, LayerId, PoolKind, Problem, RankId, RegionKind, Request, StateKind};
+use ranks::{Connection, Mode};
 use rows::ChunkView;
+
+/// What a transfer group moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TransferKind {
+    /// Target KV rows (latent, or K/V head slices).
+    Kv,
+    /// Draft KV rows, replicated to every DCP rank.
+    Draft,
+    /// State items of one component (last chunk only).
+    State { component: u32 },
+    /// Aux rows (last chunk, last stage only).
+    Aux,
+}
 
 /// Which source entry feeds which target entry, and which bytes of each token row move.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +68,7 @@ impl EntryPair {
 pub struct TransferGroup {
     pub request: u32,
     pub chunk: u32,
+    pub kind: TransferKind,
     pub source: RankId,
     pub target: RankId,
     pub entries: Arc<[EntryPair]>,
@@ -64,6 +80,7 @@ pub struct TransferGroup {
 pub struct Copy {
     pub request: u32,
     pub chunk: u32,
+    pub kind: TransferKind,
     pub source: RankId,
     pub source_region: u32,
     pub source_offset: u64,
@@ -73,7 +90,7 @@ pub struct Copy {
     pub length: u64,
 }
 
-/// A canonical transfer plan: groups sorted by (request, chunk, source, target), plus why.
+/// A canonical transfer plan: groups sorted by (request, chunk, source, target, kind), plus why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     pub groups: Vec<TransferGroup>,
@@ -91,6 +108,7 @@ impl Plan {
                     (0..count).map(move |k| Copy {
                         request: group.request,
                         chunk: group.chunk,
+                        kind: group.kind,
                         source: group.source,
                         source_region: entry.source_region,
                         source_offset: (run.source_row + k) * entry.source_row_len + entry.source_column,
@@ -133,41 +151,39 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
     let prefill = &problem.prefill.topology;
     let decode = &problem.decode.topology;
     let pool = problem.model.pool_kind();
-    ranks::check_topologies(prefill, decode)?;
+    ranks::check_topologies(prefill, decode, pool)?;
+    check_state_gates(problem, pool)?;
 
     let mut explain = vec![
         format!(
-            "pool: {pool}, {} KV entries of {} B per token row",
-            problem.model.mla_layers.len(),
-            problem.model.token_len()
+            "pool: {pool}, {} KV layers of {} B per token row on prefill, {} state component(s), {} aux buffer(s){}",
+            problem.model.kv_layers.len(),
+            problem.model.token_len(prefill.tp),
+            problem.model.state.len(),
+            problem.model.aux_item_lens.len(),
+            problem.model.draft.map_or(String::new(), |draft| format!(", {} draft entries", draft.entries)),
         ),
         ranks::describe_mapping(prefill, decode, pool),
     ];
 
     // Registration-time work, once per connection (domain.md §6.3): mode, geometry and entry pairing.
     let mut links = Vec::new();
-    let mut modes = BTreeMap::new();
-    let mut pairings: BTreeMap<(RankId, String), Vec<RankId>> = BTreeMap::new();
-    let mut dummies = 0;
-    for connection in ranks::connections(prefill, decode, pool) {
-        // Every registered peer passes the DCP gate, writers or not (domain.md §6.3).
+    let mut notes: BTreeMap<String, Vec<RankId>> = BTreeMap::new();
+    for connection in ranks::connections(prefill, decode) {
+        // Every registered peer passes the DCP gate, whatever it sends (domain.md §6.3).
         let mode = ranks::transfer_mode(prefill, connection.prefill, decode, connection.decode)?;
-        if connection.role != Role::Writer {
-            dummies += 1;
-            continue;
+        let link = link(problem, &connection, mode)?;
+        for note in &link.notes {
+            notes.entry(format!("{} -> decode {{}}: {note}", connection.prefill)).or_default().push(connection.decode);
         }
-        let entries = pair_connection(problem, connection.prefill, connection.decode, mode)?;
-        let text = describe_pairing(&entries);
-        pairings.entry((connection.prefill, text)).or_default().push(connection.decode);
-        modes.insert(describe_mode(mode, pool), ());
-        links.push((connection, mode, Arc::<[EntryPair]>::from(entries)));
+        links.push(link);
     }
-    explain.extend(modes.into_keys());
-    if dummies > 0 {
-        explain.push(format!("{dummies} connections carry no KV (dummy or state-only prefill ranks)"));
-    }
-    for ((source, text), targets) in pairings {
-        explain.push(format!("pairing by global layer id {source} -> decode {}: {text}", rank_list(&targets)));
+    let mut modes: Vec<String> = links.iter().map(|link| describe_mode(link.mode, pool)).collect();
+    modes.sort();
+    modes.dedup();
+    explain.extend(modes);
+    for (note, targets) in notes {
+        explain.push(note.replace("{}", &rank_list(&targets)));
     }
 
     let mut groups = Vec::new();
@@ -180,40 +196,55 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
                 decode_prefix: request.decode_prefix,
             });
         }
-        // Runs depend only on (chunk, mode), not on the layer or the stage: compute each once.
-        let mut cache: BTreeMap<(u32, Mode), Arc<[RowRun]>> = BTreeMap::new();
+        // Row runs depend only on (chunk, mode), not on the layer or the stage: compute each once.
+        let mut cache: BTreeMap<(u32, Option<Mode>), Arc<[RowRun]>> = BTreeMap::new();
+        let chunk_count = request.chunks.len() as u32;
         for (chunk_index, chunk) in
             chunks(request, prefill.virtual_page_size(), u64::from(prefill.page_size)).enumerate()
         {
-            for (connection, mode, entries) in &links {
-                let key = (chunk_index as u32, *mode);
-                let runs = match cache.get(&key) {
-                    Some(runs) => runs.clone(),
-                    None => {
-                        let runs: Arc<[RowRun]> = match *mode {
-                            Mode::PageCopy => rows::page_copy(&chunk)?,
-                            Mode::Relayout { dcp, dcp_rank } => rows::relayout(&chunk, dcp, dcp_rank)?,
-                        }
-                        .into();
-                        cache.insert(key, runs.clone());
-                        runs
+            let chunk_index = chunk_index as u32;
+            for link in &links {
+                let mut push = |kind, entries: &Arc<[EntryPair]>, runs: Arc<[RowRun]>| {
+                    if !runs.is_empty() && !entries.is_empty() {
+                        groups.push(TransferGroup {
+                            request: request.id,
+                            chunk: chunk_index,
+                            kind,
+                            source: link.source,
+                            target: link.target,
+                            entries: entries.clone(),
+                            runs,
+                        });
                     }
                 };
-                if runs.is_empty() || entries.is_empty() {
+                if let Some(entries) = &link.kv {
+                    let runs = cached(&mut cache, (chunk_index, Some(link.mode)), || match link.mode {
+                        Mode::PageCopy => rows::page_copy(&chunk),
+                        Mode::Relayout { dcp, dcp_rank } => rows::relayout(&chunk, dcp, dcp_rank),
+                    })?;
+                    push(TransferKind::Kv, entries, runs);
+                }
+                if let Some(entries) = &link.draft {
+                    let runs =
+                        cached(&mut cache, (chunk_index, None), || rows::draft(&chunk, u64::from(virtual_page)))?;
+                    push(TransferKind::Draft, entries, runs);
+                }
+                // State and aux travel with the last chunk only (domain.md §2.3, §1.6, §5.1).
+                if chunk_index + 1 != chunk_count {
                     continue;
                 }
-                groups.push(TransferGroup {
-                    request: request.id,
-                    chunk: chunk_index as u32,
-                    source: connection.prefill,
-                    target: connection.decode,
-                    entries: entries.clone(),
-                    runs,
-                });
+                for (component, kind, entries) in &link.state {
+                    let runs = state_runs(request, *component, *kind)?;
+                    push(TransferKind::State { component: *component as u32 }, entries, runs);
+                }
+                if let Some(entries) = &link.aux {
+                    let runs = rows::index_runs(&[request.prefill_state.aux], &[request.decode_state.aux]);
+                    push(TransferKind::Aux, entries, runs.into());
+                }
             }
         }
     }
-    groups.sort_by_key(|group| (group.request, group.chunk, group.source, group.target));
+    groups.sort_by_key(|group| (group.request, group.chunk, group.source, group.target, group.kind));
     Ok(Plan { groups, explain })
 }
 
@@ -238,58 +269,321 @@ fn chunks(request: &Request, prefill_page: u32, page_size: u64) -> impl Iterator
     })
 }
 
-/// Pairs the source rank's entries with the target rank's and checks their geometry.
-fn pair_connection(problem: &Problem, source: RankId, target: RankId, mode: Mode) -> Result<Vec<EntryPair>, PlanError> {
-    let source_layout = problem.prefill.rank(source);
-    let target_layout = problem.decode.rank(target);
-    let targets = pairing::pair_entries(
-        source_layout.advertised_layer_ids.as_deref(),
-        target_layout.advertised_layer_ids.as_deref(),
-        source_layout.regions.len(),
-        target_layout.regions.len(),
-        problem.prefill.topology.pp == 1,
-    )?;
-    let pairs: Vec<EntryPair> = targets
-        .iter()
-        .enumerate()
-        .map(|(source_index, target_index)| {
-            let source_region = &source_layout.regions[source_index];
-            let target_region = &target_layout.regions[*target_index];
-            EntryPair {
-                source_region: source_index as u32,
-                target_region: *target_index as u32,
-                layer: source_region.layer,
-                source_row_len: source_region.token_len(),
-                target_row_len: target_region.token_len(),
-                source_column: 0,
-                target_column: 0,
-                length: source_region.token_len(),
-            }
-        })
-        .collect();
-    match mode {
-        Mode::Relayout { .. } => {
-            // prepare_dcp_token_item_lens (domain.md §2.6): token lengths must agree entry by entry.
-            let source: Vec<u64> = pairs.iter().map(|pair| pair.source_row_len).collect();
-            let target: Vec<u64> = pairs.iter().map(|pair| pair.target_row_len).collect();
-            if source != target {
-                return Err(PlanError::DcpGeometry { prefill: source, decode: target });
-            }
+fn cached(
+    cache: &mut BTreeMap<(u32, Option<Mode>), Arc<[RowRun]>>,
+    key: (u32, Option<Mode>),
+    compute: impl FnOnce() -> Result<Vec<RowRun>, PlanError>,
+) -> Result<Arc<[RowRun]>, PlanError> {
+    if let Some(runs) = cache.get(&key) {
+        return Ok(runs.clone());
+    }
+    let runs: Arc<[RowRun]> = compute()?.into();
+    cache.insert(key, runs.clone());
+    Ok(runs)
+}
+
+/// Rejections that depend on the state components (domain.md §3.4, §8).
+fn check_state_gates(problem: &Problem, pool: PoolKind) -> Result<(), PlanError> {
+    let prefill = &problem.prefill.topology;
+    let decode = &problem.decode.topology;
+    for component in &problem.model.state {
+        let windowed = matches!(component.kind, StateKind::Swa | StateKind::SwaRing);
+        if windowed && !pool.replicated_latent() && prefill.tp != decode.tp {
+            return Err(PlanError::SwaTpMismatch);
         }
-        Mode::PageCopy => {
-            for (pair, target_index) in pairs.iter().zip(&targets) {
-                let source = source_layout.regions[pair.source_region as usize].item_len;
-                let target = target_layout.regions[*target_index].item_len;
-                if source != target {
-                    return Err(PlanError::ItemLength { layer: pair.layer, prefill: source, decode: target });
+        if component.kind != StateKind::Mamba && prefill.dcp != decode.dcp {
+            return Err(PlanError::PagedStateUnderDcp { kind: component.kind });
+        }
+    }
+    let kinds =
+        |side: &crate::model::SideLayout| side.ranks.first().map(|rank| rank.state.kinds.clone()).unwrap_or_default();
+    let (source, target) = (kinds(&problem.prefill), kinds(&problem.decode));
+    if source != target {
+        return Err(PlanError::StateComponents { prefill: source, decode: target });
+    }
+    Ok(())
+}
+
+/// State item index pairs of one request for one component (domain.md §5.1, §8 step 2).
+fn state_runs(request: &Request, component: usize, kind: StateKind) -> Result<Arc<[RowRun]>, PlanError> {
+    if kind == StateKind::Mamba {
+        return Ok(rows::index_runs(&[request.prefill_state.slot], &[request.decode_state.slot]).into());
+    }
+    let source = &request.prefill_state.pages[component];
+    let target = &request.decode_state.pages[component];
+    let overlap = source.len().min(target.len());
+    if source.is_empty() && target.is_empty() {
+        return Ok(Vec::new().into());
+    }
+    if overlap == 0 {
+        return Err(PlanError::NoOverlappingState { kind });
+    }
+    if source.len() != target.len() && !kind.is_paged() {
+        return Err(PlanError::StateIndexLength { kind, prefill: source.len(), decode: target.len() });
+    }
+    // Paged kinds tolerate a drift: both lists are truncated to their common length (domain.md §8).
+    Ok(rows::index_runs(&source[..overlap], &target[..overlap]).into())
+}
+
+/// What one connection sends, decided once at registration.
+struct Link {
+    source: RankId,
+    target: RankId,
+    mode: Mode,
+    /// Target KV entries (plus draft entries under plain page copy), or `None` when this peer writes no KV.
+    kv: Option<Arc<[EntryPair]>>,
+    /// Draft entries relaid out to every DCP rank (relayout only).
+    draft: Option<Arc<[EntryPair]>>,
+    state: Vec<(usize, StateKind, Arc<[EntryPair]>)>,
+    aux: Option<Arc<[EntryPair]>>,
+    notes: Vec<String>,
+}
+
+fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, PlanError> {
+    let prefill = &problem.prefill.topology;
+    let decode = &problem.decode.topology;
+    let source_layout = problem.prefill.rank(connection.prefill);
+    let target_layout = problem.decode.rank(connection.decode);
+    let primary = connection.offset == 0;
+    // Replicated latent: one writer per decode rank. Head-sharded KV: every prefill rank of the group writes its
+    // heads, except duplicates when prefill TP exceeds the head count ([I] only the first replica writes).
+    let kv_writer = match problem.model.attention {
+        _ if decode.tp >= prefill.tp => true,
+        Attention::Mla { .. } => primary,
+        Attention::Mha { kv_heads, .. } => connection.prefill.tp % (prefill.tp / kv_heads).max(1) == 0,
+    };
+    let mut res = Link {
+        source: connection.prefill,
+        target: connection.decode,
+        mode,
+        kv: None,
+        draft: None,
+        state: Vec::new(),
+        aux: None,
+        notes: Vec::new(),
+    };
+    if kv_writer || primary {
+        let (targets, drafts) = kv_pairs(problem, connection, mode)?;
+        if !targets.is_empty() {
+            res.notes.push(format!("kv pairing by global layer id: {}", describe_pairing(&targets)));
+        }
+        if kv_writer {
+            res.kv = Some(targets.into());
+        }
+        if primary && !drafts.is_empty() {
+            res.notes.push(format!("draft pairing: {}", describe_pairing(&drafts)));
+            match mode {
+                Mode::Relayout { .. } => res.draft = Some(drafts.into()),
+                Mode::PageCopy => {
+                    let mut entries: Vec<EntryPair> = res.kv.as_deref().unwrap_or_default().to_vec();
+                    entries.extend(drafts);
+                    res.kv = Some(entries.into());
                 }
             }
         }
+    } else if problem.model.pool_kind() == PoolKind::Mla {
+        res.notes.push("dummy: pure MLA, the group's first rank sends the latent".to_owned());
     }
-    Ok(pairs)
+    let shard = state::Shard {
+        prefill_tp: prefill.tp,
+        decode_tp: decode.tp,
+        prefill_rank: connection.prefill.tp,
+        decode_rank: connection.decode.tp,
+    };
+    for (component, kind) in source_layout.state.kinds.iter().enumerate() {
+        // Mamba state is sliced per TP rank, so every prefill rank of the group sends; paged state is replicated.
+        if *kind != StateKind::Mamba && !primary {
+            continue;
+        }
+        let entries = state_pairs(problem, connection, component, *kind, shard)?;
+        if !entries.is_empty() {
+            res.notes.push(format!("{kind} state component {component}: {}", describe_state(&entries)));
+            res.state.push((component, *kind, entries.into()));
+        }
+    }
+    if primary && connection.prefill.pp + 1 == prefill.pp && !source_layout.aux_entries.is_empty() {
+        // Aux rows go with the last chunk from the last PP stage only (domain.md §1.6).
+        let lens = |layout: &crate::model::RankLayout| -> Vec<u64> {
+            layout.aux_entries.iter().map(|index| layout.regions[*index as usize].item_len).collect()
+        };
+        let (source_lens, target_lens) = (lens(source_layout), lens(target_layout));
+        if source_lens != target_lens {
+            return Err(PlanError::AuxGeometry { prefill: source_lens, decode: target_lens });
+        }
+        let entries: Vec<EntryPair> = source_layout
+            .aux_entries
+            .iter()
+            .zip(&target_layout.aux_entries)
+            .map(|(source, target)| full_row(*source, *target, 0, source_lens[0].max(1)))
+            .zip(&source_lens)
+            .map(|(entry, len)| EntryPair { source_row_len: *len, target_row_len: *len, length: *len, ..entry })
+            .collect();
+        res.aux = Some(entries.into());
+    }
+    Ok(res)
 }
 
-fn describe_mode(mode: Mode, pool: crate::model::PoolKind) -> String {
+fn full_row(source_region: u32, target_region: u32, layer: LayerId, row_len: u64) -> EntryPair {
+    EntryPair {
+        source_region,
+        target_region,
+        layer,
+        source_row_len: row_len,
+        target_row_len: row_len,
+        source_column: 0,
+        target_column: 0,
+        length: row_len,
+    }
+}
+
+/// KV entry pairs of one connection: target entries, then draft entries (domain.md §2.6, §2.7, §3.2, §4.3).
+fn kv_pairs(
+    problem: &Problem,
+    connection: &Connection,
+    mode: Mode,
+) -> Result<(Vec<EntryPair>, Vec<EntryPair>), PlanError> {
+    let source_layout = problem.prefill.rank(connection.prefill);
+    let target_layout = problem.decode.rank(connection.decode);
+    let prefill = &problem.prefill.topology;
+    let decode = &problem.decode.topology;
+    let pairs = pairing::pair_entries(
+        source_layout.advertised_layer_ids.as_deref(),
+        target_layout.advertised_layer_ids.as_deref(),
+        source_layout.kv_entries.len(),
+        target_layout.kv_entries.len(),
+        prefill.pp == 1,
+    )?;
+    let (mut targets, mut drafts) = (Vec::new(), Vec::new());
+    let (mut source_lens, mut target_lens) = (Vec::new(), Vec::new());
+    for (source_entry, target_entry) in pairs.iter().enumerate() {
+        let source_index = source_layout.kv_entries[source_entry];
+        let target_index = target_layout.kv_entries[*target_entry];
+        let source = &source_layout.regions[source_index as usize];
+        let target = &target_layout.regions[target_index as usize];
+        let is_draft = source.kind == RegionKind::Draft;
+        match mode {
+            Mode::Relayout { dcp, .. } if is_draft => {
+                // Version 2 (domain.md §2.6): the decode draft pool is paged by V, so its items are c times larger.
+                let expected = source.item_len * u64::from(dcp);
+                if target.item_len != expected {
+                    return Err(PlanError::DcpGeometryAt {
+                        entry: source_entry,
+                        prefill: source.item_len,
+                        decode: target.item_len,
+                        expected,
+                    });
+                }
+            }
+            Mode::Relayout { .. } => {
+                source_lens.push(source.row_len());
+                target_lens.push(target.row_len());
+            }
+            Mode::PageCopy if source.kind == RegionKind::Kv(KvPart::Latent) || is_draft => {
+                if source.item_len != target.item_len {
+                    return Err(PlanError::ItemLength {
+                        layer: source.layer,
+                        prefill: source.item_len,
+                        decode: target.item_len,
+                    });
+                }
+            }
+            Mode::PageCopy => {}
+        }
+        let mut entry = full_row(source_index, target_index, source.layer, source.row_len());
+        entry.target_row_len = target.row_len();
+        if let (Attention::Mha { kv_heads, .. }, false) = (problem.model.attention, is_draft) {
+            let head_len = target.row_len() / u64::from(problem.model.kv_heads_local(decode.tp));
+            let slice = heads::head_slice(
+                kv_heads,
+                prefill.tp,
+                decode.tp,
+                connection.prefill.tp,
+                connection.decode.tp,
+                head_len,
+            )?;
+            entry.source_column = slice.source_offset;
+            entry.target_column = slice.target_offset;
+            entry.length = slice.length;
+        }
+        if is_draft {
+            drafts.push(entry);
+        } else {
+            targets.push(entry);
+        }
+    }
+    // prepare_dcp_token_item_lens version 1 (domain.md §2.6): target token lengths must agree entry by entry.
+    if source_lens != target_lens {
+        return Err(PlanError::DcpGeometry { prefill: source_lens, decode: target_lens });
+    }
+    Ok((targets, drafts))
+}
+
+/// State entry pairs of one component: byte blocks for Mamba, whole items for paged kinds (domain.md §5.5, §8).
+///
+/// Source-side metadata is read at the source entry `i`, destination-side metadata at its partner `j`, and every
+/// list read is bounds-guarded with the documented defaults (domain.md §5.5).
+fn state_pairs(
+    problem: &Problem,
+    connection: &Connection,
+    component: usize,
+    kind: StateKind,
+    shard: state::Shard,
+) -> Result<Vec<EntryPair>, PlanError> {
+    let source_layout = problem.prefill.rank(connection.prefill);
+    let target_layout = problem.decode.rank(connection.decode);
+    let (source_meta, target_meta) = (&source_layout.state, &target_layout.state);
+    let ids = |meta: &crate::model::StateMetadata| meta.layer_ids.get(component).filter(|ids| !ids.is_empty()).cloned();
+    let (source_regions, target_regions) = (&source_meta.regions[component], &target_meta.regions[component]);
+    let pairs = pairing::pair_entries(
+        ids(source_meta).as_deref(),
+        ids(target_meta).as_deref(),
+        source_regions.len(),
+        target_regions.len(),
+        problem.prefill.topology.pp == 1,
+    )?;
+    let mut res = Vec::new();
+    for (source_entry, target_entry) in pairs.iter().copied().enumerate() {
+        let source_index = source_regions[source_entry];
+        let target_index = target_regions[target_entry];
+        let source = &source_layout.regions[source_index as usize];
+        let target = &target_layout.regions[target_index as usize];
+        if kind != StateKind::Mamba {
+            if source.item_len != target.item_len {
+                return Err(PlanError::StateItemLength {
+                    kind,
+                    layer: source.layer,
+                    prefill: source.item_len,
+                    decode: target.item_len,
+                });
+            }
+            res.push(full_row(source_index, target_index, source.layer, source.item_len));
+            continue;
+        }
+        let read = |meta: &crate::model::StateMetadata, entry: usize, item_len: u64| state::TensorMeta {
+            item_len,
+            dim: meta.dims.get(component).and_then(|dims| dims.get(entry)).copied(),
+            groups: meta.conv_groups.get(component).and_then(|groups| groups.get(entry)).cloned().flatten(),
+            outer_count: meta.outer_counts.get(component).and_then(|outer| outer.get(entry)).copied().unwrap_or(1),
+        };
+        let source_tensor = read(source_meta, source_entry, source.item_len);
+        let target_tensor = read(target_meta, target_entry, target.item_len);
+        for block in state::mamba_blocks(component, source_entry, &source_tensor, &target_tensor, shard)? {
+            res.push(EntryPair {
+                source_region: source_index,
+                target_region: target_index,
+                layer: source.layer,
+                source_row_len: source.item_len,
+                target_row_len: target.item_len,
+                source_column: block.source,
+                target_column: block.target,
+                length: block.length,
+            });
+        }
+    }
+    Ok(res)
+}
+
+fn describe_mode(mode: Mode, pool: PoolKind) -> String {
     match mode {
         Mode::PageCopy => "transfer mode: plain page copy, equal DCP sizes (domain.md §2.5 case 1)".to_owned(),
         Mode::Relayout { dcp, .. } => {
@@ -301,14 +595,41 @@ fn describe_mode(mode: Mode, pool: crate::model::PoolKind) -> String {
 }
 
 fn describe_pairing(entries: &[EntryPair]) -> String {
-    if entries.is_empty() {
-        return "no KV entries on this stage".to_owned();
-    }
     let parts: Vec<String> = entries
         .iter()
-        .map(|entry| format!("L{} {}->{}", entry.layer, entry.source_region, entry.target_region))
+        .map(|entry| {
+            let mut text = format!("L{} {}->{}", entry.layer, entry.source_region, entry.target_region);
+            if !entry.full_rows() {
+                text.push_str(&format!(
+                    " bytes {}..{} of {} -> {}..{} of {}",
+                    entry.source_column,
+                    entry.source_column + entry.length,
+                    entry.source_row_len,
+                    entry.target_column,
+                    entry.target_column + entry.length,
+                    entry.target_row_len
+                ));
+            }
+            text
+        })
         .collect();
     parts.join(", ")
+}
+
+/// Entries paired and byte blocks of one state component (the blocks themselves show in the golden layout).
+fn describe_state(entries: &[EntryPair]) -> String {
+    let mut pairs: Vec<(u32, u32, LayerId)> =
+        entries.iter().map(|entry| (entry.source_region, entry.target_region, entry.layer)).collect();
+    pairs.dedup();
+    let listed: Vec<String> =
+        pairs.iter().take(4).map(|(source, target, layer)| format!("L{layer} {source}->{target}")).collect();
+    format!(
+        "{} entries paired by layer id ({}{}), {} byte blocks",
+        pairs.len(),
+        listed.join(", "),
+        if pairs.len() > 4 { ", ..." } else { "" },
+        entries.len()
+    )
 }
 
 fn describe_request(request: &Request) -> String {

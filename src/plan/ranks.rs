@@ -1,20 +1,9 @@
-//! Which prefill ranks talk to which decode ranks (domain.md §3.1), and how (domain.md §2.5).
+//! Which prefill ranks talk to which decode ranks (domain.md §3.1), and how KV moves (domain.md §2.5).
 
 use std::fmt::Write as _;
 
 use super::PlanError;
 use crate::model::{PoolKind, RankId, Topology};
-
-/// What a prefill rank does for one decode rank it is connected to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Role {
-    /// Writes the replicated latent KV.
-    Writer,
-    /// Pure MLA with `Td < Tp`: reports success but sends nothing (domain.md §3.1).
-    Dummy,
-    /// Hybrid-MLA with `Td < Tp`: a real peer that skips KV and only sends state (domain.md §3.3).
-    StateOnly,
-}
 
 /// How KV bytes of one connection move (domain.md §2.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -25,14 +14,16 @@ pub(crate) enum Mode {
     Relayout { dcp: u32, dcp_rank: u32 },
 }
 
+/// One prefill rank a decode rank contacts.
 pub(crate) struct Connection {
     pub(crate) prefill: RankId,
     pub(crate) decode: RankId,
-    pub(crate) role: Role,
+    /// Position among the `k` prefill ranks of the decode rank's group when decode TP < prefill TP, else 0.
+    pub(crate) offset: u32,
 }
 
 /// Rejects sizes that cannot be mapped at all: DCP carved out of TP, integral TP ratio, decode PP ∈ {1, prefill PP}.
-pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology) -> Result<(), PlanError> {
+pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology, pool: PoolKind) -> Result<(), PlanError> {
     let unsupported = |reason: String| Err(PlanError::UnsupportedTopology { reason });
     for (side, topology) in [("prefill", prefill), ("decode", decode)] {
         if topology.tp == 0 || topology.pp == 0 || topology.dcp == 0 || topology.page_size == 0 {
@@ -45,6 +36,10 @@ pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology) -> Result<
     if prefill.page_size != decode.page_size {
         return Err(PlanError::PageSizeMismatch { prefill: prefill.page_size, decode: decode.page_size });
     }
+    // Decode-side gate in try_ensure_parallel_info, before any registration (domain.md §2.5).
+    if decode.dcp > 1 && !pool.replicated_latent() {
+        return Err(PlanError::DcpNeedsMla);
+    }
     if decode.pp != 1 && decode.pp != prefill.pp {
         return unsupported(format!("decode pp {} must be 1 or equal prefill pp {}", decode.pp, prefill.pp));
     }
@@ -54,26 +49,24 @@ pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology) -> Result<
     Ok(())
 }
 
-/// Every (prefill rank, decode rank) connection with the prefill rank's role (domain.md §3.1, §3.3).
-pub(crate) fn connections(prefill: &Topology, decode: &Topology, pool: PoolKind) -> Vec<Connection> {
+/// Every (prefill rank, decode rank) connection (domain.md §3.1).
+pub(crate) fn connections(prefill: &Topology, decode: &Topology) -> Vec<Connection> {
     let mut res = Vec::new();
     for target in decode.ranks() {
         let stages = if decode.pp == prefill.pp { target.pp..target.pp + 1 } else { 0..prefill.pp };
         for stage in stages {
             if decode.tp >= prefill.tp {
                 let ratio = decode.tp / prefill.tp;
-                let source = RankId { pp: stage, tp: target.tp / ratio };
-                res.push(Connection { prefill: source, decode: target, role: Role::Writer });
+                res.push(Connection {
+                    prefill: RankId { pp: stage, tp: target.tp / ratio },
+                    decode: target,
+                    offset: 0,
+                });
             } else {
                 let ratio = prefill.tp / decode.tp;
                 for offset in 0..ratio {
-                    let role = match (offset, pool) {
-                        (0, _) => Role::Writer,
-                        (_, PoolKind::Mla) => Role::Dummy,
-                        (_, PoolKind::HybridMla) => Role::StateOnly,
-                    };
                     let source = RankId { pp: stage, tp: target.tp * ratio + offset };
-                    res.push(Connection { prefill: source, decode: target, role });
+                    res.push(Connection { prefill: source, decode: target, offset });
                 }
             }
         }
@@ -95,7 +88,7 @@ pub(crate) fn transfer_mode(
         }
         return Ok(Mode::PageCopy);
     }
-    // Both pool kinds here are MLA or hybrid-MLA, the only ones case 2 admits.
+    // The pool gate (MLA or hybrid-MLA only) already ran in check_topologies.
     if prefill.dcp == 1 {
         return Ok(Mode::Relayout { dcp: decode.dcp, dcp_rank: decode.dcp_rank(target.tp) });
     }
@@ -120,11 +113,14 @@ pub(crate) fn describe_mapping(prefill: &Topology, decode: &Topology, pool: Pool
         let others = match pool {
             PoolKind::Mla => "the others are dummies (pure MLA)",
             PoolKind::HybridMla => "the others send state only (hybrid-MLA)",
+            PoolKind::Mha | PoolKind::HybridMha => "all send their KV heads (head-sharded)",
         };
         let _ = write!(
             res,
-            "rank mapping: decode TP{} < prefill TP{} (k={ratio}): decode tp d <- prefill tp d*{ratio}..d*{ratio}+{}; the first writes KV, {others}",
-            decode.tp, prefill.tp, ratio - 1
+            "rank mapping: decode TP{} < prefill TP{} (k={ratio}): decode tp d <- prefill tp d*{ratio}..d*{ratio}+{}; the first writes latent KV, draft and aux, {others}",
+            decode.tp,
+            prefill.tp,
+            ratio - 1
         );
     }
     if decode.pp == prefill.pp {

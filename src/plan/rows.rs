@@ -72,6 +72,41 @@ pub(crate) fn relayout(chunk: &ChunkView<'_>, dcp: u32, dcp_rank: u32) -> Result
     Ok(runs)
 }
 
+/// Draft (replicated) rows (domain.md §2.4): every token of the chunk, into the draft pool paged by `V`.
+pub(crate) fn draft(chunk: &ChunkView<'_>, virtual_page: u64) -> Result<Vec<RowRun>, PlanError> {
+    if chunk.tokens == 0 {
+        return Ok(Vec::new());
+    }
+    let page = chunk.page_size;
+    let last = chunk.source_page_offset * page + chunk.tokens - 1;
+    let required = last / virtual_page + 1;
+    if required > chunk.target_pages.len() as u64 {
+        return Err(PlanError::InsufficientPages {
+            required,
+            provided: chunk.target_pages.len() as u64,
+            src_page_offset: chunk.source_page_offset,
+        });
+    }
+    let mut runs = Vec::new();
+    for offset in 0..chunk.tokens {
+        let source_row = u64::from(chunk.source_pages[(offset / page) as usize]) * page + offset % page;
+        let position = chunk.source_page_offset * page + offset;
+        let target_row =
+            u64::from(chunk.target_pages[(position / virtual_page) as usize]) * virtual_page + position % virtual_page;
+        push(&mut runs, source_row, target_row, 1);
+    }
+    Ok(runs)
+}
+
+/// Contiguous runs of paired item indices (`group_concurrent_contiguous`, domain.md §2.4, §8).
+pub(crate) fn index_runs(source: &[u32], target: &[u32]) -> Vec<RowRun> {
+    let mut runs = Vec::new();
+    for (source, target) in source.iter().zip(target) {
+        push(&mut runs, u64::from(*source), u64::from(*target), 1);
+    }
+    runs
+}
+
 /// Plain page copy (domain.md §2.5 case 1): the chunk's pages pair 1:1 with `dst_kv_indices[index_slice]`.
 ///
 /// Whole items move, including the unused tail of a last partial page, as upstream's item-granular copy does.
@@ -157,6 +192,29 @@ mod tests {
         assert_eq!(&target[..64], &(192..256).collect::<Vec<_>>()[..]);
         assert_eq!(&target[64..], &(576..637).collect::<Vec<_>>()[..]);
         assert_eq!((source[124], target[124]), (7397, 636));
+    }
+
+    /// domain.md §2.4 draft rows of worked examples A (dst 56..63) and B (dst 18, 19, 24, 25).
+    #[test]
+    fn draft_rows_are_replicated_at_virtual_page_addresses() {
+        let example_a = ChunkView {
+            source_pages: &[5, 2, 11, 4],
+            target_pages: &[7],
+            source_page_offset: 0,
+            decode_prefix: 0,
+            tokens: 8,
+            page_size: 2,
+        };
+        assert_eq!(pairs(&draft(&example_a, 8).unwrap()), (vec![10, 11, 4, 5, 22, 23, 8, 9], (56..64).collect()));
+        let example_b = ChunkView {
+            source_pages: &[9, 3],
+            target_pages: &[4, 6],
+            source_page_offset: 1,
+            decode_prefix: 4,
+            tokens: 4,
+            page_size: 2,
+        };
+        assert_eq!(pairs(&draft(&example_b, 4).unwrap()), (vec![18, 19, 6, 7], vec![18, 19, 24, 25]));
     }
 
     #[test]

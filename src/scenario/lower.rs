@@ -2,9 +2,12 @@
 
 use std::collections::BTreeSet;
 
-use super::raw::{RawExpect, RawModel, RawRequest, RawScenario, RawSide};
+use super::raw::{RawComponent, RawExpect, RawModel, RawRequest, RawScenario, RawSide};
 use super::{Diagnostic, Expectation};
-use crate::model::{build_side_layout, ModelGeometry, Problem, Request, Side, SideOptions, Topology};
+use crate::model::{
+    build_side_layout, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem, Request, Side, SideOptions,
+    StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
+};
 use crate::seed::{Seed, SimRng};
 
 struct Diagnostics(Vec<Diagnostic>);
@@ -37,57 +40,179 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     };
     for (side, raw_side) in [("prefill", &raw.prefill), ("decode", &raw.decode)] {
         for (index, layer) in raw_side.missing_layers.iter().enumerate() {
-            if !model.mla_layers.contains(layer) {
+            if !model.kv_layers.contains(layer) {
                 diagnostics.push(
                     format!("{side}.missing_layers[{index}]"),
-                    format!("layer {layer} has no KV entry in this model (fix: name one of model.mla_layers)"),
+                    format!("layer {layer} has no KV entry in this model (fix: name one of model.kv_layers)"),
                 );
             }
         }
     }
-    let mut requests = lower_requests(&raw.requests, &prefill, &decode, &mut diagnostics);
+    check_divisibility(&model, &prefill, &decode, &mut diagnostics);
+    let mut requests = lower_requests(&raw.requests, &model, &prefill, &decode, &mut diagnostics);
     if !diagnostics.0.is_empty() {
         return Err(diagnostics.0);
     }
     let seed = Seed(raw.seed.unwrap_or(1));
-    let prefill_pages = allocate(Side::Prefill, &raw.prefill, &raw.requests, &mut requests, seed, &mut diagnostics);
-    let decode_pages = allocate(Side::Decode, &raw.decode, &raw.requests, &mut requests, seed, &mut diagnostics);
+    let mut sides = Vec::new();
+    for (side, raw_side, topology) in [(Side::Prefill, &raw.prefill, prefill), (Side::Decode, &raw.decode, decode)] {
+        let page_count = allocate(side, raw_side, &raw.requests, &mut requests, seed, &mut diagnostics);
+        let slot_count = raw_side.slots.unwrap_or(requests.len() as u32 + 1);
+        allocate_slots(side, slot_count, &mut requests, seed, &mut diagnostics);
+        let state_page_counts = allocate_state_pages(side, &model, &mut requests, seed);
+        let overrides = raw_side
+            .metadata_overrides
+            .iter()
+            .map(|item| MetadataOverride {
+                component: item.component,
+                entry: item.entry,
+                conv_groups: item.groups.clone().map(Some),
+                dim: item.dim,
+            })
+            .collect();
+        let options = SideOptions {
+            advertise_layer_ids: raw_side.layer_ids,
+            missing_layers: raw_side.missing_layers.clone(),
+            page_count,
+            slot_count,
+            state_page_counts,
+            metadata_components: raw_side.metadata_components,
+            overrides,
+        };
+        sides.push(build_side_layout(side, topology, &model, &options));
+    }
     if !diagnostics.0.is_empty() {
         return Err(diagnostics.0);
     }
-    let side = |side, topology, raw: &RawSide, page_count| {
-        let options =
-            SideOptions { advertise_layer_ids: raw.layer_ids, missing_layers: raw.missing_layers.clone(), page_count };
-        build_side_layout(side, topology, &model, &options)
-    };
+    let decode_layout = sides.pop().expect("two sides");
+    let prefill_layout = sides.pop().expect("two sides");
     let problem = Problem {
         name: raw.name.unwrap_or_else(|| default_name.to_owned()),
-        prefill: side(Side::Prefill, prefill, &raw.prefill, prefill_pages),
-        decode: side(Side::Decode, decode, &raw.decode, decode_pages),
+        prefill: prefill_layout,
+        decode: decode_layout,
         model,
         requests,
     };
     Ok((problem, expect))
 }
 
-/// Known model shapes (domain.md §10); 0-based MLA layer ids.
+/// Every sliced state axis and sub-block must split evenly over both sides' TP (impossible topologies otherwise).
+fn check_divisibility(model: &ModelGeometry, prefill: &Topology, decode: &Topology, diagnostics: &mut Diagnostics) {
+    for (component_index, component) in model.state.iter().enumerate() {
+        for (tensor_index, tensor) in component.tensors.iter().enumerate() {
+            let TensorShape::Sliced { full_dim, groups, .. } = &tensor.shape else { continue };
+            let path = format!("model.state[{component_index}].tensors[{tensor_index}]");
+            for (side, tp) in [("prefill", prefill.tp), ("decode", decode.tp)] {
+                if full_dim % tp != 0 {
+                    diagnostics.push(format!("{path}.dim"), format!("{full_dim} does not split over {side} tp {tp}"));
+                }
+                if let Some(group) = groups.iter().flatten().find(|group| *group % tp != 0) {
+                    diagnostics.push(
+                        format!("{path}.groups"),
+                        format!("sub-block of {group} does not split over {side} tp {tp}"),
+                    );
+                }
+            }
+        }
+    }
+    if let Attention::Mha { kv_heads, .. } = model.attention {
+        for (side, tp) in [("prefill", prefill.tp), ("decode", decode.tp)] {
+            if kv_heads % tp != 0 && tp % kv_heads != 0 {
+                diagnostics.push(
+                    "model.kv_heads",
+                    format!("{kv_heads} KV heads do not shard or replicate over {side} tp {tp}"),
+                );
+            }
+        }
+    }
+}
+
+/// A Mamba/KDA/GDN component over `layers` with a conv tensor and a temporal (SSM) tensor (domain.md §5.2, §10).
+fn linear_attention(layers: Vec<u32>, conv: (u32, u64, u32, Vec<u32>), heads: u32, head_bytes: u64) -> StateComponent {
+    let (dim, unit_bytes, outer_count, groups) = conv;
+    StateComponent {
+        kind: StateKind::Mamba,
+        window_pages: None,
+        layers,
+        tensors: vec![
+            StateTensor {
+                name: "conv".to_owned(),
+                shape: TensorShape::Sliced { full_dim: dim, unit_bytes, outer_count, groups: Some(groups) },
+            },
+            StateTensor {
+                name: "temporal".to_owned(),
+                shape: TensorShape::Sliced { full_dim: heads, unit_bytes: head_bytes, outer_count: 1, groups: None },
+            },
+        ],
+    }
+}
+
+fn complement(layers: u32, kv_layers: &[u32]) -> Vec<u32> {
+    (0..layers).filter(|layer| !kv_layers.contains(layer)).collect()
+}
+
+/// Known model shapes (domain.md §10); 0-based layer ids.
 fn preset(name: &str) -> Option<ModelGeometry> {
-    let (layers, mla_layers, dtype_bytes): (u32, Vec<u32>, u32) = match name {
-        // 24 MLA layers at 1-based 4, 8, ..., 92 and 93; fp8 latent as in the K3 shape test.
-        "kimi-k3" => (93, (3..92).step_by(4).chain([92]).collect(), 1),
-        "kimi-linear" => (27, vec![3, 7, 11, 15, 19, 23, 26], 2),
-        "deepseek-v3" => (61, (0..61).collect(), 2),
-        "deepseek-v2-lite" => (27, (0..27).collect(), 2),
-        _ => return None,
-    };
-    Some(ModelGeometry {
+    let mla = Attention::Mla { kv_lora_rank: 512, qk_rope_head_dim: 64 };
+    let base = |layers: u32, attention, kv_layers: Vec<u32>, dtype_bytes| ModelGeometry {
         name: name.to_owned(),
         layer_count: layers,
-        mla_layers,
-        kv_lora_rank: 512,
-        qk_rope_head_dim: 64,
+        attention,
+        kv_layers,
         dtype_bytes,
-    })
+        state: Vec::new(),
+        aux_item_lens: Vec::new(),
+        draft: None,
+    };
+    let model = match name {
+        // 24 MLA layers at 1-based 4, 8, ..., 92 and 93 (fp8 latent as in the K3 shape test); 69 KDA layers with
+        // 96 heads x 128: conv q=k=v=12288 channels in [K-1, dim] layout (3 rows, bf16), temporal 64 KiB per head.
+        "kimi-k3" => {
+            let kv: Vec<u32> = (3..92).step_by(4).chain([92]).collect();
+            let kda = complement(93, &kv);
+            ModelGeometry {
+                state: vec![linear_attention(kda, (36864, 2, 3, vec![12288; 3]), 96, 65536)],
+                ..base(93, mla, kv, 1)
+            }
+        }
+        "kimi-linear" => {
+            let kv = vec![3, 7, 11, 15, 19, 23, 26];
+            let kda = complement(27, &kv);
+            ModelGeometry {
+                state: vec![linear_attention(kda, (12288, 2, 3, vec![4096; 3]), 32, 65536)],
+                ..base(27, mla, kv, 2)
+            }
+        }
+        // Every fourth layer is full attention (GQA, 2 KV heads x 256); GDN conv [dim, K-1] (8192 channels of
+        // 3 x bf16 = 6 B, groups [2048, 2048, 4096]), temporal 32 value heads x 128 x 128 fp32.
+        "qwen3-next" => {
+            let kv: Vec<u32> = (3..48).step_by(4).collect();
+            let gdn = complement(48, &kv);
+            ModelGeometry {
+                state: vec![linear_attention(gdn, (8192, 6, 1, vec![2048, 2048, 4096]), 32, 65536)],
+                ..base(48, Attention::Mha { kv_heads: 2, head_dim: 256 }, kv, 2)
+            }
+        }
+        "deepseek-v3" => base(61, mla, (0..61).collect(), 2),
+        // DSA indexer keys: one 64-token page of 64 x 128 fp8 keys + 64 x 4 B scales per layer (domain.md §1.4).
+        "deepseek-v3.2" => ModelGeometry {
+            state: vec![StateComponent {
+                kind: StateKind::Dsa,
+                window_pages: None,
+                layers: (0..61).collect(),
+                tensors: vec![StateTensor {
+                    name: "index_k".to_owned(),
+                    shape: TensorShape::Replicated { item_len: 8448 },
+                }],
+            }],
+            ..base(61, mla, (0..61).collect(), 1)
+        },
+        "deepseek-v2-lite" => base(27, mla, (0..27).collect(), 2),
+        "llama-3-8b" => base(32, Attention::Mha { kv_heads: 8, head_dim: 128 }, (0..32).collect(), 2),
+        "llama-3-70b" => base(80, Attention::Mha { kv_heads: 8, head_dim: 128 }, (0..80).collect(), 2),
+        _ => return None,
+    };
+    Some(model)
 }
 
 fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeometry> {
@@ -97,56 +222,183 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
             None => {
                 diagnostics.push(
                     "model.preset",
-                    format!("unknown preset `{name}` (fix: use kimi-k3, kimi-linear, deepseek-v3 or deepseek-v2-lite, or give the dimensions)"),
+                    format!("unknown preset `{name}` (fix: use kimi-k3, kimi-linear, qwen3-next, deepseek-v3, deepseek-v3.2, deepseek-v2-lite, llama-3-8b or llama-3-70b, or give the dimensions)"),
                 );
                 return None;
             }
         },
         None => None,
     };
-    let pick = |field: &str, value: Option<u32>, from_base: Option<u32>, diagnostics: &mut Diagnostics| {
-        let res = value.or(from_base);
-        match res {
-            None => diagnostics.push(format!("model.{field}"), "missing (fix: give it or use a model.preset)"),
-            Some(0) => diagnostics.push(format!("model.{field}"), "must be at least 1"),
-            Some(_) => {}
+    let positive = |field: &str, value: Option<u32>, diagnostics: &mut Diagnostics| {
+        if value == Some(0) {
+            diagnostics.push(format!("model.{field}"), "must be at least 1");
         }
-        res
+        value
     };
-    let layers = pick("layers", raw.layers, base.as_ref().map(|model| model.layer_count), diagnostics);
-    let kv_lora_rank =
-        pick("kv_lora_rank", raw.kv_lora_rank, base.as_ref().map(|model| model.kv_lora_rank), diagnostics);
-    let rope =
-        pick("qk_rope_head_dim", raw.qk_rope_head_dim, base.as_ref().map(|model| model.qk_rope_head_dim), diagnostics);
-    let dtype_bytes = pick("dtype_bytes", raw.dtype_bytes, base.as_ref().map(|model| model.dtype_bytes), diagnostics);
-    let layers = layers?;
-    let mla_layers = match (&raw.mla_layers, &base) {
+    let layers = positive("layers", raw.layers.or(base.as_ref().map(|model| model.layer_count)), diagnostics);
+    let dtype_bytes =
+        positive("dtype_bytes", raw.dtype_bytes.or(base.as_ref().map(|model| model.dtype_bytes)), diagnostics);
+    let Some(layers) = layers else {
+        diagnostics.push("model.layers", "missing (fix: give it or use a model.preset)");
+        return None;
+    };
+    let Some(dtype_bytes) = dtype_bytes else {
+        diagnostics.push("model.dtype_bytes", "missing (fix: give it or use a model.preset)");
+        return None;
+    };
+    let attention = match (
+        raw.kv_heads,
+        raw.head_dim,
+        raw.kv_lora_rank,
+        raw.qk_rope_head_dim,
+        base.as_ref().map(|model| model.attention),
+    ) {
+        (Some(kv_heads), Some(head_dim), None, None, _) => Attention::Mha { kv_heads, head_dim },
+        (None, None, Some(kv_lora_rank), Some(qk_rope_head_dim), _) => {
+            Attention::Mla { kv_lora_rank, qk_rope_head_dim }
+        }
+        (None, None, None, None, Some(attention)) => attention,
+        _ => {
+            diagnostics.push(
+                "model",
+                "give either kv_heads and head_dim (MHA) or kv_lora_rank and qk_rope_head_dim (MLA), or a preset",
+            );
+            return None;
+        }
+    };
+    match attention {
+        Attention::Mha { kv_heads: 0, .. } | Attention::Mha { head_dim: 0, .. } => {
+            diagnostics.push("model", "kv_heads and head_dim must be at least 1");
+        }
+        Attention::Mla { kv_lora_rank, qk_rope_head_dim } if kv_lora_rank + qk_rope_head_dim == 0 => {
+            diagnostics.push("model", "an MLA token row needs kv_lora_rank + qk_rope_head_dim > 0");
+        }
+        _ => {}
+    }
+    let kv_layers = match (&raw.kv_layers, &base) {
         (Some(ids), _) => ids.clone(),
-        (None, Some(base)) if raw.layers.is_none() => base.mla_layers.clone(),
+        (None, Some(base)) if raw.layers.is_none() => base.kv_layers.clone(),
         (None, _) => (0..layers).collect(),
     };
-    let unique: BTreeSet<u32> = mla_layers.iter().copied().collect();
-    if unique.len() != mla_layers.len() || mla_layers.windows(2).any(|pair| pair[0] > pair[1]) {
-        diagnostics.push("model.mla_layers", "layer ids must be strictly increasing (fix: sort and deduplicate them)");
+    check_layer_list("model.kv_layers", &kv_layers, layers, diagnostics);
+    if kv_layers.is_empty() {
+        diagnostics.push("model.kv_layers", "no KV layers (fix: list at least one)");
     }
-    if let Some(layer) = mla_layers.iter().find(|layer| **layer >= layers) {
-        diagnostics.push("model.mla_layers", format!("layer {layer} is not below model.layers = {layers}"));
+    let state = match (&raw.state, &base) {
+        (Some(components), _) => lower_state(components, layers, &kv_layers, diagnostics),
+        (None, Some(base)) if raw.layers.is_none() && raw.kv_layers.is_none() => base.state.clone(),
+        (None, _) => Vec::new(),
+    };
+    let draft = raw.draft.map(|draft| DraftGeometry { entries: draft.entries, token_len: draft.token_len });
+    if draft.is_some_and(|draft| draft.token_len == 0 || draft.token_len % 8 != 0) {
+        diagnostics.push("model.draft.token_len", "must be a positive multiple of 8");
     }
-    if mla_layers.is_empty() {
-        diagnostics.push("model.mla_layers", "no MLA layers (fix: list at least one)");
+    let aux_item_lens = raw.aux.clone().unwrap_or_default();
+    if aux_item_lens.iter().any(|len| *len == 0 || len % 8 != 0) {
+        diagnostics.push("model.aux", "aux row lengths must be positive multiples of 8");
     }
-    let token_len = u64::from(kv_lora_rank? + rope?) * u64::from(dtype_bytes?);
-    if token_len % 8 != 0 {
-        diagnostics.push("model", format!("token row of {token_len} B is not a multiple of 8 (fix: adjust kv_lora_rank, qk_rope_head_dim or dtype_bytes)"));
-    }
-    Some(ModelGeometry {
+    let model = ModelGeometry {
         name: raw.preset.clone().unwrap_or_else(|| "custom".to_owned()),
         layer_count: layers,
-        mla_layers,
-        kv_lora_rank: kv_lora_rank?,
-        qk_rope_head_dim: rope?,
-        dtype_bytes: dtype_bytes?,
-    })
+        attention,
+        kv_layers,
+        dtype_bytes,
+        state,
+        aux_item_lens,
+        draft,
+    };
+    if model.head_len() % 8 != 0 {
+        diagnostics.push(
+            "model",
+            format!(
+                "token rows of {} B per head are not a multiple of 8 (fix: adjust the widths or dtype_bytes)",
+                model.head_len()
+            ),
+        );
+    }
+    Some(model)
+}
+
+fn check_layer_list(path: &str, ids: &[u32], layers: u32, diagnostics: &mut Diagnostics) {
+    let unique: BTreeSet<u32> = ids.iter().copied().collect();
+    if unique.len() != ids.len() || ids.windows(2).any(|pair| pair[0] > pair[1]) {
+        diagnostics.push(path, "layer ids must be strictly increasing (fix: sort and deduplicate them)");
+    }
+    if let Some(layer) = ids.iter().find(|layer| **layer >= layers) {
+        diagnostics.push(path, format!("layer {layer} is not below model.layers = {layers}"));
+    }
+}
+
+fn lower_state(
+    components: &[RawComponent],
+    layers: u32,
+    kv_layers: &[u32],
+    diagnostics: &mut Diagnostics,
+) -> Vec<StateComponent> {
+    let mut res = Vec::new();
+    for (index, raw) in components.iter().enumerate() {
+        let path = format!("model.state[{index}]");
+        let kind = match raw.kind.as_str() {
+            "mamba" => StateKind::Mamba,
+            "swa" => StateKind::Swa,
+            "dsa" => StateKind::Dsa,
+            "swa_ring" => StateKind::SwaRing,
+            other => {
+                diagnostics.push(
+                    format!("{path}.kind"),
+                    format!("unknown state kind `{other}` (fix: mamba, swa, dsa or swa_ring)"),
+                );
+                continue;
+            }
+        };
+        let component_layers = raw.layers.clone().unwrap_or_else(|| complement(layers, kv_layers));
+        check_layer_list(&format!("{path}.layers"), &component_layers, layers, diagnostics);
+        if raw.tensors.is_empty() {
+            diagnostics.push(format!("{path}.tensors"), "a component needs at least one tensor");
+        }
+        let mut tensors = Vec::new();
+        for (tensor_index, tensor) in raw.tensors.iter().enumerate() {
+            let path = format!("{path}.tensors[{tensor_index}]");
+            let shape = match (tensor.item_len, tensor.dim, tensor.unit_bytes) {
+                (Some(item_len), None, None) if tensor.groups.is_none() && tensor.outer.is_none() => {
+                    TensorShape::Replicated { item_len }
+                }
+                (None, Some(full_dim), Some(unit_bytes)) if kind == StateKind::Mamba => {
+                    let outer_count = tensor.outer.unwrap_or(1);
+                    if full_dim == 0 || unit_bytes == 0 || outer_count == 0 {
+                        diagnostics.push(path.clone(), "dim, unit_bytes and outer must be at least 1");
+                    }
+                    if let Some(groups) = &tensor.groups {
+                        let total: u64 = groups.iter().map(|group| u64::from(*group)).sum();
+                        if total != u64::from(full_dim) {
+                            diagnostics.push(
+                                format!("{path}.groups"),
+                                format!("sub-blocks sum to {total}, not dim {full_dim}"),
+                            );
+                        }
+                    }
+                    TensorShape::Sliced { full_dim, unit_bytes, outer_count, groups: tensor.groups.clone() }
+                }
+                _ => {
+                    diagnostics.push(
+                        path.clone(),
+                        "give `item_len` alone (not sliceable) or, for mamba, `dim` and `unit_bytes` (with optional `outer`, `groups`)",
+                    );
+                    continue;
+                }
+            };
+            let tensor = StateTensor { name: tensor.name.clone(), shape };
+            if tensor.item_len(1) % 8 != 0 {
+                diagnostics.push(path.clone(), format!("item of {} B is not a multiple of 8", tensor.item_len(1)));
+            }
+            tensors.push(tensor);
+        }
+        if kind != StateKind::Mamba && raw.window_pages == Some(0) {
+            diagnostics.push(format!("{path}.window_pages"), "must be at least 1");
+        }
+        res.push(StateComponent { kind, layers: component_layers, tensors, window_pages: raw.window_pages });
+    }
+    res
 }
 
 fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> Option<Topology> {
@@ -162,6 +414,7 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
 
 fn lower_requests(
     raw: &[RawRequest],
+    model: &ModelGeometry,
     prefill: &Topology,
     decode: &Topology,
     diagnostics: &mut Diagnostics,
@@ -219,6 +472,38 @@ fn lower_requests(
             .map(Vec::len)
             .or(request.decode_page_count.map(|count| count as usize))
             .unwrap_or(send_len.div_ceil(decode.virtual_page_size()) as usize);
+        // Paged state keeps every page of the request, or only its window (domain.md §8); scenarios may skew it.
+        let all_pages = request.tokens.div_ceil(prefill.page_size);
+        let mut counts: Vec<(u32, u32)> = model
+            .state
+            .iter()
+            .map(|component| match component.kind {
+                StateKind::Mamba => (0, 0),
+                _ => {
+                    let kept = component.window_pages.map_or(all_pages, |window| window.min(all_pages));
+                    (kept, kept)
+                }
+            })
+            .collect();
+        for (position, item) in request.state_pages.iter().enumerate() {
+            match model.state.get(item.component as usize) {
+                Some(component) if component.kind != StateKind::Mamba => {
+                    counts[item.component as usize] = (item.prefill, item.decode)
+                }
+                _ => diagnostics.push(
+                    format!("requests[{index}].state_pages[{position}].component"),
+                    format!(
+                        "{} is not a paged state component (fix: name a swa, dsa or swa_ring component)",
+                        item.component
+                    ),
+                ),
+            }
+        }
+        let state = |side: usize| StateIndices {
+            slot: 0,
+            aux: 0,
+            pages: counts.iter().map(|count| vec![0; if side == 0 { count.0 } else { count.1 } as usize]).collect(),
+        };
         requests.push(Request {
             id: index as u32,
             tokens: request.tokens,
@@ -226,6 +511,8 @@ fn lower_requests(
             chunks,
             prefill_pages: request.prefill_pages.clone().unwrap_or_else(|| vec![0; prefill_count]),
             decode_pages: request.decode_pages.clone().unwrap_or_else(|| vec![0; decode_count]),
+            prefill_state: state(0),
+            decode_state: state(1),
         });
     }
     requests
@@ -310,6 +597,58 @@ fn allocate(
         }
     }
     capacity
+}
+
+/// Hands every request a Mamba slot and an aux row on one side, shuffled from `1..slot_count`.
+fn allocate_slots(side: Side, slot_count: u32, requests: &mut [Request], seed: Seed, diagnostics: &mut Diagnostics) {
+    if slot_count <= requests.len() as u32 {
+        diagnostics.push(
+            format!("{side}.slots"),
+            format!("{slot_count} slots cannot hold {} requests besides slot 0 (fix: raise slots)", requests.len()),
+        );
+        return;
+    }
+    for (stream, pick) in [("slots", 0), ("aux", 1)] {
+        let mut free: Vec<u32> = (1..slot_count).collect();
+        SimRng::stream(seed, &format!("{stream}.{side}")).shuffle(&mut free);
+        for (request, index) in requests.iter_mut().zip(free) {
+            let state = match side {
+                Side::Prefill => &mut request.prefill_state,
+                Side::Decode => &mut request.decode_state,
+            };
+            if pick == 0 {
+                state.slot = index;
+            } else {
+                state.aux = index;
+            }
+        }
+    }
+}
+
+/// Hands out the state pages of every paged component on one side; returns each component's pool capacity.
+fn allocate_state_pages(side: Side, model: &ModelGeometry, requests: &mut [Request], seed: Seed) -> Vec<u32> {
+    let mut capacities = Vec::new();
+    for (component, _) in model.state.iter().enumerate() {
+        fn pages_of(side: Side, component: usize, request: &mut Request) -> &mut Vec<u32> {
+            let state = match side {
+                Side::Prefill => &mut request.prefill_state,
+                Side::Decode => &mut request.decode_state,
+            };
+            &mut state.pages[component]
+        }
+        let needed: usize = requests.iter_mut().map(|request| pages_of(side, component, request).len()).sum();
+        let capacity = 2 * needed as u32 + 1;
+        let mut free: Vec<u32> = (1..capacity).collect();
+        SimRng::stream(seed, &format!("state{component}.{side}")).shuffle(&mut free);
+        let mut free = free.into_iter();
+        for request in requests.iter_mut() {
+            for page in pages_of(side, component, request).iter_mut() {
+                *page = free.next().expect("capacity is twice the need");
+            }
+        }
+        capacities.push(capacity);
+    }
+    capacities
 }
 
 /// Best-effort line of a field path like `requests[1].chunks` in the YAML text.

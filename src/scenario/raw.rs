@@ -5,26 +5,34 @@
 //! | field | type | default | meaning |
 //! |---|---|---|---|
 //! | `name` | string | file stem | scenario name (golden file name) |
-//! | `seed` | u64 | 1 | seed of the page allocator (streams `pages.prefill`, `pages.decode`) |
-//! | `model.preset` | string | none | `kimi-k3`, `kimi-linear`, `deepseek-v3`, `deepseek-v2-lite`; other `model` fields override it |
+//! | `seed` | u64 | 1 | seed of the allocators (streams `pages.prefill`, `slots.decode`, ...) |
+//! | `model.preset` | string | none | `kimi-k3`, `kimi-linear`, `deepseek-v3`, `deepseek-v3.2`, `deepseek-v2-lite`, `qwen3-next`, `llama-3-8b`, `llama-3-70b`; other `model` fields override it |
 //! | `model.layers` | u32 | preset | decoder layer count |
-//! | `model.mla_layers` | [u32] | all layers | 0-based global ids of the layers with an MLA KV entry |
-//! | `model.kv_lora_rank` | u32 | preset | latent width |
-//! | `model.qk_rope_head_dim` | u32 | preset | rope width |
-//! | `model.dtype_bytes` | u32 | preset | bytes per element (2 bf16, 1 fp8) |
+//! | `model.kv_layers` | [u32] | all layers | 0-based global ids of the full-attention layers (KV entries) |
+//! | `model.kv_lora_rank`, `model.qk_rope_head_dim` | u32 | preset | MLA latent and rope widths |
+//! | `model.kv_heads`, `model.head_dim` | u32 | none | MHA/GQA: total KV heads and head width (given instead of the MLA fields) |
+//! | `model.dtype_bytes` | u32 | preset | bytes per KV element (2 bf16, 1 fp8) |
+//! | `model.state[]` | list | preset or none | state components: `kind` (`mamba`, `swa`, `dsa`, `swa_ring`), `layers` (default: every non-KV layer), `window_pages` (swa kinds), `tensors` |
+//! | `model.state[].tensors[]` | list | required | `name`, and either `dim` (full sliced axis), `unit_bytes`, `outer` (default 1), `groups` (full sub-block widths), or `item_len` (not sliceable) |
+//! | `model.aux` | [u64] | none | bytes per row of each aux buffer |
+//! | `model.draft` | `{entries, token_len}` | none | draft KV entries on the last stage |
 //! | `prefill.tp` / `decode.tp` | u32 | 1 | attention TP size |
 //! | `prefill.pp` / `decode.pp` | u32 | 1 | PP size (decode: 1 or the prefill PP) |
 //! | `prefill.dcp` / `decode.dcp` | u32 | 1 | DCP size (divides tp) |
 //! | `prefill.page_size` / `decode.page_size` | u32 | required | physical page size `P` |
 //! | `*.layer_ids` | bool | true | whether ranks advertise `kv_layer_ids` |
 //! | `*.missing_layers` | [u32] | [] | layers whose KV entry this side does not register |
-//! | `*.pool_pages` | u32 | 2 × pages needed + 1 | pool capacity in pages, including padding page 0 |
+//! | `*.pool_pages` | u32 | 2 × pages needed + 1 | KV pool capacity in pages, including padding page 0 |
+//! | `*.slots` | u32 | requests + 1 | Mamba slots and aux rows, including unused index 0 |
+//! | `*.metadata_components` | usize | all | an older peer: per-component state metadata lists cover only this many components |
+//! | `*.metadata_overrides[]` | list | [] | `{component, entry, groups?, dim?}`: advertise other conv groups or dim for one state entry |
 //! | `requests[].tokens` | u32 | required | prompt length |
 //! | `requests[].decode_prefix` | u32 | 0 | tokens decode already holds |
 //! | `requests[].chunks` | [u32] | one chunk | token counts of the prefill chunks over the send range |
 //! | `requests[].prefill_pages` | [u32] | seeded allocator | allocator pages of the whole sequence |
 //! | `requests[].decode_pages` | [u32] | seeded allocator | allocator pages of the send range |
 //! | `requests[].decode_page_count` | u32 | enough | how many decode pages the allocator hands out |
+//! | `requests[].state_pages[]` | list | window / all pages | `{component, prefill, decode}`: state page counts of a paged component |
 //! | `expect` | `ok` or `{error: msg}` | required | the verdict: a clean transfer, or this exact planner error |
 
 use serde::Deserialize;
@@ -46,10 +54,42 @@ pub struct RawScenario {
 pub struct RawModel {
     pub preset: Option<String>,
     pub layers: Option<u32>,
-    pub mla_layers: Option<Vec<u32>>,
+    pub kv_layers: Option<Vec<u32>>,
     pub kv_lora_rank: Option<u32>,
     pub qk_rope_head_dim: Option<u32>,
+    pub kv_heads: Option<u32>,
+    pub head_dim: Option<u32>,
     pub dtype_bytes: Option<u32>,
+    pub state: Option<Vec<RawComponent>>,
+    pub aux: Option<Vec<u64>>,
+    pub draft: Option<RawDraft>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawComponent {
+    pub kind: String,
+    pub layers: Option<Vec<u32>>,
+    pub window_pages: Option<u32>,
+    pub tensors: Vec<RawTensor>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTensor {
+    pub name: String,
+    pub dim: Option<u32>,
+    pub unit_bytes: Option<u64>,
+    pub outer: Option<u32>,
+    pub groups: Option<Vec<u32>>,
+    pub item_len: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDraft {
+    pub entries: u32,
+    pub token_len: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -67,6 +107,19 @@ pub struct RawSide {
     #[serde(default)]
     pub missing_layers: Vec<u32>,
     pub pool_pages: Option<u32>,
+    pub slots: Option<u32>,
+    pub metadata_components: Option<usize>,
+    #[serde(default)]
+    pub metadata_overrides: Vec<RawOverride>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOverride {
+    pub component: u32,
+    pub entry: u32,
+    pub groups: Option<Vec<u32>>,
+    pub dim: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -79,6 +132,16 @@ pub struct RawRequest {
     pub prefill_pages: Option<Vec<u32>>,
     pub decode_pages: Option<Vec<u32>>,
     pub decode_page_count: Option<u32>,
+    #[serde(default)]
+    pub state_pages: Vec<RawStatePages>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStatePages {
+    pub component: u32,
+    pub prefill: u32,
+    pub decode: u32,
 }
 
 #[derive(Debug, Deserialize)]

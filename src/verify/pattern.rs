@@ -59,6 +59,9 @@ pub fn matches_source(region: u32, offset: u64, found: &[u8]) -> bool {
 /// Whether `found` is untouched sentinel memory starting at byte `offset` of its region.
 pub fn matches_sentinel(offset: u64, found: &[u8]) -> bool {
     let sentinel = SENTINEL_WORD.to_le_bytes();
+    if offset % 8 == 0 && found.len() % 8 == 0 {
+        return found.chunks_exact(8).all(|chunk| chunk == sentinel);
+    }
     found.iter().enumerate().all(|(index, byte)| *byte == sentinel[(offset as usize + index) % 8])
 }
 

@@ -69,7 +69,7 @@ fn tp_shrink_has_one_real_sender_per_decode_rank() {
 #[test]
 fn hybrid_tp_shrink_writes_kv_once() {
     check_run(
-        "model: {layers: 4, mla_layers: [1, 3], kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}\nprefill: {tp: 4, page_size: 4}\ndecode: {tp: 1, page_size: 4}\nrequests: [{tokens: 30}]\nexpect: ok\n",
+        "model: {layers: 4, kv_layers: [1, 3], kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}\nprefill: {tp: 4, page_size: 4}\ndecode: {tp: 1, page_size: 4}\nrequests: [{tokens: 30}]\nexpect: ok\n",
     );
 }
 
@@ -81,7 +81,7 @@ fn violations_after(mutate: impl FnOnce(&mut plan::Plan)) -> Vec<String> {
     let mut fabric = SimFabric::new();
     exec::stage(&problem, &mut fabric).unwrap();
     let writes = exec::execute(&plan, &mut fabric).unwrap();
-    let observation = exec::observe(&problem, &fabric, writes).unwrap();
+    let observation = exec::observe(&problem, &mut fabric, writes).unwrap();
     verify::check(&problem, &observation).iter().map(ToString::to_string).collect()
 }
 
@@ -118,7 +118,7 @@ fn oracle_decodes_misplaced_rows_into_tokens() {
     let rendered = violations.join("\n");
     assert_eq!(violations.len(), 2 * 3, "two rows in each of three layers:\n{rendered}");
     assert!(
-        rendered.contains("expected token 16 of request 0 from prefill pp0/tp0 layer 0, found token 20 of request 0"),
+        rendered.contains("layer 0 kv, row 24: expected token 16 of request 0 from prefill pp0/tp0 layer 0 kv, found token 20 of request 0"),
         "{rendered}"
     );
 }
@@ -142,14 +142,14 @@ fn oracle_reports_a_corrupted_byte() {
     let mut fabric = SimFabric::new();
     exec::stage(&problem, &mut fabric).unwrap();
     let writes = exec::execute(&plan, &mut fabric).unwrap();
-    let mut observation = exec::observe(&problem, &fabric, writes).unwrap();
+    let mut observation = exec::observe(&problem, &mut fabric, writes).unwrap();
     let key = RegionKey { side: Side::Decode, rank: RankId { pp: 0, tp: 1 }, region: 2 };
     let copy = plan.copies().find(|copy| copy.target == key.rank && copy.target_region == 2).unwrap();
     observation.images.get_mut(&key).unwrap()[copy.target_offset as usize + 5] ^= 0xFF;
     let violations: Vec<String> = verify::check(&problem, &observation).iter().map(ToString::to_string).collect();
     assert_eq!(violations.len(), 1, "{violations:?}");
-    assert!(violations[0].starts_with("decode pp0/tp1, layer 2, row "), "{violations:?}");
-    assert!(violations[0].contains("found a damaged row: 1 bytes differ from the row at byte"), "{violations:?}");
+    assert!(violations[0].starts_with("decode pp0/tp1, layer 2 kv, row "), "{violations:?}");
+    assert!(violations[0].contains("found a damaged range (8 bytes differ) around token"), "{violations:?}");
 }
 
 /// The fabric bounds-checks every copy: a target offset past the region completes in error, writing nothing.

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use kvrelay::harness;
 use kvrelay::model::{RankId, Side};
 use kvrelay::plan;
-use kvrelay::verify::{Content, RegionKey, Sources};
+use kvrelay::verify::{Origin, RegionKey, Run, Sources};
 use proptest::prelude::*;
 
 use crate::support::scenario;
@@ -74,7 +74,7 @@ impl Shape {
     fn yaml_with(&self, cuts_of: impl Fn(usize) -> Vec<u32>) -> String {
         let virtual_page = self.page_size * self.decode_dcp;
         let mut yaml = format!(
-            "model: {{layers: {}, mla_layers: {:?}, kv_lora_rank: 4, qk_rope_head_dim: 4, dtype_bytes: {}}}\n\
+            "model: {{layers: {}, kv_layers: {:?}, kv_lora_rank: 4, qk_rope_head_dim: 4, dtype_bytes: {}}}\n\
              prefill: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
              decode: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
              seed: {}\nrequests:\n",
@@ -186,11 +186,15 @@ proptest! {
             let group = RankId { pp: layout.rank.pp, tp: layout.rank.tp / dcp };
             for (index, region) in layout.regions.iter().enumerate() {
                 let bytes = &outcome.observation.images[&RegionKey { side: Side::Decode, rank: layout.rank, region: index as u32 }];
-                let row_len = region.token_len();
-                for row in 0..region.row_count() {
-                    let offset = row * row_len;
-                    if let Content::Token { request, position, .. } = sources.classify(offset, &bytes[offset as usize..(offset + row_len) as usize]) {
-                        seen.entry((request, region.layer, group)).or_default().push(position);
+                let row_len = region.row_len();
+                for run in sources.runs(0, bytes) {
+                    let Run::Source { length, number, source_offset, .. } = run else { continue };
+                    // Split the run into token rows and name each one's token.
+                    for row in 0..length / row_len {
+                        let described = sources.describe(number, source_offset + row * row_len, row_len);
+                        if let Origin::Token { request, position, .. } = described.origin {
+                            seen.entry((request, region.layer, group)).or_default().push(position);
+                        }
                     }
                 }
             }

@@ -1,0 +1,374 @@
+//! The rules, restated from domain.md without the planner: where every decode byte must come from.
+
+use super::decode::rank_heads;
+use super::ViolationKind;
+use crate::model::{Attention, KvPart, LayerId, Problem, RankId, RegionKind, Request, TensorShape};
+
+/// `length` bytes at `target_offset` of a decode region must equal source region bytes at `source_offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub(crate) target_offset: u64,
+    pub(crate) length: u64,
+    pub(crate) source: RankId,
+    pub(crate) source_region: u32,
+    pub(crate) source_offset: u64,
+}
+
+/// Every piece decode region `region` of rank `target` must hold; problems of the problem itself go to `notes`.
+pub(crate) fn pieces(
+    problem: &Problem,
+    target: RankId,
+    region: u32,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Piece> {
+    let layout = problem.decode.rank(target);
+    let decode_region = &layout.regions[region as usize];
+    let layer = decode_region.layer;
+    let mut res = Vec::new();
+    match decode_region.kind {
+        RegionKind::Kv(KvPart::Latent) | RegionKind::Draft => {
+            let Some((source, source_region)) =
+                holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None)
+            else {
+                return res;
+            };
+            let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
+            let target_len = decode_region.row_len();
+            if source_len != target_len {
+                notes.push((0, ViolationKind::Geometry { source_len, target_len }));
+                return res;
+            }
+            for request in &problem.requests {
+                let rows = if decode_region.kind == RegionKind::Draft {
+                    draft_rows(problem, request, notes)
+                } else {
+                    token_rows(problem, target, request, notes)
+                };
+                for (target_row, source_row) in rows {
+                    res.push(Piece {
+                        target_offset: target_row * target_len,
+                        length: target_len,
+                        source,
+                        source_region,
+                        source_offset: source_row * source_len,
+                    });
+                }
+            }
+        }
+        RegionKind::Kv(part) => {
+            let Attention::Mha { kv_heads, .. } = problem.model.attention else { return res };
+            let (prefill_tp, decode_tp) = (problem.prefill.topology.tp, problem.decode.topology.tp);
+            let head_len = problem.model.head_len();
+            let (first_head, head_count) = rank_heads(kv_heads, decode_tp, target.tp);
+            let target_len = decode_region.row_len();
+            for local in 0..head_count {
+                let head = first_head + local;
+                // The holder of a global head: its shard, or its first replica when prefill TP exceeds the heads.
+                let (holder_tp, holder_local) = if prefill_tp <= kv_heads {
+                    (head / (kv_heads / prefill_tp), head % (kv_heads / prefill_tp))
+                } else {
+                    (head * (prefill_tp / kv_heads), 0)
+                };
+                let Some((source, source_region)) =
+                    holder(problem, holder_tp, target, RegionKind::Kv(part), layer, None)
+                else {
+                    continue;
+                };
+                let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
+                for request in &problem.requests {
+                    for (target_row, source_row) in token_rows(problem, target, request, notes) {
+                        res.push(Piece {
+                            target_offset: target_row * target_len + u64::from(local) * head_len,
+                            length: head_len,
+                            source,
+                            source_region,
+                            source_offset: source_row * source_len + u64::from(holder_local) * head_len,
+                        });
+                    }
+                }
+            }
+        }
+        RegionKind::State { component, tensor } => {
+            let state = &problem.model.state[component as usize];
+            let shape = &state.tensors[tensor as usize].shape;
+            match (state.kind, shape) {
+                (crate::model::StateKind::Mamba, TensorShape::Sliced { full_dim, unit_bytes, outer_count, groups }) => {
+                    let sliced = Sliced {
+                        full_dim: *full_dim,
+                        unit_bytes: *unit_bytes,
+                        outer_count: *outer_count,
+                        groups: groups.as_deref(),
+                    };
+                    mamba_pieces(problem, target, decode_region.kind, layer, &sliced, &mut res);
+                }
+                (crate::model::StateKind::Mamba, TensorShape::Replicated { item_len }) => {
+                    if let Some((source, source_region)) =
+                        holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None)
+                    {
+                        for request in &problem.requests {
+                            res.push(Piece {
+                                target_offset: u64::from(request.decode_state.slot) * item_len,
+                                length: *item_len,
+                                source,
+                                source_region,
+                                source_offset: u64::from(request.prefill_state.slot) * item_len,
+                            });
+                        }
+                    }
+                }
+                (kind, _) => {
+                    let Some((source, source_region)) =
+                        holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None)
+                    else {
+                        return res;
+                    };
+                    let item_len = decode_region.item_len;
+                    for request in &problem.requests {
+                        let (source_pages, target_pages) = (
+                            &request.prefill_state.pages[component as usize],
+                            &request.decode_state.pages[component as usize],
+                        );
+                        if source_pages.len() != target_pages.len() && !kind.is_paged() {
+                            notes.push((
+                                0,
+                                ViolationKind::IndexLengths {
+                                    request: request.id,
+                                    prefill: source_pages.len(),
+                                    decode: target_pages.len(),
+                                },
+                            ));
+                            continue;
+                        }
+                        // Paged kinds pair the common prefix of both index lists (domain.md §8: truncate to m).
+                        for (source_page, target_page) in source_pages.iter().zip(target_pages) {
+                            res.push(Piece {
+                                target_offset: u64::from(*target_page) * item_len,
+                                length: item_len,
+                                source,
+                                source_region,
+                                source_offset: u64::from(*source_page) * item_len,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        RegionKind::Aux { .. } => {
+            let last = problem.prefill.topology.pp - 1;
+            let Some((source, source_region)) =
+                holder(problem, primary_tp(problem, target), target, decode_region.kind, 0, Some(last))
+            else {
+                return res;
+            };
+            let item_len = decode_region.item_len;
+            for request in &problem.requests {
+                res.push(Piece {
+                    target_offset: u64::from(request.decode_state.aux) * item_len,
+                    length: item_len,
+                    source,
+                    source_region,
+                    source_offset: u64::from(request.prefill_state.aux) * item_len,
+                });
+            }
+        }
+    }
+    res
+}
+
+/// The prefill TP rank that sends replicated data (latent, draft, paged state, aux) to `target` (domain.md §3.1).
+fn primary_tp(problem: &Problem, target: RankId) -> u32 {
+    let (prefill, decode) = (problem.prefill.topology.tp, problem.decode.topology.tp);
+    if decode >= prefill {
+        target.tp / (decode / prefill)
+    } else {
+        target.tp * (prefill / decode)
+    }
+}
+
+/// The prefill rank of TP rank `tp` that registers a region of `kind` for `layer`, on the stage paired with `target`.
+fn holder(
+    problem: &Problem,
+    tp: u32,
+    target: RankId,
+    kind: RegionKind,
+    layer: LayerId,
+    stage: Option<u32>,
+) -> Option<(RankId, u32)> {
+    let same_stages = problem.decode.topology.pp == problem.prefill.topology.pp;
+    problem.prefill.ranks.iter().filter(|layout| layout.rank.tp == tp).find_map(|layout| {
+        if (same_stages && layout.rank.pp != target.pp) || stage.is_some_and(|stage| stage != layout.rank.pp) {
+            return None;
+        }
+        let index = layout.regions.iter().position(|region| region.kind == kind && region.layer == layer)?;
+        Some((layout.rank, index as u32))
+    })
+}
+
+/// (decode row, prefill row) of every token row `target` receives for `request` (domain.md §2.1, §2.4, §2.5).
+fn token_rows(
+    problem: &Problem,
+    target: RankId,
+    request: &Request,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<(u64, u64)> {
+    let prefill = &problem.prefill.topology;
+    let decode = &problem.decode.topology;
+    let page = u64::from(decode.page_size);
+    let prefix = request.decode_prefix;
+    let mut res = Vec::new();
+    if prefill.dcp == decode.dcp {
+        // Same layout on both sides: the send range's allocator pages move whole, page k to decode page k.
+        let first_page = (prefix / prefill.virtual_page_size()) as usize;
+        let pages = request.send_len().div_ceil(prefill.virtual_page_size()) as usize;
+        for ordinal in 0..pages {
+            let (Some(target_page), Some(source_page)) =
+                (request.decode_pages.get(ordinal), request.prefill_pages.get(first_page + ordinal))
+            else {
+                notes.push((
+                    0,
+                    ViolationKind::Unplaceable {
+                        request: request.id,
+                        position: prefix + ordinal as u32 * prefill.virtual_page_size(),
+                    },
+                ));
+                break;
+            };
+            for slot in 0..page {
+                res.push((u64::from(*target_page) * page + slot, u64::from(*source_page) * page + slot));
+            }
+        }
+    } else if prefill.dcp == 1 {
+        // Token relayout: position p lives on DCP rank p mod c at local row (p - prefix) div c.
+        let dcp = decode.dcp;
+        let rank = decode.dcp_rank(target.tp);
+        for position in prefix..request.tokens {
+            if position % dcp != rank {
+                continue;
+            }
+            let local = u64::from((position - prefix) / dcp);
+            let Some(target_page) = request.decode_pages.get((local / page) as usize) else {
+                notes.push((local, ViolationKind::Unplaceable { request: request.id, position }));
+                continue;
+            };
+            let source_page = request.prefill_pages[(u64::from(position) / page) as usize];
+            res.push((
+                u64::from(*target_page) * page + local % page,
+                u64::from(source_page) * page + u64::from(position) % page,
+            ));
+        }
+    }
+    res
+}
+
+/// Draft rows: under relayout every send-range token goes to every DCP rank, paged by `V` (domain.md §2.4).
+fn draft_rows(problem: &Problem, request: &Request, notes: &mut Vec<(u64, ViolationKind)>) -> Vec<(u64, u64)> {
+    let prefill = &problem.prefill.topology;
+    let decode = &problem.decode.topology;
+    let virtual_page = u64::from(decode.virtual_page_size());
+    let page = u64::from(prefill.page_size);
+    let mut res = Vec::new();
+    if prefill.dcp == decode.dcp {
+        // Equal layouts: draft pages move whole like target pages (rows per item are V on both sides).
+        let first_page = (request.decode_prefix / prefill.virtual_page_size()) as usize;
+        for (ordinal, target_page) in request.decode_pages.iter().enumerate() {
+            let Some(source_page) = request.prefill_pages.get(first_page + ordinal) else { break };
+            if ordinal as u32 * prefill.virtual_page_size() >= request.send_len() {
+                break;
+            }
+            for slot in 0..virtual_page {
+                res.push((
+                    u64::from(*target_page) * virtual_page + slot,
+                    u64::from(*source_page) * virtual_page + slot,
+                ));
+            }
+        }
+        return res;
+    }
+    for position in request.decode_prefix..request.tokens {
+        let relative = u64::from(position - request.decode_prefix);
+        let Some(target_page) = request.decode_pages.get((relative / virtual_page) as usize) else {
+            notes.push((relative, ViolationKind::Unplaceable { request: request.id, position }));
+            continue;
+        };
+        let source_page = request.prefill_pages[(u64::from(position) / page) as usize];
+        res.push((
+            u64::from(*target_page) * virtual_page + relative % virtual_page,
+            u64::from(source_page) * page + u64::from(position) % page,
+        ));
+    }
+    res
+}
+
+struct Sliced<'a> {
+    full_dim: u32,
+    unit_bytes: u64,
+    outer_count: u32,
+    groups: Option<&'a [u32]>,
+}
+
+/// Mamba state by global channel (domain.md §5.2): decode rank `d` holds channels `[d*g/Td, (d+1)*g/Td)` of every
+/// sub-block `g`; each comes from the prefill rank holding that channel, at its local position.
+fn mamba_pieces(
+    problem: &Problem,
+    target: RankId,
+    kind: RegionKind,
+    layer: LayerId,
+    tensor: &Sliced<'_>,
+    res: &mut Vec<Piece>,
+) {
+    let (prefill_tp, decode_tp) = (problem.prefill.topology.tp, problem.decode.topology.tp);
+    let groups: Vec<u32> = tensor.groups.map_or_else(|| vec![tensor.full_dim], <[u32]>::to_vec);
+    let unit = tensor.unit_bytes;
+    let outer = u64::from(tensor.outer_count);
+    let target_row = u64::from(tensor.full_dim / decode_tp) * unit;
+    let source_row = u64::from(tensor.full_dim / prefill_tp) * unit;
+    let (target_item, source_item) = (target_row * outer, source_row * outer);
+    // The holder depends only on the prefill TP rank: look each one up once.
+    let holders: Vec<Option<(RankId, u32)>> =
+        (0..prefill_tp).map(|tp| holder(problem, tp, target, kind, layer, None)).collect();
+    for request in &problem.requests {
+        for row in 0..outer {
+            let (mut target_start, mut source_start) = (0u64, 0u64);
+            for group in &groups {
+                let (target_width, source_width) = (u64::from(group / decode_tp), u64::from(group / prefill_tp));
+                for index in 0..target_width {
+                    let channel = u64::from(target.tp) * target_width + index;
+                    let holder_tp = (channel / source_width) as u32;
+                    let source_unit = source_start + channel % source_width;
+                    let Some((source, source_region)) = holders[holder_tp as usize] else { continue };
+                    push_merged(
+                        res,
+                        Piece {
+                            target_offset: u64::from(request.decode_state.slot) * target_item
+                                + row * target_row
+                                + (target_start + index) * unit,
+                            length: unit,
+                            source,
+                            source_region,
+                            source_offset: u64::from(request.prefill_state.slot) * source_item
+                                + row * source_row
+                                + source_unit * unit,
+                        },
+                    );
+                }
+                target_start += target_width;
+                source_start += source_width;
+            }
+        }
+    }
+}
+
+/// Appends `piece`, extending the last one when both sides continue it.
+fn push_merged(res: &mut Vec<Piece>, piece: Piece) {
+    if let Some(last) = res.last_mut() {
+        let continues = last.source == piece.source
+            && last.source_region == piece.source_region
+            && last.target_offset + last.length == piece.target_offset
+            && last.source_offset + last.length == piece.source_offset;
+        if continues {
+            last.length += piece.length;
+            return;
+        }
+    }
+    res.push(piece);
+}
