@@ -319,9 +319,12 @@ fn region_lines(
             let mut end = start + 1;
             let step = coordinates.get(start + 1).map(|next| next.2 - coordinates[start].2);
             while end < cells.len() {
+                // State items and aux rows only merge when the source items are contiguous too.
+                let contiguous = coordinates[start].1 .0 != 2 || step == Some(cells[start].length as i64);
                 let fits = cells[end].row == cells[end - 1].row + 1
                     && coordinates[end].1 == coordinates[start].1
-                    && Some(coordinates[end].2 - coordinates[end - 1].2) == step;
+                    && Some(coordinates[end].2 - coordinates[end - 1].2) == step
+                    && contiguous;
                 if !fits {
                     break;
                 }

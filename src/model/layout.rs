@@ -45,6 +45,10 @@ pub struct SideOptions {
     /// An older peer whose per-component metadata lists cover only the first N components (domain.md §5.5).
     pub metadata_components: Option<usize>,
     pub overrides: Vec<MetadataOverride>,
+    /// `(component, tensor, item_len)`: register this tensor with another item length (a peer with other dtypes).
+    pub item_len_overrides: Vec<(u32, u32, u64)>,
+    /// Register the draft pool paged by `P` instead of `V` (the version-1 layout of domain.md §2.6).
+    pub draft_paged_physically: bool,
 }
 
 /// Builds the regions and metadata of every rank of one side.
@@ -87,7 +91,7 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
     let mut draft_entries = 0;
     if let Some(draft) = model.draft.filter(|_| rank.pp == topology.pp - 1) {
         // The draft pool is paged by the allocator page V (domain.md §2.4 draft rows); V = P without DCP.
-        let rows = topology.virtual_page_size();
+        let rows = if options.draft_paged_physically { page } else { topology.virtual_page_size() };
         for index in 0..draft.entries {
             regions.push(Region {
                 kind: RegionKind::Draft,
@@ -112,12 +116,19 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
         let (mut entry_regions, mut layer_ids, mut dims, mut groups, mut outers) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (tensor_index, tensor) in component.tensors.iter().enumerate() {
+            let item_len = options
+                .item_len_overrides
+                .iter()
+                .find(|(component, tensor, _)| {
+                    *component as usize == component_index && *tensor as usize == tensor_index
+                })
+                .map_or(tensor.item_len(topology.tp), |item| item.2);
             for layer in &layers {
                 entry_regions.push(regions.len() as u32);
                 regions.push(Region {
                     kind: RegionKind::State { component: component_index as u32, tensor: tensor_index as u32 },
                     layer: *layer,
-                    item_len: tensor.item_len(topology.tp),
+                    item_len,
                     item_count,
                     rows_per_item: 1,
                 });

@@ -395,9 +395,9 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
         if *kind != StateKind::Mamba && !primary {
             continue;
         }
-        let entries = state_pairs(problem, connection, component, *kind, shard)?;
+        let (entries, by_id) = state_pairs(problem, connection, component, *kind, shard)?;
         if !entries.is_empty() {
-            res.notes.push(format!("{kind} state component {component}: {}", describe_state(&entries)));
+            res.notes.push(format!("{kind} state component {component}: {}", describe_state(&entries, by_id)));
             res.state.push((component, *kind, entries.into()));
         }
     }
@@ -528,15 +528,17 @@ fn state_pairs(
     component: usize,
     kind: StateKind,
     shard: state::Shard,
-) -> Result<Vec<EntryPair>, PlanError> {
+) -> Result<(Vec<EntryPair>, bool), PlanError> {
     let source_layout = problem.prefill.rank(connection.prefill);
     let target_layout = problem.decode.rank(connection.decode);
     let (source_meta, target_meta) = (&source_layout.state, &target_layout.state);
     let ids = |meta: &crate::model::StateMetadata| meta.layer_ids.get(component).filter(|ids| !ids.is_empty()).cloned();
     let (source_regions, target_regions) = (&source_meta.regions[component], &target_meta.regions[component]);
+    let (source_ids, target_ids) = (ids(source_meta), ids(target_meta));
+    let by_id = source_ids.is_some() && target_ids.is_some();
     let pairs = pairing::pair_entries(
-        ids(source_meta).as_deref(),
-        ids(target_meta).as_deref(),
+        source_ids.as_deref(),
+        target_ids.as_deref(),
         source_regions.len(),
         target_regions.len(),
         problem.prefill.topology.pp == 1,
@@ -580,7 +582,7 @@ fn state_pairs(
             });
         }
     }
-    Ok(res)
+    Ok((res, by_id))
 }
 
 fn describe_mode(mode: Mode, pool: PoolKind) -> String {
@@ -617,15 +619,16 @@ fn describe_pairing(entries: &[EntryPair]) -> String {
 }
 
 /// Entries paired and byte blocks of one state component (the blocks themselves show in the golden layout).
-fn describe_state(entries: &[EntryPair]) -> String {
+fn describe_state(entries: &[EntryPair], by_id: bool) -> String {
     let mut pairs: Vec<(u32, u32, LayerId)> =
         entries.iter().map(|entry| (entry.source_region, entry.target_region, entry.layer)).collect();
     pairs.dedup();
     let listed: Vec<String> =
         pairs.iter().take(4).map(|(source, target, layer)| format!("L{layer} {source}->{target}")).collect();
     format!(
-        "{} entries paired by layer id ({}{}), {} byte blocks",
+        "{} entries paired by {} ({}{}), {} byte blocks",
         pairs.len(),
+        if by_id { "layer id" } else { "position (no layer ids from one or both peers)" },
         listed.join(", "),
         if pairs.len() > 4 { ", ..." } else { "" },
         entries.len()

@@ -78,6 +78,12 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
             state_page_counts,
             metadata_components: raw_side.metadata_components,
             overrides,
+            item_len_overrides: raw_side
+                .state_item_lens
+                .iter()
+                .map(|item| (item.component, item.tensor, item.item_len))
+                .collect(),
+            draft_paged_physically: raw_side.draft_paged_physically,
         };
         sides.push(build_side_layout(side, topology, &model, &options));
     }

@@ -26,6 +26,8 @@
 //! | `*.slots` | u32 | requests + 1 | Mamba slots and aux rows, including unused index 0 |
 //! | `*.metadata_components` | usize | all | an older peer: per-component state metadata lists cover only this many components |
 //! | `*.metadata_overrides[]` | list | [] | `{component, entry, groups?, dim?}`: advertise other conv groups or dim for one state entry |
+//! | `*.state_item_lens[]` | list | [] | `{component, tensor, item_len}`: register a state tensor with another item length |
+//! | `*.draft_paged_physically` | bool | false | register the draft pool paged by `P` rather than `V` (version-1 layout) |
 //! | `requests[].tokens` | u32 | required | prompt length |
 //! | `requests[].decode_prefix` | u32 | 0 | tokens decode already holds |
 //! | `requests[].chunks` | [u32] | one chunk | token counts of the prefill chunks over the send range |
@@ -111,6 +113,18 @@ pub struct RawSide {
     pub metadata_components: Option<usize>,
     #[serde(default)]
     pub metadata_overrides: Vec<RawOverride>,
+    #[serde(default)]
+    pub state_item_lens: Vec<RawItemLen>,
+    #[serde(default)]
+    pub draft_paged_physically: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawItemLen {
+    pub component: u32,
+    pub tensor: u32,
+    pub item_len: u64,
 }
 
 #[derive(Debug, Deserialize)]
