@@ -306,7 +306,7 @@ fn region_lines(
                 let described = sources.describe(cell.number, cell.source_offset, cell.length);
                 let (class, value) = match described.origin {
                     Origin::Token { request, position, .. } => ((0, request, cell.number), i64::from(position)),
-                    Origin::Slot { row } => ((1, 0, cell.number), row as i64),
+                    Origin::Slot { row, .. } => ((1, 0, cell.number), row as i64),
                     Origin::State { request, .. } | Origin::Aux { request, .. } => {
                         ((2, request.unwrap_or(u32::MAX), cell.number), cell.source_offset as i64)
                     }
@@ -366,11 +366,12 @@ fn describe_span(first: &Described, last: &Described, count: usize, layer: u32, 
             let heads = heads.map_or(String::new(), |(head, count)| heads_text(head, count));
             format!("request {request} position {position}{heads}")
         }
-        (Origin::Slot { row }, Origin::Slot { row: last_row }) => {
+        (Origin::Slot { row, heads }, Origin::Slot { row: last_row, .. }) => {
+            let heads = heads.map_or(String::new(), |(head, count)| heads_text(head, count));
             if count == 1 {
-                format!("unused slot row {row}")
+                format!("unused slot row {row}{heads}")
             } else {
-                format!("unused slot rows {row}..{last_row}")
+                format!("unused slot rows {row}..{last_row}{heads}")
             }
         }
         _ if count == 1 => origin_text(&first.origin),
@@ -399,7 +400,9 @@ fn origin_text(origin: &Origin) -> String {
                 heads.map_or(String::new(), |(head, count)| heads_text(head, count))
             )
         }
-        Origin::Slot { row } => format!("unused slot row {row}"),
+        Origin::Slot { row, heads } => {
+            format!("unused slot row {row}{}", heads.map_or(String::new(), |(head, count)| heads_text(head, count)))
+        }
         Origin::State { request: Some(request), noun, item, within } => {
             format!("request {request} {noun} {item} {within}").trim_end().to_owned()
         }

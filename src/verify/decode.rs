@@ -52,8 +52,8 @@ impl Run {
 pub enum Origin {
     /// Token rows (or one token's head slice) of a KV or draft entry.
     Token { request: u32, position: u32, heads: Option<(u32, u32)> },
-    /// A KV row that holds no token of any request (unused slot of a page).
-    Slot { row: u64 },
+    /// A KV row that holds no token of any request (unused slot of a page), or a head slice of one.
+    Slot { row: u64, heads: Option<(u32, u32)> },
     /// Bytes of one state item (a Mamba `slot` or a state `page`): its owner, index, and where inside it.
     State { request: Option<u32>, noun: &'static str, item: u64, within: String },
     /// One aux row.
@@ -79,7 +79,12 @@ impl fmt::Display for Described {
                     write_heads(f, *first, *count)?;
                 }
             }
-            Origin::Slot { row } => write!(f, "unused slot row {row}")?,
+            Origin::Slot { row, heads } => {
+                write!(f, "unused slot row {row}")?;
+                if let Some((first, count)) = heads {
+                    write_heads(f, *first, *count)?;
+                }
+            }
             Origin::State { request, noun, item, within } => {
                 match request {
                     Some(request) => write!(f, "request {request} {noun} {item}")?,
@@ -266,7 +271,7 @@ impl<'a> Sources<'a> {
                 return Origin::Token { request: request.id, position, heads };
             }
         }
-        Origin::Slot { row }
+        Origin::Slot { row, heads }
     }
 
     /// Where `[within, within + length)` of a state item sits: row, sub-block and global channels or heads.
