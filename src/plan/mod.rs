@@ -225,8 +225,11 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
                     push(TransferKind::Kv, entries, runs);
                 }
                 if let Some(entries) = &link.draft {
-                    let runs =
-                        cached(&mut cache, (chunk_index, None), || rows::draft(&chunk, u64::from(virtual_page)))?;
+                    // Draft pools are paged by the allocator page V on both sides (domain.md §2.4 draft rows).
+                    let runs = cached(&mut cache, (chunk_index, None), || match link.mode {
+                        Mode::PageCopy => rows::page_copy(&ChunkView { page_size: u64::from(virtual_page), ..chunk }),
+                        Mode::Relayout { .. } => rows::draft(&chunk, u64::from(virtual_page)),
+                    })?;
                     push(TransferKind::Draft, entries, runs);
                 }
                 // State and aux travel with the last chunk only (domain.md §2.3, §1.6, §5.1).
@@ -330,9 +333,9 @@ struct Link {
     source: RankId,
     target: RankId,
     mode: Mode,
-    /// Target KV entries (plus draft entries under plain page copy), or `None` when this peer writes no KV.
+    /// Target KV entries, or `None` when this peer writes no KV.
     kv: Option<Arc<[EntryPair]>>,
-    /// Draft entries relaid out to every DCP rank (relayout only).
+    /// Draft entries (from the group's first prefill rank only).
     draft: Option<Arc<[EntryPair]>>,
     state: Vec<(usize, StateKind, Arc<[EntryPair]>)>,
     aux: Option<Arc<[EntryPair]>>,
@@ -346,11 +349,12 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
     let target_layout = problem.decode.rank(connection.decode);
     let primary = connection.offset == 0;
     // Replicated latent: one writer per decode rank. Head-sharded KV: every prefill rank of the group writes its
-    // heads, except duplicates when prefill TP exceeds the head count ([I] only the first replica writes).
+    // heads, except duplicates when prefill TP exceeds the head count ([I] only the first replica inside the
+    // decode rank's group writes, so every decode byte is written exactly once).
     let kv_writer = match problem.model.attention {
         _ if decode.tp >= prefill.tp => true,
         Attention::Mla { .. } => primary,
-        Attention::Mha { kv_heads, .. } => connection.prefill.tp % (prefill.tp / kv_heads).max(1) == 0,
+        Attention::Mha { kv_heads, .. } => connection.offset % (prefill.tp / kv_heads).max(1) == 0,
     };
     let mut res = Link {
         source: connection.prefill,
@@ -372,14 +376,7 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
         }
         if primary && !drafts.is_empty() {
             res.notes.push(format!("draft pairing: {}", describe_pairing(&drafts)));
-            match mode {
-                Mode::Relayout { .. } => res.draft = Some(drafts.into()),
-                Mode::PageCopy => {
-                    let mut entries: Vec<EntryPair> = res.kv.as_deref().unwrap_or_default().to_vec();
-                    entries.extend(drafts);
-                    res.kv = Some(entries.into());
-                }
-            }
+            res.draft = Some(drafts.into());
         }
     } else if problem.model.pool_kind() == PoolKind::Mla {
         res.notes.push("dummy: pure MLA, the group's first rank sends the latent".to_owned());

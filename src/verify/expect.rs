@@ -63,12 +63,19 @@ pub(crate) fn pieces(
             let target_len = decode_region.row_len();
             for local in 0..head_count {
                 let head = first_head + local;
-                // The holder of a global head: its shard, or its first replica when prefill TP exceeds the heads.
-                let (holder_tp, holder_local) = if prefill_tp <= kv_heads {
-                    (head / (kv_heads / prefill_tp), head % (kv_heads / prefill_tp))
+                // The sender of a global head (domain.md §3.1, §3.2): with decode TP >= prefill TP the one prefill rank
+                // the decode rank connects to (it holds the head, maybe as one of several replicas); otherwise the
+                // head's shard, or the first replica the decode rank contacts when prefill TP exceeds the head count ([I]).
+                let holder_tp = if decode_tp >= prefill_tp {
+                    primary_tp(problem, target)
+                } else if prefill_tp <= kv_heads {
+                    head / (kv_heads / prefill_tp)
                 } else {
-                    (head * (prefill_tp / kv_heads), 0)
+                    // Replicas of the head are prefill ranks [head*rep, (head+1)*rep); the decode rank contacts
+                    // [d*k, (d+1)*k) (domain.md §3.1); the first replica it contacts writes.
+                    (head * (prefill_tp / kv_heads)).max(target.tp * (prefill_tp / decode_tp))
                 };
+                let holder_local = head - rank_heads(kv_heads, prefill_tp, holder_tp).0;
                 let Some((source, source_region)) =
                     holder(problem, holder_tp, target, RegionKind::Kv(part), layer, None)
                 else {

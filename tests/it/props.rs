@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 
 use kvrelay::harness;
+use kvrelay::model::RegionKind;
 use kvrelay::model::{RankId, Side};
-use kvrelay::plan;
+use kvrelay::plan::{self, TransferKind};
 use kvrelay::verify::{Origin, RegionKey, Run, Sources};
 use proptest::prelude::*;
 
@@ -29,6 +30,13 @@ struct Shape {
     dtype_bytes: u32,
     seed: u64,
     requests: Vec<RequestShape>,
+    /// `Some(kv_heads)`: head-sharded MHA/GQA instead of the MLA latent (forces decode DCP 1).
+    mha_heads: Option<u32>,
+    /// A Mamba component (grouped conv with `outer` rows, temporal heads) over the non-KV layers.
+    mamba_outer: Option<u32>,
+    aux: bool,
+    /// One draft entry on the last stage (MLA only).
+    draft: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -41,10 +49,43 @@ struct RequestShape {
 impl Shape {
     fn prefill_dcp(&self) -> u32 {
         if self.mirror_dcp && self.prefill_tp == self.decode_tp {
-            self.decode_dcp
+            self.decode_dcp()
         } else {
             1
         }
+    }
+
+    fn decode_dcp(&self) -> u32 {
+        if self.mha_heads.is_some() {
+            1
+        } else {
+            self.decode_dcp
+        }
+    }
+
+    fn model_yaml(&self) -> String {
+        let attention = match self.mha_heads {
+            Some(heads) => format!("kv_heads: {heads}, head_dim: 4"),
+            None => "kv_lora_rank: 4, qk_rope_head_dim: 4".to_owned(),
+        };
+        let mut extra = String::new();
+        if let Some(outer) = self.mamba_outer {
+            extra.push_str(&format!(
+                ", state: [{{kind: mamba, tensors: [{{name: conv, dim: 32, unit_bytes: 8, outer: {outer}, groups: [8, 8, 16]}}, {{name: temporal, dim: 8, unit_bytes: 16}}]}}]"
+            ));
+        }
+        if self.aux {
+            extra.push_str(", aux: [8, 24]");
+        }
+        if self.draft && self.mha_heads.is_none() {
+            extra.push_str(", draft: {entries: 1, token_len: 16}");
+        }
+        let dtype = if self.mha_heads.is_some() { 2 } else { self.dtype_bytes };
+        format!(
+            "model: {{layers: {}, kv_layers: {:?}, {attention}, dtype_bytes: {dtype}{extra}}}\n",
+            self.layers,
+            self.mla_layers()
+        )
     }
 
     fn mla_layers(&self) -> Vec<u32> {
@@ -72,22 +113,19 @@ impl Shape {
     }
 
     fn yaml_with(&self, cuts_of: impl Fn(usize) -> Vec<u32>) -> String {
-        let virtual_page = self.page_size * self.decode_dcp;
+        let virtual_page = self.page_size * self.decode_dcp();
         let mut yaml = format!(
-            "model: {{layers: {}, kv_layers: {:?}, kv_lora_rank: 4, qk_rope_head_dim: 4, dtype_bytes: {}}}\n\
-             prefill: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
+            "{}prefill: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
              decode: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
              seed: {}\nrequests:\n",
-            self.layers,
-            self.mla_layers(),
-            self.dtype_bytes,
+            self.model_yaml(),
             self.prefill_tp,
             self.prefill_pp,
             self.prefill_dcp(),
             self.page_size,
             self.decode_tp,
             if self.decode_pp_matches { self.prefill_pp } else { 1 },
-            self.decode_dcp,
+            self.decode_dcp(),
             self.page_size,
             self.seed,
         );
@@ -108,8 +146,20 @@ impl Shape {
     }
 }
 
-fn shapes() -> impl Strategy<Value = Shape> {
+/// MLA-only shapes (issue 2's invariants), or every transfer kind when `kinds` is set.
+fn shapes_of(kinds: bool) -> impl Strategy<Value = Shape> {
     let tps = (prop::sample::select(vec![1u32, 2, 4]), prop::sample::select(vec![1u32, 2, 4, 8]));
+    let extras = if kinds {
+        (
+            prop::option::of(prop::sample::select(vec![1u32, 2, 4, 8])),
+            prop::option::of(prop::sample::select(vec![1u32, 3])),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .boxed()
+    } else {
+        Just((None, None, false, false)).boxed()
+    };
     (
         tps,
         1u32..=3,
@@ -120,6 +170,7 @@ fn shapes() -> impl Strategy<Value = Shape> {
         any::<u32>(),
         1u32..=2,
         any::<u64>(),
+        extras,
     )
         .prop_flat_map(
             |(
@@ -132,7 +183,9 @@ fn shapes() -> impl Strategy<Value = Shape> {
                 mla_mask,
                 dtype_bytes,
                 seed,
+                extras,
             )| {
+                let (mha_heads, mamba_outer, aux, draft) = extras;
                 let dcps: Vec<u32> = [1u32, 2, 4, 8].into_iter().filter(|dcp| decode_tp % dcp == 0).collect();
                 let request = (0u32..=2, 1u32..=150, prop::collection::vec(any::<u32>(), 0..4))
                     .prop_map(|(prefix_pages, send_len, cuts)| RequestShape { prefix_pages, send_len, cuts });
@@ -150,10 +203,18 @@ fn shapes() -> impl Strategy<Value = Shape> {
                         dtype_bytes,
                         seed,
                         requests,
+                        mha_heads,
+                        mamba_outer,
+                        aux,
+                        draft,
                     },
                 )
             },
         )
+}
+
+fn shapes() -> impl Strategy<Value = Shape> {
+    shapes_of(false)
 }
 
 fn config() -> ProptestConfig {
@@ -243,6 +304,143 @@ proptest! {
     /// Any page-aligned re-chunking of the send range yields the same final decode image (domain.md §7, §12.2).
     #[test]
     fn rechunking_yields_the_same_decode_image(shape in shapes(), other_cuts in prop::collection::vec(any::<u32>(), 0..5)) {
+        let first = harness::run(&scenario(&shape.yaml()));
+        let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.clone())));
+        prop_assert!(first.passed() && second.passed());
+        prop_assert!(first.observation.images == second.observation.images, "decode images differ between chunkings");
+    }
+}
+
+/// Byte ranges `(start, length)` that must tile `[0, total)` exactly once.
+fn tiles(mut ranges: Vec<(u64, u64)>, total: u64) -> Result<(), String> {
+    ranges.sort_unstable();
+    let mut cursor = 0;
+    for (start, length) in ranges {
+        if start != cursor {
+            return Err(format!("gap or overlap at byte {cursor}: next range starts at {start}"));
+        }
+        cursor += length;
+    }
+    if cursor == total {
+        Ok(())
+    } else {
+        Err(format!("ranges end at {cursor}, not {total}"))
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Every transfer kind (MHA heads, Mamba state, aux, draft) on random topologies: no oracle violation.
+    #[test]
+    fn every_kind_transfers_without_violations(shape in shapes_of(true)) {
+        let scenario = scenario(&shape.yaml());
+        let outcome = harness::run(&scenario);
+        prop_assert!(outcome.passed(), "{}\n{}\n{}", shape.yaml(), outcome.failures.join("; "), kvrelay::render::violations(&outcome.violations));
+    }
+
+    /// domain.md §12.4: the head slices written into each destination token row tile it exactly once.
+    #[test]
+    fn head_slices_tile_each_destination_token_once(
+        shape in shapes_of(true).prop_map(|mut shape| { shape.mha_heads.get_or_insert(2); shape })
+    ) {
+        let problem = scenario(&shape.yaml()).problem;
+        let plan = plan::plan(&problem).unwrap();
+        let mut rows: BTreeMap<(RankId, u32, u64), Vec<(u64, u64)>> = BTreeMap::new();
+        for copy in plan.copies().filter(|copy| copy.kind == TransferKind::Kv) {
+            let region = &problem.decode.rank(copy.target).regions[copy.target_region as usize];
+            let row_len = region.row_len();
+            // Head-sliced copies are one row each; full-row copies may span several rows.
+            let mut offset = copy.target_offset;
+            while offset < copy.target_offset + copy.length {
+                let take = (row_len - offset % row_len).min(copy.target_offset + copy.length - offset);
+                rows.entry((copy.target, copy.target_region, offset / row_len)).or_default().push((offset % row_len, take));
+                offset += take;
+            }
+        }
+        prop_assert!(!rows.is_empty());
+        for ((rank, region, row), ranges) in rows {
+            let row_len = problem.decode.rank(rank).regions[region as usize].row_len();
+            prop_assert_eq!(tiles(ranges, row_len), Ok(()), "decode {} region {} row {}", rank, region, row);
+        }
+    }
+
+    /// domain.md §12.5: Mamba blocks cover each source item once across decode ranks (scatter) and each
+    /// destination item once across prefill ranks (aggregation).
+    #[test]
+    fn state_blocks_cover_source_once_when_scattering_and_target_once_when_aggregating(
+        shape in shapes_of(true).prop_map(|mut shape| { shape.mamba_outer.get_or_insert(3); shape })
+    ) {
+        let problem = scenario(&shape.yaml()).problem;
+        let plan = plan::plan(&problem).unwrap();
+        let (prefill_tp, decode_tp) = (problem.prefill.topology.tp, problem.decode.topology.tp);
+        let mut sources: BTreeMap<(RankId, u32, u64), Vec<(u64, u64)>> = BTreeMap::new();
+        let mut targets: BTreeMap<(RankId, u32, u64), Vec<(u64, u64)>> = BTreeMap::new();
+        for copy in plan.copies().filter(|copy| matches!(copy.kind, TransferKind::State { .. })) {
+            let source_item = problem.prefill.rank(copy.source).regions[copy.source_region as usize].item_len;
+            let target_item = problem.decode.rank(copy.target).regions[copy.target_region as usize].item_len;
+            // Scatter: one source item feeds exactly the k decode ranks that contact its prefill rank.
+            sources
+                .entry((copy.source, copy.source_region, copy.source_offset / source_item))
+                .or_default()
+                .push((copy.source_offset % source_item, copy.length));
+            targets.entry((copy.target, copy.target_region, copy.target_offset / target_item)).or_default().push((copy.target_offset % target_item, copy.length));
+        }
+        prop_assert!(!targets.is_empty() || problem.model.state[0].layers.is_empty());
+        if decode_tp >= prefill_tp {
+            for (key, ranges) in sources {
+                let total = problem.prefill.rank(key.0).regions[key.1 as usize].item_len;
+                prop_assert_eq!(tiles(ranges, total), Ok(()), "source {:?}", key);
+            }
+        }
+        if prefill_tp >= decode_tp {
+            for (key, ranges) in targets {
+                let total = problem.decode.rank(key.0).regions[key.1 as usize].item_len;
+                prop_assert_eq!(tiles(ranges, total), Ok(()), "target {:?}", key);
+            }
+        }
+    }
+
+    /// domain.md §12.3: in every transfer group each source entry of the kind is paired with exactly one target
+    /// entry of the same layer and tensor, and every such source entry takes part.
+    #[test]
+    fn every_source_entry_of_every_kind_is_paired_once(shape in shapes_of(true)) {
+        let problem = scenario(&shape.yaml()).problem;
+        let plan = plan::plan(&problem).unwrap();
+        for group in &plan.groups {
+            let source_layout = problem.prefill.rank(group.source);
+            let target_layout = problem.decode.rank(group.target);
+            let mut pairs: Vec<(u32, u32)> = group.entries.iter().map(|entry| (entry.source_region, entry.target_region)).collect();
+            pairs.sort_unstable();
+            pairs.dedup();
+            let sources: Vec<u32> = pairs.iter().map(|pair| pair.0).collect();
+            let mut unique = sources.clone();
+            unique.dedup();
+            prop_assert_eq!(&unique, &sources, "a source entry has two partners in {:?}", group.kind);
+            for (source, target) in &pairs {
+                let (source, target) = (&source_layout.regions[*source as usize], &target_layout.regions[*target as usize]);
+                prop_assert_eq!((source.layer, source.kind), (target.layer, target.kind));
+            }
+            let expected: Vec<u32> = source_layout
+                .regions
+                .iter()
+                .enumerate()
+                .filter(|(_, region)| match (group.kind, region.kind) {
+                    (TransferKind::Kv, RegionKind::Kv(_)) => true,
+                    (TransferKind::Draft, RegionKind::Draft) => true,
+                    (TransferKind::State { component }, RegionKind::State { component: other, .. }) => component == other,
+                    (TransferKind::Aux, RegionKind::Aux { .. }) => true,
+                    _ => false,
+                })
+                .map(|(index, _)| index as u32)
+                .collect();
+            prop_assert_eq!(sources, expected, "group {:?} {} -> {}", group.kind, group.source, group.target);
+        }
+    }
+
+    /// Re-chunking invariance holds with every kind present (state and aux travel with the last chunk).
+    #[test]
+    fn rechunking_every_kind_yields_the_same_decode_image(shape in shapes_of(true), other_cuts in prop::collection::vec(any::<u32>(), 0..5)) {
         let first = harness::run(&scenario(&shape.yaml()));
         let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.clone())));
         prop_assert!(first.passed() && second.passed());
