@@ -207,54 +207,78 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// The benchmark problem: Kimi-K3 (24 MLA layers), prefill PP8/TP1, decode TP8/DCP8, P = 64, one chunk.
-fn bench_problem(tokens: u32) -> anyhow::Result<Problem> {
+/// The benchmark problem: Kimi-K3 (24 MLA layers, 69 KDA layers unless `kv_only`), prefill PP8/TP1, decode
+/// TP8/DCP8, P = 64, one chunk.
+fn bench_problem(tokens: u32, kv_only: bool) -> anyhow::Result<Problem> {
+    let state = if kv_only { ", state: []" } else { "" };
     let text = format!(
-        "model: {{preset: kimi-k3}}\nprefill: {{pp: 8, page_size: 64}}\ndecode: {{tp: 8, dcp: 8, page_size: 64}}\nrequests: [{{tokens: {tokens}}}]\nexpect: ok\n"
+        "model: {{preset: kimi-k3{state}}}\nprefill: {{pp: 8, page_size: 64}}\ndecode: {{tp: 8, dcp: 8, page_size: 64}}\nrequests: [{{tokens: {tokens}}}]\nexpect: ok\n"
     );
     Ok(scenario::parse(&text, "<bench>", "bench-kimi-k3")?.problem)
 }
 
+/// Median wall time of `iterations` runs of `work`, and its last result.
+fn median(iterations: u32, work: &mut dyn FnMut() -> u64) -> (std::time::Duration, u64) {
+    let mut samples = Vec::new();
+    let mut result = 0;
+    for _ in 0..iterations.max(1) {
+        #[allow(clippy::disallowed_methods, reason = "benchmarks read the wall clock at the CLI edge")]
+        let start = Instant::now();
+        result = work();
+        samples.push(start.elapsed());
+    }
+    samples.sort();
+    (samples[samples.len() / 2], result)
+}
+
 fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
-    let problem = bench_problem(tokens)?;
-    let time = |work: &mut dyn FnMut() -> u64| {
-        let mut samples = Vec::new();
-        let mut result = 0;
-        for _ in 0..iterations.max(1) {
-            #[allow(clippy::disallowed_methods, reason = "benchmarks read the wall clock at the CLI edge")]
-            let start = Instant::now();
-            result = work();
-            samples.push(start.elapsed());
+    println!("bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, 24 MLA layers, 8 decode ranks");
+    println!(
+        "{:<14} {:>12} {:>12} {:>10} {:>14} {:>14}",
+        "problem", "plan ms", "expand ms", "groups", "copies", "bytes"
+    );
+    let mut times = Vec::new();
+    for (name, kv_only) in [("kv", true), ("kv+kda state", false)] {
+        let problem = bench_problem(tokens, kv_only)?;
+        let (plan_time, groups) =
+            median(iterations, &mut || plan::plan(&problem).map_or(0, |plan| plan.groups.len() as u64));
+        let plan = plan::plan(&problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
+        let (expand_time, copies) = median(iterations, &mut || {
+            // Fold every field a transport needs, so no copy can be optimised away.
+            let mut count = 0;
+            let mut digest = 0u64;
+            for copy in plan.copies() {
+                digest = digest.rotate_left(5)
+                    ^ copy.source_offset
+                    ^ copy.target_offset
+                    ^ copy.length
+                    ^ u64::from(copy.target_region);
+                count += 1;
+            }
+            std::hint::black_box(digest);
+            count
+        });
+        println!(
+            "{name:<14} {:>12.3} {:>12.3} {groups:>10} {copies:>14} {:>14}",
+            plan_time.as_secs_f64() * 1e3,
+            expand_time.as_secs_f64() * 1e3,
+            plan.bytes_total()
+        );
+        times.push(plan_time.as_secs_f64());
+        if !kv_only {
+            let mut per_rank: std::collections::BTreeMap<RankId, (u64, u64)> = std::collections::BTreeMap::new();
+            for copy in plan.copies() {
+                let entry = per_rank.entry(copy.target).or_default();
+                match copy.kind {
+                    plan::TransferKind::State { .. } => entry.1 += copy.length,
+                    _ => entry.0 += copy.length,
+                }
+            }
+            for (rank, (kv, state)) in per_rank {
+                println!("  decode {rank}: {kv} B kv + {state} B state = {} B", kv + state);
+            }
         }
-        samples.sort();
-        (samples[samples.len() / 2], result)
-    };
-    let (plan_time, groups) = time(&mut || plan::plan(&problem).map(|plan| plan.groups.len() as u64).unwrap_or(0));
-    let plan = plan::plan(&problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
-    let (expand_time, copies) = time(&mut || {
-        let mut count = 0;
-        for copy in plan.copies() {
-            std::hint::black_box(&copy);
-            count += 1;
-        }
-        count
-    });
-    let decode_ranks: Vec<RankId> = problem.decode.topology.ranks().collect();
-    println!(
-        "bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, {} MLA layers, {} KDA layers, {} decode ranks",
-        problem.model.kv_layers.len(),
-        problem.model.state.first().map_or(0, |component| component.layers.len()),
-        decode_ranks.len()
-    );
-    println!(
-        "plan:   median {:>10.3} ms over {iterations} runs ({groups} transfer groups)",
-        plan_time.as_secs_f64() * 1e3
-    );
-    println!(
-        "expand: median {:>10.3} ms to enumerate {copies} copies ({} bytes)",
-        expand_time.as_secs_f64() * 1e3,
-        plan.bytes_total()
-    );
-    println!("ratio expand/plan: {:.1}", expand_time.as_secs_f64() / plan_time.as_secs_f64().max(1e-12));
+    }
+    println!("ratio plan(kv+kda)/plan(kv): {:.2}", times[1] / times[0].max(1e-12));
     Ok(ExitCode::SUCCESS)
 }

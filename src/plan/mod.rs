@@ -100,26 +100,8 @@ pub struct Plan {
 
 impl Plan {
     /// Every copy, coalesced into maximal contiguous runs within a group, in canonical order.
-    pub fn copies(&self) -> impl Iterator<Item = Copy> + '_ {
-        self.groups.iter().flat_map(|group| {
-            group.entries.iter().flat_map(move |entry| {
-                group.runs.iter().flat_map(move |run| {
-                    let (count, rows_per_copy) = if entry.full_rows() { (1, run.rows) } else { (run.rows, 1) };
-                    (0..count).map(move |k| Copy {
-                        request: group.request,
-                        chunk: group.chunk,
-                        kind: group.kind,
-                        source: group.source,
-                        source_region: entry.source_region,
-                        source_offset: (run.source_row + k) * entry.source_row_len + entry.source_column,
-                        target: group.target,
-                        target_region: entry.target_region,
-                        target_offset: (run.target_row + k) * entry.target_row_len + entry.target_column,
-                        length: entry.length * rows_per_copy,
-                    })
-                })
-            })
-        })
+    pub fn copies(&self) -> Copies<'_> {
+        Copies { plan: self, group: 0, entry: 0, run: 0, row: 0 }
     }
 
     /// Number of copies [`Plan::copies`] yields, without expanding them.
@@ -143,6 +125,58 @@ impl Plan {
                 group.entries.iter().map(|entry| entry.length * rows).sum::<u64>()
             })
             .sum()
+    }
+}
+
+/// Iterator over a plan's copies: groups, then entries, then runs (then rows for partial-row entries).
+///
+/// Hand-written rather than nested `flat_map`s: enumeration is on the hot path of every execution.
+pub struct Copies<'a> {
+    plan: &'a Plan,
+    group: usize,
+    entry: usize,
+    run: usize,
+    row: u64,
+}
+
+impl Iterator for Copies<'_> {
+    type Item = Copy;
+
+    fn next(&mut self) -> Option<Copy> {
+        loop {
+            let group = self.plan.groups.get(self.group)?;
+            let Some(entry) = group.entries.get(self.entry) else {
+                (self.group, self.entry, self.run, self.row) = (self.group + 1, 0, 0, 0);
+                continue;
+            };
+            let Some(run) = group.runs.get(self.run) else {
+                (self.entry, self.run, self.row) = (self.entry + 1, 0, 0);
+                continue;
+            };
+            let (row, rows) = if entry.full_rows() {
+                self.run += 1;
+                (0, run.rows)
+            } else {
+                let row = self.row;
+                self.row += 1;
+                if self.row == run.rows {
+                    (self.run, self.row) = (self.run + 1, 0);
+                }
+                (row, 1)
+            };
+            return Some(Copy {
+                request: group.request,
+                chunk: group.chunk,
+                kind: group.kind,
+                source: group.source,
+                source_region: entry.source_region,
+                source_offset: (run.source_row + row) * entry.source_row_len + entry.source_column,
+                target: group.target,
+                target_region: entry.target_region,
+                target_offset: (run.target_row + row) * entry.target_row_len + entry.target_column,
+                length: entry.length * rows,
+            });
+        }
     }
 }
 
