@@ -289,9 +289,6 @@ impl<'a> Sources<'a> {
         let row_len = item_len / u64::from(*outer_count);
         let (row, unit) = (within / row_len, (within % row_len) / unit_bytes);
         let count = length / unit_bytes;
-        if within == 0 && length == item_len {
-            return String::new();
-        }
         let groups: Vec<u32> = groups.clone().unwrap_or_else(|| vec![*full_dim]);
         let names: Vec<String> = if groups.len() == 3 {
             ["q", "k", "v"].iter().map(|name| (*name).to_owned()).collect()
@@ -310,6 +307,9 @@ impl<'a> Sources<'a> {
                 return format!("row {row} {} {first}..{}", names[index], first + count - 1);
             }
             start += width;
+        }
+        if within == 0 && length == item_len {
+            return String::new();
         }
         format!("row {row} units {unit}..{}", unit + count - 1)
     }

@@ -181,3 +181,47 @@ fn worked_example_c_lands_on_rows_192_and_576() {
     assert!(layout.contains("rows 192..255 <- request 0 positions 5..509 step 8 from prefill pp0/tp0"), "{layout}");
     assert!(layout.contains("rows 576..636 <- request 0 positions 517..997 step 8 from prefill pp0/tp0"), "{layout}");
 }
+
+const HYBRID: &str = "model:\n  layers: 4\n  kv_layers: [1, 3]\n";
+
+/// State rejections of domain.md §3.4 and §8, each raised before any byte moves.
+#[rstest]
+#[case::non_mla_swa_cannot_change_tp(
+    "  kv_heads: 4\n  head_dim: 64\n  dtype_bytes: 2\n  state: [{kind: swa, layers: [0, 2], tensors: [{name: k, item_len: 4096}]}]\nprefill: {tp: 2, page_size: 8}\ndecode: {tp: 4, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models yet."
+)]
+#[case::replicated_mamba_needs_equal_tp(
+    "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: mamba, tensors: [{name: gate, item_len: 64}]}]\nprefill: {tp: 1, page_size: 8}\ndecode: {tp: 2, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    "Replicated Mamba PD state transfer currently requires matching prefill/decode attention TP sizes"
+)]
+#[case::mamba_without_dims_and_other_item_lengths(
+    "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: mamba, tensors: [{name: temporal, dim: 8, unit_bytes: 16}]}]\nprefill: {tp: 1, page_size: 8, metadata_components: 0}\ndecode: {tp: 2, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    "Mamba state layouts differ between prefill and decode (src item 128, dst item 64) and no slice dims were advertised"
+)]
+#[case::paged_state_with_nothing_to_overlap(
+    "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: swa, layers: [0, 2], tensors: [{name: k, item_len: 64}]}]\nprefill: {page_size: 8}\ndecode: {page_size: 8}\nrequests: [{tokens: 30, state_pages: [{component: 0, prefill: 2, decode: 0}]}]\n",
+    "No overlapping state indices for state_type=swa"
+)]
+#[case::paged_state_into_a_dcp_decode(
+    "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: dsa, layers: [0, 2], tensors: [{name: index_k, item_len: 64}]}]\nprefill: {page_size: 8}\ndecode: {tp: 2, dcp: 2, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    "PD DCP relayout does not support paged state component dsa"
+)]
+fn state_rejections_name_the_rule(#[case] rest: &str, #[case] message: &str) {
+    let yaml = format!("{HYBRID}{rest}expect: {{error: \"{message}\"}}\n");
+    let outcome = check_run(&yaml);
+    assert_eq!(outcome.plan.unwrap_err().to_string(), message);
+    assert!(outcome.observation.writes.is_empty());
+}
+
+/// Bad state metadata is an error, never an index panic: a dim that disagrees with the other side.
+#[test]
+fn inconsistent_state_dims_are_a_clear_error() {
+    let yaml = format!(
+        "{HYBRID}  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{{kind: mamba, tensors: [{{name: temporal, dim: 8, unit_bytes: 16}}]}}]\nprefill: {{tp: 1, page_size: 8, metadata_overrides: [{{component: 0, entry: 1, dim: 5}}]}}\ndecode: {{tp: 2, page_size: 8}}\nrequests: [{{tokens: 30}}]\nexpect: ok\n"
+    );
+    let res = plan::plan(&scenario(&yaml).problem);
+    assert_eq!(
+        res.unwrap_err().to_string(),
+        "invalid state metadata for component 0 entry 1: dims disagree: prefill 5 x tp 1 != decode 4 x tp 2"
+    );
+}
