@@ -2,7 +2,7 @@
 //!
 //! The only module that prints, reads the clock or exits. Errors go to stderr with a non-zero exit.
 
-#![allow(clippy::print_stdout, clippy::print_stderr, reason = "the CLI is the printing edge")]
+#![allow(clippy::print_stderr, reason = "the CLI is the printing edge")]
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -17,6 +17,20 @@ use crate::model::{Problem, RankId};
 use crate::plan;
 use crate::render;
 use crate::scenario::{self, Scenario};
+
+/// `println!` that returns write errors instead of panicking, so `kvrelay ... | head` ends quietly.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout().lock(), $($arg)*)?
+    };
+}
+
+/// `print!` counterpart of [`outln!`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        write!(std::io::stdout().lock(), $($arg)*)?
+    };
+}
 
 #[derive(Debug, Parser)]
 #[command(name = "kvrelay", version, about = "Byte-exact conformance harness for prefill -> decode KV-cache transfer")]
@@ -90,9 +104,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Run { scenario } => {
             let scenario = load(&scenario)?;
             let outcome = harness::run(&scenario);
-            print!("{}", render::golden_header(&scenario, &outcome));
+            out!("{}", render::golden_header(&scenario, &outcome));
             if outcome.passed() {
-                println!("pass {}", scenario.name);
+                outln!("pass {}", scenario.name);
                 Ok(ExitCode::SUCCESS)
             } else {
                 eprintln!("FAIL {}: {}", scenario.name, outcome.failures.join("; "));
@@ -116,7 +130,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             if let Err(error) = &outcome.plan {
                 eprintln!("note: plan rejected ({error}); showing the untouched decode memory");
             }
-            print!("{}", render::layout(&scenario.problem, &outcome.observation, only));
+            out!("{}", render::layout(&scenario.problem, &outcome.observation, only));
             Ok(ExitCode::SUCCESS)
         }
         Command::Plan { scenario, json } => {
@@ -192,7 +206,7 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
             Some(_) => String::new(),
         };
         if problems.is_empty() {
-            println!("pass {}", relative.display());
+            outln!("pass {}", relative.display());
         } else {
             failed += 1;
             eprintln!("FAIL {}: {}", relative.display(), problems.join("; "));
@@ -203,7 +217,7 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
             eprintln!("reproduce: cargo run --release -- run {}", file.display());
         }
     }
-    println!("{} scenarios, {} passed, {failed} failed", files.len(), files.len() - failed);
+    outln!("{} scenarios, {} passed, {failed} failed", files.len(), files.len() - failed);
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
@@ -232,11 +246,8 @@ fn median(iterations: u32, work: &mut dyn FnMut() -> u64) -> (std::time::Duratio
 }
 
 fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
-    println!("bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, 24 MLA layers, 8 decode ranks");
-    println!(
-        "{:<14} {:>12} {:>12} {:>10} {:>14} {:>14}",
-        "problem", "plan ms", "expand ms", "groups", "copies", "bytes"
-    );
+    outln!("bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, 24 MLA layers, 8 decode ranks");
+    outln!("{:<14} {:>12} {:>12} {:>10} {:>14} {:>14}", "problem", "plan ms", "expand ms", "groups", "copies", "bytes");
     let mut times = Vec::new();
     for (name, kv_only) in [("kv", true), ("kv+kda state", false)] {
         let problem = bench_problem(tokens, kv_only)?;
@@ -258,7 +269,7 @@ fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
             std::hint::black_box(digest);
             count
         });
-        println!(
+        outln!(
             "{name:<14} {:>12.3} {:>12.3} {groups:>10} {copies:>14} {:>14}",
             plan_time.as_secs_f64() * 1e3,
             expand_time.as_secs_f64() * 1e3,
@@ -275,10 +286,10 @@ fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
                 }
             }
             for (rank, (kv, state)) in per_rank {
-                println!("  decode {rank}: {kv} B kv + {state} B state = {} B", kv + state);
+                outln!("  decode {rank}: {kv} B kv + {state} B state = {} B", kv + state);
             }
         }
     }
-    println!("ratio plan(kv+kda)/plan(kv): {:.2}", times[1] / times[0].max(1e-12));
+    outln!("ratio plan(kv+kda)/plan(kv): {:.2}", times[1] / times[0].max(1e-12));
     Ok(ExitCode::SUCCESS)
 }

@@ -132,6 +132,30 @@ pub(crate) fn page_copy(chunk: &ChunkView<'_>) -> Result<Vec<RowRun>, PlanError>
 mod tests {
     use super::*;
 
+    /// domain.md §2.4 worked example A's chunk: P=2, src=[5,2,11,4], dst=[7], n=8.
+    fn example_a() -> ChunkView<'static> {
+        ChunkView {
+            source_pages: &[5, 2, 11, 4],
+            target_pages: &[7],
+            source_page_offset: 0,
+            decode_prefix: 0,
+            tokens: 8,
+            page_size: 2,
+        }
+    }
+
+    /// domain.md §2.4 worked example B's second chunk: P=2, prefix 4, dst=[4,6], src=[9,3], offset 1, n=4.
+    fn example_b() -> ChunkView<'static> {
+        ChunkView {
+            source_pages: &[9, 3],
+            target_pages: &[4, 6],
+            source_page_offset: 1,
+            decode_prefix: 4,
+            tokens: 4,
+            page_size: 2,
+        }
+    }
+
     fn pairs(runs: &[RowRun]) -> (Vec<u64>, Vec<u64>) {
         let expanded = runs.iter().flat_map(|run| (0..run.rows).map(move |k| (run.source_row + k, run.target_row + k)));
         expanded.unzip()
@@ -140,14 +164,7 @@ mod tests {
     /// domain.md §2.4 worked example A: P=2, c=4, src=[5,2,11,4], dst=[7], n=8.
     #[test]
     fn worked_example_a_every_rank_gets_its_two_rows() {
-        let chunk = ChunkView {
-            source_pages: &[5, 2, 11, 4],
-            target_pages: &[7],
-            source_page_offset: 0,
-            decode_prefix: 0,
-            tokens: 8,
-            page_size: 2,
-        };
+        let chunk = example_a();
         let expected = [
             (vec![10, 22], vec![14, 15]),
             (vec![11, 23], vec![14, 15]),
@@ -162,14 +179,7 @@ mod tests {
     /// domain.md §2.4 worked example B: second chunk with offset 1 after a one-virtual-page prefix.
     #[test]
     fn worked_example_b_second_chunk_uses_full_decode_page_list() {
-        let chunk = ChunkView {
-            source_pages: &[9, 3],
-            target_pages: &[4, 6],
-            source_page_offset: 1,
-            decode_prefix: 4,
-            tokens: 4,
-            page_size: 2,
-        };
+        let chunk = example_b();
         assert_eq!(pairs(&relayout(&chunk, 2, 0).unwrap()), (vec![18, 6], vec![9, 12]));
         assert_eq!(pairs(&relayout(&chunk, 2, 1).unwrap()), (vec![19, 7], vec![9, 12]));
     }
@@ -197,23 +207,9 @@ mod tests {
     /// domain.md §2.4 draft rows of worked examples A (dst 56..63) and B (dst 18, 19, 24, 25).
     #[test]
     fn draft_rows_are_replicated_at_virtual_page_addresses() {
-        let example_a = ChunkView {
-            source_pages: &[5, 2, 11, 4],
-            target_pages: &[7],
-            source_page_offset: 0,
-            decode_prefix: 0,
-            tokens: 8,
-            page_size: 2,
-        };
+        let example_a = example_a();
         assert_eq!(pairs(&draft(&example_a, 8).unwrap()), (vec![10, 11, 4, 5, 22, 23, 8, 9], (56..64).collect()));
-        let example_b = ChunkView {
-            source_pages: &[9, 3],
-            target_pages: &[4, 6],
-            source_page_offset: 1,
-            decode_prefix: 4,
-            tokens: 4,
-            page_size: 2,
-        };
+        let example_b = example_b();
         assert_eq!(pairs(&draft(&example_b, 4).unwrap()), (vec![18, 19, 6, 7], vec![18, 19, 24, 25]));
     }
 

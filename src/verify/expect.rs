@@ -220,86 +220,85 @@ fn token_rows(
 ) -> Vec<(u64, u64)> {
     let prefill = &problem.prefill.topology;
     let decode = &problem.decode.topology;
-    let page = u64::from(decode.page_size);
-    let prefix = request.decode_prefix;
-    let mut res = Vec::new();
     if prefill.dcp == decode.dcp {
-        // Same layout on both sides: the send range's allocator pages move whole, page k to decode page k.
-        let first_page = (prefix / prefill.virtual_page_size()) as usize;
-        let pages = request.send_len().div_ceil(prefill.virtual_page_size()) as usize;
-        for ordinal in 0..pages {
-            let (Some(target_page), Some(source_page)) =
-                (request.decode_pages.get(ordinal), request.prefill_pages.get(first_page + ordinal))
-            else {
-                notes.push((
-                    0,
-                    ViolationKind::Unplaceable {
-                        request: request.id,
-                        position: prefix + ordinal as u32 * prefill.virtual_page_size(),
-                    },
-                ));
-                break;
-            };
-            for slot in 0..page {
-                res.push((u64::from(*target_page) * page + slot, u64::from(*source_page) * page + slot));
-            }
-        }
+        // Same layout on both sides: the send range's allocator pages move whole, P rows each.
+        whole_pages(problem, request, u64::from(decode.page_size), notes)
     } else if prefill.dcp == 1 {
-        // Token relayout: position p lives on DCP rank p mod c at local row (p - prefix) div c.
-        let dcp = decode.dcp;
-        let rank = decode.dcp_rank(target.tp);
-        for position in prefix..request.tokens {
-            if position % dcp != rank {
-                continue;
-            }
-            let local = u64::from((position - prefix) / dcp);
-            let Some(target_page) = request.decode_pages.get((local / page) as usize) else {
-                notes.push((local, ViolationKind::Unplaceable { request: request.id, position }));
-                continue;
-            };
-            let source_page = request.prefill_pages[(u64::from(position) / page) as usize];
-            res.push((
-                u64::from(*target_page) * page + local % page,
-                u64::from(source_page) * page + u64::from(position) % page,
-            ));
+        // Token relayout: position p lives on DCP rank p mod c at local row (p - prefix) div c, P rows per page.
+        relaid_rows(
+            problem,
+            request,
+            Some((decode.dcp, decode.dcp_rank(target.tp))),
+            u64::from(decode.page_size),
+            notes,
+        )
+    } else {
+        Vec::new()
+    }
+}
+
+/// Draft rows: pools paged by the allocator page `V`; under relayout every send-range token goes to every DCP rank
+/// at its send-range-relative index (domain.md §2.4 draft rows).
+fn draft_rows(problem: &Problem, request: &Request, notes: &mut Vec<(u64, ViolationKind)>) -> Vec<(u64, u64)> {
+    let prefill = &problem.prefill.topology;
+    let decode = &problem.decode.topology;
+    let virtual_page = u64::from(decode.virtual_page_size());
+    if prefill.dcp == decode.dcp {
+        whole_pages(problem, request, virtual_page, notes)
+    } else {
+        relaid_rows(problem, request, None, virtual_page, notes)
+    }
+}
+
+/// Send-range allocator page k moves whole (`rows` rows) from the prefill page to decode page k.
+fn whole_pages(
+    problem: &Problem,
+    request: &Request,
+    rows: u64,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<(u64, u64)> {
+    let allocator_page = problem.prefill.topology.virtual_page_size();
+    let first_page = (request.decode_prefix / allocator_page) as usize;
+    let mut res = Vec::new();
+    for ordinal in 0..request.send_len().div_ceil(allocator_page) as usize {
+        let (Some(target_page), Some(source_page)) =
+            (request.decode_pages.get(ordinal), request.prefill_pages.get(first_page + ordinal))
+        else {
+            let position = request.decode_prefix + ordinal as u32 * allocator_page;
+            notes.push((0, ViolationKind::Unplaceable { request: request.id, position }));
+            break;
+        };
+        for slot in 0..rows {
+            res.push((u64::from(*target_page) * rows + slot, u64::from(*source_page) * rows + slot));
         }
     }
     res
 }
 
-/// Draft rows: under relayout every send-range token goes to every DCP rank, paged by `V` (domain.md §2.4).
-fn draft_rows(problem: &Problem, request: &Request, notes: &mut Vec<(u64, ViolationKind)>) -> Vec<(u64, u64)> {
-    let prefill = &problem.prefill.topology;
-    let decode = &problem.decode.topology;
-    let virtual_page = u64::from(decode.virtual_page_size());
-    let page = u64::from(prefill.page_size);
+/// Token by token from a DCP-1 prefill: positions owned by `owner` = (c, r) (all when `None`) land at local index
+/// `(p - prefix) div c` of decode pages of `rows` rows; the source row is the prefill's own page layout.
+fn relaid_rows(
+    problem: &Problem,
+    request: &Request,
+    owner: Option<(u32, u32)>,
+    rows: u64,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<(u64, u64)> {
+    let page = u64::from(problem.prefill.topology.page_size);
+    let (dcp, rank) = owner.unwrap_or((1, 0));
     let mut res = Vec::new();
-    if prefill.dcp == decode.dcp {
-        // Equal layouts: draft pages move whole like target pages (rows per item are V on both sides).
-        let first_page = (request.decode_prefix / prefill.virtual_page_size()) as usize;
-        for (ordinal, target_page) in request.decode_pages.iter().enumerate() {
-            let Some(source_page) = request.prefill_pages.get(first_page + ordinal) else { break };
-            if ordinal as u32 * prefill.virtual_page_size() >= request.send_len() {
-                break;
-            }
-            for slot in 0..virtual_page {
-                res.push((
-                    u64::from(*target_page) * virtual_page + slot,
-                    u64::from(*source_page) * virtual_page + slot,
-                ));
-            }
-        }
-        return res;
-    }
     for position in request.decode_prefix..request.tokens {
-        let relative = u64::from(position - request.decode_prefix);
-        let Some(target_page) = request.decode_pages.get((relative / virtual_page) as usize) else {
-            notes.push((relative, ViolationKind::Unplaceable { request: request.id, position }));
+        if position % dcp != rank {
+            continue;
+        }
+        let local = u64::from((position - request.decode_prefix) / dcp);
+        let Some(target_page) = request.decode_pages.get((local / rows) as usize) else {
+            notes.push((local, ViolationKind::Unplaceable { request: request.id, position }));
             continue;
         };
         let source_page = request.prefill_pages[(u64::from(position) / page) as usize];
         res.push((
-            u64::from(*target_page) * virtual_page + relative % virtual_page,
+            u64::from(*target_page) * rows + local % rows,
             u64::from(source_page) * page + u64::from(position) % page,
         ));
     }
