@@ -49,6 +49,23 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         }
     }
     check_divisibility(&model, &prefill, &decode, &mut diagnostics);
+    for (side, raw_side) in [("prefill", &raw.prefill), ("decode", &raw.decode)] {
+        let overrides = raw_side.metadata_overrides.iter().map(|item| item.component);
+        let item_lens = raw_side.state_item_lens.iter().map(|item| item.component);
+        for (field, component) in
+            overrides.map(|it| ("metadata_overrides", it)).chain(item_lens.map(|it| ("state_item_lens", it)))
+        {
+            if component as usize >= model.state.len() {
+                diagnostics.push(
+                    format!("{side}.{field}"),
+                    format!(
+                        "component {component} does not exist: the model has {} state components",
+                        model.state.len()
+                    ),
+                );
+            }
+        }
+    }
     let mut requests = lower_requests(&raw.requests, &model, &prefill, &decode, &mut diagnostics);
     if !diagnostics.0.is_empty() {
         return Err(diagnostics.0);

@@ -14,7 +14,14 @@ fn golden() {
             let scenario = scenario::load(path).unwrap_or_else(|error| panic!("{error}"));
             let outcome = harness::run(&scenario);
             // The snapshot carries the verdict, so a failing scenario can never be accepted silently.
-            assert!(outcome.passed(), "{}: {}", scenario.name, outcome.failures.join("; "));
+            assert!(
+                outcome.passed(),
+                "{}: {}\n{}reproduce: cargo run --release -- run {}",
+                scenario.name,
+                outcome.failures.join("; "),
+                render::violations(&outcome.violations),
+                path.display()
+            );
             insta::assert_snapshot!(render::golden(&scenario, &outcome));
         });
     });

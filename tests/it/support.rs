@@ -16,7 +16,7 @@ pub(crate) fn check_run(yaml: &str) -> Outcome {
     let outcome = harness::run(&scenario);
     assert!(
         outcome.passed(),
-        "\n--- failures ---\n{}\n--- violations ---\n{}",
+        "\n--- failures ---\n{}\n--- violations ---\n{}--- reproduce: save this scenario to a file, then `cargo run --release -- run <file>` ---\n{yaml}",
         outcome.failures.join("\n"),
         kvrelay::render::violations(&outcome.violations)
     );
