@@ -32,6 +32,24 @@ pub fn run(scenario: &Scenario) -> Outcome {
 pub fn run_on(scenario: &Scenario, transport: &mut impl Transport) -> Outcome {
     let problem = &scenario.problem;
     let plan = plan::plan(problem);
+    let needed: u64 = [&problem.prefill, &problem.decode]
+        .iter()
+        .flat_map(|side| side.ranks.iter().flat_map(|rank| rank.regions.iter().map(|region| region.len_bytes())))
+        .sum();
+    let limit = memory_limit();
+    if needed > limit {
+        // Refuse before allocating: a scenario too big for this machine must fail, not hang or swap.
+        let failure = format!(
+            "the scenario registers {needed} bytes of simulated memory, more than the limit of {limit} (fix: smaller requests or pools, or raise KVRELAY_MAX_FABRIC_BYTES)"
+        );
+        return Outcome {
+            plan,
+            exec_error: None,
+            observation: Observation::default(),
+            violations: Vec::new(),
+            failures: vec![failure],
+        };
+    }
     let mut exec_error = None;
     let mut writes = Vec::new();
     if let Err(error) = exec::stage(problem, transport) {
@@ -72,4 +90,9 @@ pub fn run_on(scenario: &Scenario, transport: &mut impl Transport) -> Outcome {
         failures.push(format!("{} oracle violations", violations.len()));
     }
     Outcome { plan, exec_error, observation, violations, failures }
+}
+
+/// Simulated-memory budget of one run: `KVRELAY_MAX_FABRIC_BYTES`, or 16 GiB (the Kimi-K3 scenario needs about 2.6).
+fn memory_limit() -> u64 {
+    std::env::var("KVRELAY_MAX_FABRIC_BYTES").ok().and_then(|value| value.parse().ok()).unwrap_or(16 << 30)
 }

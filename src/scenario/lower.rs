@@ -541,6 +541,9 @@ fn lower_requests(
     requests
 }
 
+/// Largest pool the allocator hands pages from (2^24 pages); bigger scenarios are rejected rather than stalling.
+const MAX_POOL_PAGES: u64 = 1 << 24;
+
 /// Hands out pages to every request that did not list its own: shuffled, so never contiguous by accident, and
 /// never page 0 (the padding page, domain.md §1.2). Returns the pool capacity.
 fn allocate(
@@ -589,9 +592,17 @@ fn allocate(
     }
     let highest = taken.last().copied().unwrap_or(0);
     let capacity = match raw.pool_pages {
-        Some(pages) => pages,
-        None => (2 * needed + 1).max(u64::from(highest) + 1).min(u64::from(u32::MAX)) as u32,
+        Some(pages) => u64::from(pages),
+        None => (2 * needed + 1).max(u64::from(highest) + 1),
     };
+    if capacity > MAX_POOL_PAGES {
+        diagnostics.push(
+            format!("{side}.pool_pages"),
+            format!("a pool of {capacity} pages exceeds the in-memory fabric's limit of {MAX_POOL_PAGES} (fix: fewer or shorter requests, or a smaller pool_pages)"),
+        );
+        return 0;
+    }
+    let capacity = capacity as u32;
     if highest >= capacity {
         diagnostics.push(
             format!("{side}.pool_pages"),
@@ -629,6 +640,10 @@ fn allocate_slots(side: Side, slot_count: u32, requests: &mut [Request], seed: S
             format!("{side}.slots"),
             format!("{slot_count} slots cannot hold {} requests besides slot 0 (fix: raise slots)", requests.len()),
         );
+        return;
+    }
+    if u64::from(slot_count) > MAX_POOL_PAGES {
+        diagnostics.push(format!("{side}.slots"), format!("{slot_count} slots exceed the limit of {MAX_POOL_PAGES}"));
         return;
     }
     for (stream, pick) in [("slots", 0), ("aux", 1)] {
