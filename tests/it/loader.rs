@@ -79,3 +79,10 @@ fn seeded_allocator_never_hands_out_page_zero_or_contiguous_lists() {
     let contiguous = pages.windows(2).filter(|pair| pair[1] == pair[0] + 1).count();
     assert!(contiguous < pages.len() / 4, "{contiguous} contiguous neighbours in {pages:?}");
 }
+
+/// A scenario too big for the in-memory fabric is refused at load time instead of stalling the allocator.
+#[test]
+fn oversized_pools_are_refused_not_allocated() {
+    let res = error("model: {preset: deepseek-v2-lite}\nprefill: {page_size: 4}\ndecode: {page_size: 4}\nrequests:\n  - tokens: 3000000000\nexpect: ok\n");
+    assert!(res.contains("prefill.pool_pages: a pool of 1500000001 pages exceeds the in-memory fabric's limit of 16777216"), "{res}");
+}
