@@ -49,6 +49,9 @@ pub struct SideOptions {
     pub item_len_overrides: Vec<(u32, u32, u64)>,
     /// Register the draft pool paged by `P` instead of `V` (the version-1 layout of domain.md §2.6).
     pub draft_paged_physically: bool,
+    /// Register KV token rows of this many bytes instead of the model's (a peer with another KV layout, e.g. an fp8
+    /// FlashMLA row widened with scales, domain.md §1.3).
+    pub kv_token_len: Option<u64>,
 }
 
 /// Builds the regions and metadata of every rank of one side.
@@ -75,7 +78,7 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
         Attention::Mla { .. } => &[KvPart::Latent],
         Attention::Mha { .. } => &[KvPart::Key, KvPart::Value],
     };
-    let token_len = model.token_len(topology.tp);
+    let token_len = options.kv_token_len.unwrap_or_else(|| model.token_len(topology.tp));
     for part in parts {
         for layer in &kv_layers {
             regions.push(Region {

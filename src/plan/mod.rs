@@ -324,8 +324,8 @@ fn check_state_gates(problem: &Problem, pool: PoolKind) -> Result<(), PlanError>
     let prefill = &problem.prefill.topology;
     let decode = &problem.decode.topology;
     for component in &problem.model.state {
-        let windowed = matches!(component.kind, StateKind::Swa | StateKind::SwaRing);
-        if windowed && !pool.replicated_latent() && prefill.tp != decode.tp {
+        // domain.md §3.4: "Non-MLA SWA/DSA hybrid with TP mismatch" is rejected; Mamba state slices instead.
+        if component.kind != StateKind::Mamba && !pool.replicated_latent() && prefill.tp != decode.tp {
             return Err(PlanError::SwaTpMismatch);
         }
         if component.kind != StateKind::Mamba && prefill.dcp != decode.dcp {
@@ -402,14 +402,19 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
     };
     if kv_writer || primary {
         let (targets, drafts) = kv_pairs(problem, connection, mode)?;
+        let how = if source_layout.advertised_layer_ids.is_some() && target_layout.advertised_layer_ids.is_some() {
+            "by global layer id"
+        } else {
+            "by position (no layer ids from one or both peers)"
+        };
         if !targets.is_empty() {
-            res.notes.push(format!("kv pairing by global layer id: {}", describe_pairing(&targets)));
+            res.notes.push(format!("kv pairing {how}: {}", describe_pairing(&targets)));
         }
         if kv_writer {
             res.kv = Some(targets.into());
         }
         if primary && !drafts.is_empty() {
-            res.notes.push(format!("draft pairing: {}", describe_pairing(&drafts)));
+            res.notes.push(format!("draft pairing {how}: {}", describe_pairing(&drafts)));
             res.draft = Some(drafts.into());
         }
     } else if problem.model.pool_kind() == PoolKind::Mla {
@@ -426,7 +431,12 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
         if *kind != StateKind::Mamba && !primary {
             continue;
         }
-        let (entries, by_id) = state_pairs(problem, connection, component, *kind, shard)?;
+        let (mut entries, by_id) = state_pairs(problem, connection, component, *kind, shard)?;
+        if prefill.tp > decode.tp && !primary {
+            // A whole-item copy (no dims from an older peer, equal item lengths: a replicated tensor) must come from
+            // one prefill rank of the group, or k ranks would write the same slot k times.
+            entries.retain(|entry| !entry.full_rows());
+        }
         if !entries.is_empty() {
             res.notes.push(format!("{kind} state component {component}: {}", describe_state(&entries, by_id)));
             res.state.push((component, *kind, entries.into()));
@@ -477,6 +487,11 @@ fn kv_pairs(
     let target_layout = problem.decode.rank(connection.decode);
     let prefill = &problem.prefill.topology;
     let decode = &problem.decode.topology;
+    // resolve_dcp_dst_entry_indices (domain.md §2.7) refuses one-sided ids even with prefill PP1.
+    let one_sided = source_layout.advertised_layer_ids.is_some() != target_layout.advertised_layer_ids.is_some();
+    if one_sided && matches!(mode, Mode::Relayout { .. }) {
+        return Err(PlanError::OneSidedLayerMetadata);
+    }
     let pairs = pairing::pair_entries(
         source_layout.advertised_layer_ids.as_deref(),
         target_layout.advertised_layer_ids.as_deref(),

@@ -50,19 +50,56 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     }
     check_divisibility(&model, &prefill, &decode, &mut diagnostics);
     for (side, raw_side) in [("prefill", &raw.prefill), ("decode", &raw.decode)] {
-        let overrides = raw_side.metadata_overrides.iter().map(|item| item.component);
-        let item_lens = raw_side.state_item_lens.iter().map(|item| item.component);
-        for (field, component) in
-            overrides.map(|it| ("metadata_overrides", it)).chain(item_lens.map(|it| ("state_item_lens", it)))
-        {
-            if component as usize >= model.state.len() {
-                diagnostics.push(
-                    format!("{side}.{field}"),
+        // Overrides must name an existing component and an entry or tensor it can have; otherwise they would be
+        // silently ignored.
+        for (index, item) in raw_side.metadata_overrides.iter().enumerate() {
+            let path = format!("{side}.metadata_overrides[{index}]");
+            match model.state.get(item.component as usize) {
+                None => diagnostics.push(
+                    format!("{path}.component"),
                     format!(
-                        "component {component} does not exist: the model has {} state components",
+                        "component {} does not exist: the model has {} state components",
+                        item.component,
                         model.state.len()
                     ),
-                );
+                ),
+                Some(component) if item.entry as usize >= component.tensors.len() * component.layers.len() => {
+                    let most = component.tensors.len() * component.layers.len();
+                    diagnostics.push(
+                        format!("{path}.entry"),
+                        format!(
+                            "entry {} does not exist: component {} has at most {most} entries on a rank",
+                            item.entry, item.component
+                        ),
+                    );
+                }
+                Some(_) => {}
+            }
+        }
+        for (index, item) in raw_side.state_item_lens.iter().enumerate() {
+            let path = format!("{side}.state_item_lens[{index}]");
+            match model.state.get(item.component as usize) {
+                None => diagnostics.push(
+                    format!("{path}.component"),
+                    format!(
+                        "component {} does not exist: the model has {} state components",
+                        item.component,
+                        model.state.len()
+                    ),
+                ),
+                Some(component) if item.tensor as usize >= component.tensors.len() => diagnostics.push(
+                    format!("{path}.tensor"),
+                    format!(
+                        "tensor {} does not exist: component {} has {} tensors",
+                        item.tensor,
+                        item.component,
+                        component.tensors.len()
+                    ),
+                ),
+                Some(_) if item.item_len == 0 || item.item_len % 8 != 0 => {
+                    diagnostics.push(format!("{path}.item_len"), "must be a positive multiple of 8");
+                }
+                Some(_) => {}
             }
         }
     }
@@ -76,7 +113,7 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         let page_count = allocate(side, raw_side, &raw.requests, &mut requests, seed, &mut diagnostics);
         let slot_count = raw_side.slots.unwrap_or(requests.len() as u32 + 1);
         allocate_slots(side, slot_count, &mut requests, seed, &mut diagnostics);
-        let state_page_counts = allocate_state_pages(side, &model, &mut requests, seed);
+        let state_page_counts = allocate_state_pages(side, &model, &mut requests, seed, &mut diagnostics);
         let overrides = raw_side
             .metadata_overrides
             .iter()
@@ -101,6 +138,7 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
                 .map(|item| (item.component, item.tensor, item.item_len))
                 .collect(),
             draft_paged_physically: raw_side.draft_paged_physically,
+            kv_token_len: raw_side.kv_token_len,
         };
         sides.push(build_side_layout(side, topology, &model, &options));
     }
@@ -411,8 +449,9 @@ fn lower_state(
                 }
             };
             let tensor = StateTensor { name: tensor.name.clone(), shape };
-            if tensor.item_len(1) % 8 != 0 {
-                diagnostics.push(path.clone(), format!("item of {} B is not a multiple of 8", tensor.item_len(1)));
+            if tensor.item_len(1) == 0 || tensor.item_len(1) % 8 != 0 {
+                diagnostics
+                    .push(path.clone(), format!("item of {} B is not a positive multiple of 8", tensor.item_len(1)));
             }
             tensors.push(tensor);
         }
@@ -521,6 +560,24 @@ fn lower_requests(
                     ),
                 ),
             }
+        }
+        // Bound every per-request list before allocating it (a typo must not allocate gigabytes).
+        let mut oversized = false;
+        let lists = [("tokens", prefill_count as u64), ("decode_page_count", decode_count as u64)];
+        let state_lists = counts.iter().flat_map(|count| {
+            [("state_pages (prefill)", u64::from(count.0)), ("state_pages (decode)", u64::from(count.1))]
+        });
+        for (field, count) in lists.into_iter().chain(state_lists) {
+            if count > MAX_POOL_PAGES {
+                diagnostics.push(
+                    path(field),
+                    format!("needs {count} pages, more than the in-memory fabric's limit of {MAX_POOL_PAGES}"),
+                );
+                oversized = true;
+            }
+        }
+        if oversized {
+            continue;
         }
         let state = |side: usize| StateIndices {
             slot: 0,
@@ -664,7 +721,13 @@ fn allocate_slots(side: Side, slot_count: u32, requests: &mut [Request], seed: S
 }
 
 /// Hands out the state pages of every paged component on one side; returns each component's pool capacity.
-fn allocate_state_pages(side: Side, model: &ModelGeometry, requests: &mut [Request], seed: Seed) -> Vec<u32> {
+fn allocate_state_pages(
+    side: Side,
+    model: &ModelGeometry,
+    requests: &mut [Request],
+    seed: Seed,
+    diagnostics: &mut Diagnostics,
+) -> Vec<u32> {
     let mut capacities = Vec::new();
     for (component, _) in model.state.iter().enumerate() {
         fn pages_of(side: Side, component: usize, request: &mut Request) -> &mut Vec<u32> {
@@ -674,8 +737,16 @@ fn allocate_state_pages(side: Side, model: &ModelGeometry, requests: &mut [Reque
             };
             &mut state.pages[component]
         }
-        let needed: usize = requests.iter_mut().map(|request| pages_of(side, component, request).len()).sum();
-        let capacity = 2 * needed as u32 + 1;
+        let needed: u64 = requests.iter_mut().map(|request| pages_of(side, component, request).len() as u64).sum();
+        if 2 * needed + 1 > MAX_POOL_PAGES {
+            diagnostics.push(
+                format!("model.state[{component}]"),
+                format!("the requests need {needed} {side} state pages, more than the limit of {MAX_POOL_PAGES} (fix: fewer or smaller state_pages)"),
+            );
+            capacities.push(0);
+            continue;
+        }
+        let capacity = (2 * needed + 1) as u32;
         let mut free: Vec<u32> = (1..capacity).collect();
         SimRng::stream(seed, &format!("state{component}.{side}")).shuffle(&mut free);
         let mut free = free.into_iter();

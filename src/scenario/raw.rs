@@ -28,6 +28,7 @@
 //! | `*.metadata_overrides[]` | list | [] | `{component, entry, groups?, dim?}`: advertise other conv groups or dim for one state entry |
 //! | `*.state_item_lens[]` | list | [] | `{component, tensor, item_len}`: register a state tensor with another item length |
 //! | `*.draft_paged_physically` | bool | false | register the draft pool paged by `P` rather than `V` (version-1 layout) |
+//! | `*.kv_token_len` | u64 | model | register KV token rows of this many bytes (a peer with another KV layout) |
 //! | `requests[].tokens` | u32 | required | prompt length |
 //! | `requests[].decode_prefix` | u32 | 0 | tokens decode already holds |
 //! | `requests[].chunks` | [u32] | one chunk | token counts of the prefill chunks over the send range |
@@ -117,6 +118,7 @@ pub struct RawSide {
     pub state_item_lens: Vec<RawItemLen>,
     #[serde(default)]
     pub draft_paged_physically: bool,
+    pub kv_token_len: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -48,7 +48,16 @@ fn planner_rejects_before_any_write(#[case] sides: &str, #[case] expected: PlanE
     assert_eq!(plan::plan(&scenario(&yaml).problem), Err(expected));
     // The harness runs the oracle's untouched check: no write happened and every decode byte is sentinel.
     let outcome = check_run(&yaml);
-    assert!(outcome.observation.writes.is_empty());
+    assert_all_sentinel(&outcome);
+}
+
+/// Every decode byte still holds the sentinel: read from the bytes, not from the (empty) write log.
+#[track_caller]
+fn assert_all_sentinel(outcome: &kvrelay::harness::Outcome) {
+    assert!(!outcome.observation.images.is_empty());
+    for (key, bytes) in &outcome.observation.images {
+        assert!(kvrelay::verify::pattern::matches_sentinel(0, bytes), "decode region {key:?} was written");
+    }
 }
 
 /// domain.md §3.1: with decode TP < prefill TP on a pure MLA pool only the first prefill rank of each group writes.
@@ -156,18 +165,26 @@ fn oracle_reports_a_corrupted_byte() {
 #[test]
 fn copy_outside_a_registered_region_is_a_completion_error() {
     let problem = scenario(SMALL_DCP).problem;
-    let mut plan = plan::plan(&problem).unwrap();
-    let group = &mut plan.groups[0];
-    let mut runs: Vec<RowRun> = group.runs.to_vec();
+    let plan = plan::plan(&problem).unwrap();
+    let image = |plan: &plan::Plan| {
+        let mut fabric = SimFabric::new();
+        exec::stage(&problem, &mut fabric).unwrap();
+        let res = exec::execute(plan, &mut fabric);
+        (res, fabric.read(RegionKey { side: Side::Decode, rank: plan.groups[0].target, region: 0 }).unwrap())
+    };
+    // The same plan twice: once with its first run aimed past the region, once without that run at all.
+    let mut out_of_bounds = plan.clone();
+    let mut runs: Vec<RowRun> = out_of_bounds.groups[0].runs.to_vec();
     runs[0].target_row = 1 << 30;
-    group.runs = Arc::from(runs);
-    let mut fabric = SimFabric::new();
-    exec::stage(&problem, &mut fabric).unwrap();
-    let before = fabric.read(RegionKey { side: Side::Decode, rank: plan.groups[0].target, region: 0 }).unwrap();
-    let res = exec::execute(&plan, &mut fabric);
+    out_of_bounds.groups[0].runs = Arc::from(runs);
+    let mut without = plan.clone();
+    without.groups[0].runs = Arc::from(&plan.groups[0].runs[1..]);
+    let (res, after_bad) = image(&out_of_bounds);
+    let (clean, after_without) = image(&without);
     assert!(matches!(res, Err(ExecError::Completion { status: CompletionStatus::RemoteAccess, .. })), "{res:?}");
-    let after = fabric.read(RegionKey { side: Side::Decode, rank: plan.groups[0].target, region: 0 }).unwrap();
-    assert_ne!(before, after, "the in-bounds copies still landed");
+    assert!(clean.is_ok());
+    // Equal images prove the failed write changed no byte, and that every other copy still landed.
+    assert!(after_bad == after_without, "the out-of-bounds write touched memory");
 }
 
 /// Worked example C (domain.md §2.4) end to end through the scenario loader: decode rank 5's bytes.
@@ -209,8 +226,8 @@ const HYBRID: &str = "model:\n  layers: 4\n  kv_layers: [1, 3]\n";
 fn state_rejections_name_the_rule(#[case] rest: &str, #[case] message: &str) {
     let yaml = format!("{HYBRID}{rest}expect: {{error: \"{message}\"}}\n");
     let outcome = check_run(&yaml);
-    assert_eq!(outcome.plan.unwrap_err().to_string(), message);
-    assert!(outcome.observation.writes.is_empty());
+    assert_eq!(outcome.plan.as_ref().unwrap_err().to_string(), message);
+    assert_all_sentinel(&outcome);
 }
 
 /// Bad state metadata is an error, never an index panic: a dim that disagrees with the other side.

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use kvrelay::harness;
-use kvrelay::model::RegionKind;
 use kvrelay::model::{RankId, Side};
+use kvrelay::model::{RegionKind, StateKind};
 use kvrelay::plan::{self, TransferKind};
 use kvrelay::verify::{Origin, RegionKey, Run, Sources};
 use proptest::prelude::*;
@@ -37,6 +37,10 @@ struct Shape {
     aux: bool,
     /// One draft entry on the last stage (MLA only).
     draft: bool,
+    /// A paged state component (DSA over the KV layers for MLA, SWA for MHA) where the topology allows one.
+    paged: bool,
+    /// Neither side advertises KV layer ids (only applied with prefill PP1, where positional pairing is allowed).
+    no_ids: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -52,6 +56,21 @@ impl Shape {
             self.decode_dcp()
         } else {
             1
+        }
+    }
+
+    /// Paged state needs equal DCP sizes, and for non-MLA models equal TP sizes (domain.md §3.4).
+    fn paged_state(&self) -> bool {
+        self.paged
+            && self.prefill_dcp() == self.decode_dcp()
+            && (self.mha_heads.is_none() || self.prefill_tp == self.decode_tp)
+    }
+
+    fn ids(&self) -> &'static str {
+        if self.no_ids && self.prefill_pp == 1 {
+            ", layer_ids: false"
+        } else {
+            ""
         }
     }
 
@@ -76,6 +95,15 @@ impl Shape {
         }
         if self.aux {
             extra.push_str(", aux: [8, 24]");
+        }
+        if self.paged_state() {
+            let kind = if self.mha_heads.is_some() { "swa, window_pages: 2" } else { "dsa" };
+            let state =
+                format!("{{kind: {kind}, layers: {:?}, tensors: [{{name: p, item_len: 64}}]}}", self.mla_layers());
+            match extra.find("state: [") {
+                Some(at) => extra.insert_str(at + "state: [".len(), &format!("{state}, ")),
+                None => extra.push_str(&format!(", state: [{state}]")),
+            }
         }
         if self.draft && self.mha_heads.is_none() {
             extra.push_str(", draft: {entries: 1, token_len: 16}");
@@ -115,8 +143,8 @@ impl Shape {
     fn yaml_with(&self, cuts_of: impl Fn(usize) -> Vec<u32>) -> String {
         let virtual_page = self.page_size * self.decode_dcp();
         let mut yaml = format!(
-            "{}prefill: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
-             decode: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}\n\
+            "{}prefill: {{tp: {}, pp: {}, dcp: {}, page_size: {}{ids}}}\n\
+             decode: {{tp: {}, pp: {}, dcp: {}, page_size: {}{ids}}}\n\
              seed: {}\nrequests:\n",
             self.model_yaml(),
             self.prefill_tp,
@@ -128,6 +156,7 @@ impl Shape {
             self.decode_dcp(),
             self.page_size,
             self.seed,
+            ids = self.ids(),
         );
         for (index, request) in self.requests.iter().enumerate() {
             let prefix = request.prefix_pages * virtual_page;
@@ -155,10 +184,12 @@ fn shapes_of(kinds: bool) -> impl Strategy<Value = Shape> {
             prop::option::of(prop::sample::select(vec![1u32, 3])),
             any::<bool>(),
             any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
         )
             .boxed()
     } else {
-        Just((None, None, false, false)).boxed()
+        Just((None, None, false, false, false, false)).boxed()
     };
     (
         tps,
@@ -185,7 +216,7 @@ fn shapes_of(kinds: bool) -> impl Strategy<Value = Shape> {
                 seed,
                 extras,
             )| {
-                let (mha_heads, mamba_outer, aux, draft) = extras;
+                let (mha_heads, mamba_outer, aux, draft, paged, no_ids) = extras;
                 let dcps: Vec<u32> = [1u32, 2, 4, 8].into_iter().filter(|dcp| decode_tp % dcp == 0).collect();
                 let request = (0u32..=2, 1u32..=150, prop::collection::vec(any::<u32>(), 0..4))
                     .prop_map(|(prefix_pages, send_len, cuts)| RequestShape { prefix_pages, send_len, cuts });
@@ -207,6 +238,8 @@ fn shapes_of(kinds: bool) -> impl Strategy<Value = Shape> {
                         mamba_outer,
                         aux,
                         draft,
+                        paged,
+                        no_ids,
                     },
                 )
             },
@@ -358,7 +391,16 @@ proptest! {
                 offset += take;
             }
         }
-        prop_assert!(!rows.is_empty());
+        // Whole pages move (domain.md §3.2), so each K or V region of each decode rank gets every send page's rows.
+        let page = u64::from(problem.decode.topology.page_size);
+        let rows_per_region: u64 = problem.requests.iter().map(|request| u64::from(request.send_len()).div_ceil(page) * page).sum();
+        let kv_regions: u64 = problem
+            .decode
+            .ranks
+            .iter()
+            .map(|layout| layout.regions.iter().filter(|region| matches!(region.kind, RegionKind::Kv(_))).count() as u64)
+            .sum();
+        prop_assert_eq!(rows.len() as u64, kv_regions * rows_per_region);
         for ((rank, region, row), ranges) in rows {
             let row_len = problem.decode.rank(rank).regions[region as usize].row_len();
             prop_assert_eq!(tiles(ranges, row_len), Ok(()), "decode {} region {} row {}", rank, region, row);
@@ -376,7 +418,9 @@ proptest! {
         let (prefill_tp, decode_tp) = (problem.prefill.topology.tp, problem.decode.topology.tp);
         let mut sources: BTreeMap<(RankId, u32, u64), Vec<(u64, u64)>> = BTreeMap::new();
         let mut targets: BTreeMap<(RankId, u32, u64), Vec<(u64, u64)>> = BTreeMap::new();
-        for copy in plan.copies().filter(|copy| matches!(copy.kind, TransferKind::State { .. })) {
+        // Only Mamba components slice; paged state (also `TransferKind::State`) is replicated whole.
+        let mamba = |kind: TransferKind| matches!(kind, TransferKind::State { component } if problem.model.state[component as usize].kind == StateKind::Mamba);
+        for copy in plan.copies().filter(|copy| mamba(copy.kind)) {
             let source_item = problem.prefill.rank(copy.source).regions[copy.source_region as usize].item_len;
             let target_item = problem.decode.rank(copy.target).regions[copy.target_region as usize].item_len;
             // Scatter: one source item feeds exactly the k decode ranks that contact its prefill rank.
@@ -386,7 +430,8 @@ proptest! {
                 .push((copy.source_offset % source_item, copy.length));
             targets.entry((copy.target, copy.target_region, copy.target_offset / target_item)).or_default().push((copy.target_offset % target_item, copy.length));
         }
-        prop_assert!(!targets.is_empty() || problem.model.state[0].layers.is_empty());
+        let mamba_layers = problem.model.state.iter().filter(|component| component.kind == StateKind::Mamba).map(|component| component.layers.len()).sum::<usize>();
+        prop_assert!(!targets.is_empty() || mamba_layers == 0);
         if decode_tp >= prefill_tp {
             for (key, ranges) in sources {
                 let total = problem.prefill.rank(key.0).regions[key.1 as usize].item_len;
@@ -445,5 +490,27 @@ proptest! {
         let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.clone())));
         prop_assert!(first.passed() && second.passed());
         prop_assert!(first.observation.images == second.observation.images, "decode images differ between chunkings");
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// domain.md §4.1, restated: stages are contiguous, cover every layer once, differ by at most one layer, and
+    /// the last `L mod pp` stages are the larger ones. Pins `stage_layers`, which planner and oracle both rely on.
+    #[test]
+    fn stage_partition_covers_layers_in_order_with_larger_last_stages(layers in 1u32..200, pp in 1u32..17) {
+        prop_assume!(pp <= layers);
+        let stages: Vec<_> = (0..pp).map(|stage| kvrelay::model::stage_layers(layers, pp, stage)).collect();
+        prop_assert_eq!(stages[0].start, 0);
+        prop_assert_eq!(stages[stages.len() - 1].end, layers);
+        for pair in stages.windows(2) {
+            prop_assert_eq!(pair[0].end, pair[1].start);
+        }
+        let sizes: Vec<u32> = stages.iter().map(|stage| stage.end - stage.start).collect();
+        let base = layers / pp;
+        let extra = (layers % pp) as usize;
+        let expected: Vec<u32> = (0..pp as usize).map(|stage| if stage >= pp as usize - extra { base + 1 } else { base }).collect();
+        prop_assert_eq!(sizes, expected);
     }
 }
