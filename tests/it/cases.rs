@@ -242,3 +242,29 @@ fn inconsistent_state_dims_are_a_clear_error() {
         "invalid state metadata for component 0 entry 1: dims disagree: prefill 5 x tp 1 != decode 4 x tp 2"
     );
 }
+
+/// An older decode peer sends no dims for a replicated Mamba tensor while two prefill ranks aggregate into it:
+/// only the group's first rank may write the whole item, or the slot would be written twice (found in review).
+#[test]
+fn replicated_state_without_dims_is_written_once_when_aggregating() {
+    let outcome = check_run(&format!(
+        "{HYBRID}  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{{kind: mamba, layers: [0, 2], tensors: [{{name: gate, item_len: 64}}]}}]\nprefill: {{tp: 2, page_size: 8}}\ndecode: {{tp: 1, page_size: 8, metadata_components: 0}}\nrequests: [{{tokens: 30}}]\nexpect: ok\n"
+    ));
+    let state_sources: Vec<RankId> = outcome
+        .plan
+        .unwrap()
+        .groups
+        .iter()
+        .filter(|group| matches!(group.kind, plan::TransferKind::State { .. }))
+        .map(|group| group.source)
+        .collect();
+    assert_eq!(state_sources, vec![RankId { pp: 0, tp: 0 }]);
+}
+
+/// domain.md §2.7: under DCP relayout one-sided layer ids are an error even with prefill PP1 (found in review).
+#[test]
+fn dcp_relayout_rejects_one_sided_layer_ids() {
+    let yaml = "model: {layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}\nprefill: {page_size: 4}\ndecode: {tp: 2, dcp: 2, page_size: 4, layer_ids: false}\nrequests: [{tokens: 20}]\nexpect: {error: \"Layer metadata must be provided by both PD peers or neither\"}\n";
+    let outcome = check_run(yaml);
+    assert_eq!(outcome.plan.unwrap_err(), PlanError::OneSidedLayerMetadata);
+}
