@@ -202,13 +202,13 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
 
     // Registration-time work, once per connection (domain.md §6.3): mode, geometry and entry pairing.
     let mut links = Vec::new();
-    let mut notes: BTreeMap<String, Vec<RankId>> = BTreeMap::new();
+    let mut notes: BTreeMap<(RankId, String), Vec<RankId>> = BTreeMap::new();
     for connection in ranks::connections(prefill, decode) {
         // Every registered peer passes the DCP gate, whatever it sends (domain.md §6.3).
         let mode = ranks::transfer_mode(prefill, connection.prefill, decode, connection.decode)?;
         let link = link(problem, &connection, mode)?;
         for note in &link.notes {
-            notes.entry(format!("{} -> decode {{}}: {note}", connection.prefill)).or_default().push(connection.decode);
+            notes.entry((connection.prefill, note.clone())).or_default().push(connection.decode);
         }
         links.push(link);
     }
@@ -216,8 +216,8 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
     modes.sort();
     modes.dedup();
     explain.extend(modes);
-    for (note, targets) in notes {
-        explain.push(note.replace("{}", &rank_list(&targets)));
+    for ((source, note), targets) in notes {
+        explain.push(format!("{source} -> decode {}: {note}", rank_list(&targets)));
     }
 
     let mut groups = Vec::new();
@@ -451,13 +451,9 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
         if source_lens != target_lens {
             return Err(PlanError::AuxGeometry { prefill: source_lens, decode: target_lens });
         }
-        let entries: Vec<EntryPair> = source_layout
-            .aux_entries
-            .iter()
-            .zip(&target_layout.aux_entries)
-            .map(|(source, target)| full_row(*source, *target, 0, source_lens[0].max(1)))
+        let entries: Vec<EntryPair> = (source_layout.aux_entries.iter().zip(&target_layout.aux_entries))
             .zip(&source_lens)
-            .map(|(entry, len)| EntryPair { source_row_len: *len, target_row_len: *len, length: *len, ..entry })
+            .map(|((source, target), len)| full_row(*source, *target, 0, *len))
             .collect();
         res.aux = Some(entries.into());
     }
