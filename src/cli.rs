@@ -37,6 +37,9 @@ macro_rules! out {
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
+    /// Replace the scenario's allocator seed (run, layout and plan; golden checks keep each file's own seed).
+    #[arg(long, global = true)]
+    pub seed: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -94,28 +97,30 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn load(path: &Path) -> anyhow::Result<Scenario> {
-    Ok(scenario::load(path)?)
+fn load(path: &Path, seed: Option<u64>) -> anyhow::Result<Scenario> {
+    Ok(scenario::load_seeded(path, seed)?)
 }
 
 /// Runs one command; `Ok(FAILURE)` for a completed command whose verdict is negative.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let seed = args.seed;
     match args.command {
         Command::Run { scenario } => {
-            let scenario = load(&scenario)?;
+            let scenario = load(&scenario, seed)?;
             let outcome = harness::run(&scenario);
+            outln!("seed: {}", scenario.seed);
             out!("{}", render::golden_header(&scenario, &outcome));
             if outcome.passed() {
                 outln!("pass {}", scenario.name);
                 Ok(ExitCode::SUCCESS)
             } else {
                 eprintln!("FAIL {}: {}", scenario.name, outcome.failures.join("; "));
-                eprintln!("reproduce: cargo run --release -- run {}", scenario.file);
+                eprintln!("reproduce: cargo run --release -- run {} --seed {}", scenario.file, scenario.seed);
                 Ok(ExitCode::FAILURE)
             }
         }
         Command::Layout { scenario, rank } => {
-            let scenario = load(&scenario)?;
+            let scenario = load(&scenario, seed)?;
             let only = match rank {
                 None => None,
                 Some(index) => {
@@ -134,7 +139,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Plan { scenario, json } => {
-            let scenario = load(&scenario)?;
+            let scenario = load(&scenario, seed)?;
             let plan = plan::plan(&scenario.problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
@@ -145,6 +150,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
             out.flush()?;
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Check { .. } | Command::Bench { .. } if seed.is_some() => {
+            bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
         Command::Check { dir, golden } => check(&dir, &golden),
         Command::Bench { tokens, iterations } => bench(tokens, iterations),

@@ -26,6 +26,8 @@ pub struct Scenario {
     pub name: String,
     /// The file it came from, as given.
     pub file: String,
+    /// The allocator seed in effect (the file's, or an override).
+    pub seed: u64,
     pub problem: Problem,
     pub expect: Expectation,
 }
@@ -69,20 +71,30 @@ impl std::error::Error for ScenarioError {}
 
 /// Reads and lowers the scenario at `path`.
 pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
+    load_seeded(path, None)
+}
+
+/// [`load`], with `seed` (when given) replacing the file's `seed` for the allocators.
+pub fn load_seeded(path: &Path, seed: Option<u64>) -> Result<Scenario, ScenarioError> {
     let file = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|error| ScenarioError {
         file: file.clone(),
         diagnostics: vec![Diagnostic { line: None, path: String::new(), message: format!("cannot read: {error}") }],
     })?;
     let stem = path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
-    parse(&text, &file, &stem)
+    parse_seeded(&text, &file, &stem, seed)
 }
 
 /// Parses scenario `text`; `file` names it in diagnostics and `default_name` is used when it has no `name`.
 pub fn parse(text: &str, file: &str, default_name: &str) -> Result<Scenario, ScenarioError> {
+    parse_seeded(text, file, default_name, None)
+}
+
+/// [`parse`], with `seed` (when given) replacing the text's `seed`.
+pub fn parse_seeded(text: &str, file: &str, default_name: &str, seed: Option<u64>) -> Result<Scenario, ScenarioError> {
     let error = |diagnostics| ScenarioError { file: file.to_owned(), diagnostics };
     let deserializer = serde_yaml_ng::Deserializer::from_str(text);
-    let raw: raw::RawScenario = serde_path_to_error::deserialize(deserializer).map_err(|failure| {
+    let mut raw: raw::RawScenario = serde_path_to_error::deserialize(deserializer).map_err(|failure| {
         let path = failure.path().to_string();
         let inner = failure.into_inner();
         let line = inner.location().map(|location| location.line()).or_else(|| lower::locate(text, &path));
@@ -99,11 +111,13 @@ pub fn parse(text: &str, file: &str, default_name: &str) -> Result<Scenario, Sce
         }
         error(vec![Diagnostic { line, path, message }])
     })?;
+    raw.seed = seed.or(raw.seed);
+    let seed = raw.seed.unwrap_or(1);
     let (problem, expect) = lower::lower(raw, default_name).map_err(|mut diagnostics| {
         for diagnostic in &mut diagnostics {
             diagnostic.line = lower::locate(text, &diagnostic.path);
         }
         error(diagnostics)
     })?;
-    Ok(Scenario { name: problem.name.clone(), file: file.to_owned(), problem, expect })
+    Ok(Scenario { name: problem.name.clone(), file: file.to_owned(), seed, problem, expect })
 }
