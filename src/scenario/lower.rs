@@ -54,40 +54,23 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         // silently ignored.
         for (index, item) in raw_side.metadata_overrides.iter().enumerate() {
             let path = format!("{side}.metadata_overrides[{index}]");
-            match model.state.get(item.component as usize) {
-                None => diagnostics.push(
-                    format!("{path}.component"),
+            let Some(component) = state_component(&model, item.component, &path, &mut diagnostics) else { continue };
+            let most = component.tensors.len() * component.layers.len();
+            if item.entry as usize >= most {
+                diagnostics.push(
+                    format!("{path}.entry"),
                     format!(
-                        "component {} does not exist: the model has {} state components",
-                        item.component,
-                        model.state.len()
+                        "entry {} does not exist: component {} has at most {most} entries on a rank",
+                        item.entry, item.component
                     ),
-                ),
-                Some(component) if item.entry as usize >= component.tensors.len() * component.layers.len() => {
-                    let most = component.tensors.len() * component.layers.len();
-                    diagnostics.push(
-                        format!("{path}.entry"),
-                        format!(
-                            "entry {} does not exist: component {} has at most {most} entries on a rank",
-                            item.entry, item.component
-                        ),
-                    );
-                }
-                Some(_) => {}
+                );
             }
         }
         for (index, item) in raw_side.state_item_lens.iter().enumerate() {
             let path = format!("{side}.state_item_lens[{index}]");
-            match model.state.get(item.component as usize) {
-                None => diagnostics.push(
-                    format!("{path}.component"),
-                    format!(
-                        "component {} does not exist: the model has {} state components",
-                        item.component,
-                        model.state.len()
-                    ),
-                ),
-                Some(component) if item.tensor as usize >= component.tensors.len() => diagnostics.push(
+            let Some(component) = state_component(&model, item.component, &path, &mut diagnostics) else { continue };
+            if item.tensor as usize >= component.tensors.len() {
+                diagnostics.push(
                     format!("{path}.tensor"),
                     format!(
                         "tensor {} does not exist: component {} has {} tensors",
@@ -95,11 +78,9 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
                         item.component,
                         component.tensors.len()
                     ),
-                ),
-                Some(_) if item.item_len == 0 || item.item_len % 8 != 0 => {
-                    diagnostics.push(format!("{path}.item_len"), "must be a positive multiple of 8");
-                }
-                Some(_) => {}
+                );
+            } else if item.item_len == 0 || item.item_len % 8 != 0 {
+                diagnostics.push(format!("{path}.item_len"), "must be a positive multiple of 8");
             }
         }
     }
@@ -155,6 +136,23 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         requests,
     };
     Ok((problem, expect))
+}
+
+/// The state component `index` names, or a diagnostic at `path.component` saying it does not exist.
+fn state_component<'a>(
+    model: &'a ModelGeometry,
+    index: u32,
+    path: &str,
+    diagnostics: &mut Diagnostics,
+) -> Option<&'a StateComponent> {
+    let component = model.state.get(index as usize);
+    if component.is_none() {
+        diagnostics.push(
+            format!("{path}.component"),
+            format!("component {index} does not exist: the model has {} state components", model.state.len()),
+        );
+    }
+    component
 }
 
 /// Every sliced state axis and sub-block must split evenly over both sides' TP (impossible topologies otherwise).

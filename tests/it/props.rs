@@ -261,9 +261,7 @@ proptest! {
     /// Zero-fault in-memory run + oracle ⇒ no violation, for every valid topology (domain.md §12.1–§12.4).
     #[test]
     fn random_topologies_transfer_without_violations(shape in shapes()) {
-        let scenario = scenario(&shape.yaml());
-        let outcome = harness::run(&scenario);
-        prop_assert!(outcome.passed(), "{}\n{}", outcome.failures.join("; "), kvrelay::render::violations(&outcome.violations));
+        transfers_cleanly(&shape)?;
     }
 
     /// Within each decode DCP group every send-range position of every layer lands exactly once (domain.md §12.2),
@@ -305,28 +303,6 @@ proptest! {
         }
     }
 
-    /// Every source entry of a writing connection is paired exactly once, with distinct targets of the same layer.
-    #[test]
-    fn every_source_entry_is_paired_once_by_layer_id(shape in shapes()) {
-        let scenario = scenario(&shape.yaml());
-        let problem = &scenario.problem;
-        let plan = plan::plan(problem).unwrap();
-        for group in &plan.groups {
-            let sources: Vec<u32> = group.entries.iter().map(|entry| entry.source_region).collect();
-            let expected: Vec<u32> = (0..problem.prefill.rank(group.source).regions.len() as u32).collect();
-            prop_assert_eq!(&sources, &expected);
-            let mut targets: Vec<u32> = group.entries.iter().map(|entry| entry.target_region).collect();
-            targets.sort_unstable();
-            targets.dedup();
-            prop_assert_eq!(targets.len(), sources.len());
-            for entry in group.entries.iter() {
-                let target = &problem.decode.rank(group.target).regions[entry.target_region as usize];
-                let source = &problem.prefill.rank(group.source).regions[entry.source_region as usize];
-                prop_assert_eq!(target.layer, source.layer);
-            }
-        }
-    }
-
     /// The plan is a pure function of the problem.
     #[test]
     fn plan_is_deterministic(shape in shapes()) {
@@ -337,11 +313,30 @@ proptest! {
     /// Any page-aligned re-chunking of the send range yields the same final decode image (domain.md §7, §12.2).
     #[test]
     fn rechunking_yields_the_same_decode_image(shape in shapes(), other_cuts in prop::collection::vec(any::<u32>(), 0..5)) {
-        let first = harness::run(&scenario(&shape.yaml()));
-        let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.clone())));
-        prop_assert!(first.passed() && second.passed());
-        prop_assert!(first.observation.images == second.observation.images, "decode images differ between chunkings");
+        rechunking_keeps_the_image(&shape, &other_cuts)?;
     }
+}
+
+/// Zero-fault run of the shape's scenario: the planner accepts and the oracle finds no violation.
+fn transfers_cleanly(shape: &Shape) -> Result<(), TestCaseError> {
+    let outcome = harness::run(&scenario(&shape.yaml()));
+    prop_assert!(
+        outcome.passed(),
+        "{}\n{}\n{}",
+        shape.yaml(),
+        outcome.failures.join("; "),
+        kvrelay::render::violations(&outcome.violations)
+    );
+    Ok(())
+}
+
+/// Re-chunking the send range at other page-aligned points leaves the final decode image unchanged.
+fn rechunking_keeps_the_image(shape: &Shape, other_cuts: &[u32]) -> Result<(), TestCaseError> {
+    let first = harness::run(&scenario(&shape.yaml()));
+    let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.to_vec())));
+    prop_assert!(first.passed() && second.passed());
+    prop_assert!(first.observation.images == second.observation.images, "decode images differ between chunkings");
+    Ok(())
 }
 
 /// Byte ranges `(start, length)` that must tile `[0, total)` exactly once.
@@ -367,9 +362,7 @@ proptest! {
     /// Every transfer kind (MHA heads, Mamba state, aux, draft) on random topologies: no oracle violation.
     #[test]
     fn every_kind_transfers_without_violations(shape in shapes_of(true)) {
-        let scenario = scenario(&shape.yaml());
-        let outcome = harness::run(&scenario);
-        prop_assert!(outcome.passed(), "{}\n{}\n{}", shape.yaml(), outcome.failures.join("; "), kvrelay::render::violations(&outcome.violations));
+        transfers_cleanly(&shape)?;
     }
 
     /// domain.md §12.4: the head slices written into each destination token row tile it exactly once.
@@ -486,10 +479,7 @@ proptest! {
     /// Re-chunking invariance holds with every kind present (state and aux travel with the last chunk).
     #[test]
     fn rechunking_every_kind_yields_the_same_decode_image(shape in shapes_of(true), other_cuts in prop::collection::vec(any::<u32>(), 0..5)) {
-        let first = harness::run(&scenario(&shape.yaml()));
-        let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.clone())));
-        prop_assert!(first.passed() && second.passed());
-        prop_assert!(first.observation.images == second.observation.images, "decode images differ between chunkings");
+        rechunking_keeps_the_image(&shape, &other_cuts)?;
     }
 }
 
