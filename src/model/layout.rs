@@ -91,7 +91,6 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
             ids.push(*layer);
         }
     }
-    let mut draft_entries = 0;
     if let Some(draft) = model.draft.filter(|_| rank.pp == topology.pp - 1) {
         // The draft pool is paged by the allocator page V (domain.md §2.4 draft rows); V = P without DCP.
         let rows = if options.draft_paged_physically { page } else { topology.virtual_page_size() };
@@ -105,7 +104,6 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
             });
             ids.push(draft_layer_id(index));
         }
-        draft_entries = draft.entries;
     }
     let kv_entries: Vec<u32> = (0..regions.len() as u32).collect();
 
@@ -192,7 +190,6 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
         regions,
         kv_entries,
         advertised_layer_ids: options.advertise_layer_ids.then_some(ids),
-        draft_entries,
         state,
         aux_entries,
     }

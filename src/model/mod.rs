@@ -322,10 +322,6 @@ impl Region {
     pub fn row_len(&self) -> u64 {
         self.item_len / u64::from(self.rows_per_item)
     }
-
-    pub fn row_count(&self) -> u64 {
-        u64::from(self.item_count) * u64::from(self.rows_per_item)
-    }
 }
 
 /// Per-entry state metadata a rank advertises, per component (domain.md §1.1, §5.2).
@@ -356,8 +352,6 @@ pub struct RankLayout {
     pub kv_entries: Vec<u32>,
     /// The `kv_layer_ids` this rank advertises; `None` when it sends no layer metadata.
     pub advertised_layer_ids: Option<Vec<LayerId>>,
-    /// `num_draft_entries`.
-    pub draft_entries: u32,
     pub state: StateMetadata,
     /// Region indices of the aux buffers.
     pub aux_entries: Vec<u32>,
