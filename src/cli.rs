@@ -107,7 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.command {
         Command::Run { scenario } => {
             let scenario = load(&scenario, seed)?;
-            let outcome = harness::run(&scenario);
+            let outcome = harness::run(&scenario)?;
             outln!("seed: {}", scenario.seed);
             out!("{}", render::golden_header(&scenario, &outcome));
             if outcome.passed() {
@@ -131,7 +131,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     Some(rank)
                 }
             };
-            let outcome = harness::run(&scenario);
+            let outcome = harness::run(&scenario)?;
             if let Err(error) = &outcome.plan {
                 eprintln!("note: plan rejected ({error}); showing the untouched decode memory");
             }
@@ -159,29 +159,51 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Every `*.yaml` under `dir`, sorted, with paths relative to `dir`.
-fn scenario_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+/// The scenario files under a directory and what was passed over, with the reason.
+#[derive(Debug, Default)]
+struct Found {
+    files: Vec<PathBuf>,
+    skipped: Vec<(PathBuf, &'static str)>,
+}
+
+/// Every `*.yaml` and `*.yml` under `dir`, sorted. Symbolic links are never followed (a link to `.` would walk
+/// forever, a link elsewhere would check files twice or outside the corpus); they and other non-scenario files are
+/// reported as skipped.
+fn scenario_files(dir: &Path) -> anyhow::Result<Found> {
+    fn walk(dir: &Path, found: &mut Found) -> anyhow::Result<()> {
+        let mut entries = Vec::new();
         for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-            let path = entry?.path();
-            if path.is_dir() {
-                walk(&path, out)?;
-            } else if path.extension().is_some_and(|ext| ext == "yaml") {
-                out.push(path);
+            let entry = entry.with_context(|| format!("reading {}", dir.display()))?;
+            entries.push((entry.path(), entry.file_type().with_context(|| format!("reading {}", dir.display()))?));
+        }
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        for (path, kind) in entries {
+            let scenario = path.extension().is_some_and(|ext| ext == "yaml" || ext == "yml");
+            if kind.is_symlink() {
+                found.skipped.push((path, "a symbolic link (not followed)"));
+            } else if kind.is_dir() {
+                walk(&path, found)?;
+            } else if scenario && kind.is_file() {
+                found.files.push(path);
+            } else if path.file_name().is_some_and(|name| !name.to_string_lossy().starts_with('.')) {
+                found.skipped.push((path, "not a .yaml or .yml file"));
             }
         }
         Ok(())
     }
-    let mut files = Vec::new();
-    walk(dir, &mut files)?;
-    files.sort();
-    Ok(files)
+    let mut found = Found::default();
+    walk(dir, &mut found)?;
+    found.files.sort();
+    Ok(found)
 }
 
 fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
-    let files = scenario_files(dir)?;
+    let Found { files, skipped } = scenario_files(dir)?;
+    for (path, why) in &skipped {
+        eprintln!("skipped {}: {why}", path.display());
+    }
     if files.is_empty() {
-        bail!("no *.yaml scenarios under {}", dir.display());
+        bail!("no *.yaml or *.yml scenarios under {}", dir.display());
     }
     let mut failed = 0;
     for file in &files {
@@ -194,7 +216,15 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
                 continue;
             }
         };
-        let outcome = harness::run(&scenario);
+        let outcome = match harness::run(&scenario) {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                eprintln!("FAIL {}: {error}", relative.display());
+                eprintln!("reproduce: cargo run --release -- run {}", file.display());
+                failed += 1;
+                continue;
+            }
+        };
         let actual = render::golden(&scenario, &outcome);
         let golden_path = golden_dir.join(render::golden_file_name(relative));
         let expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));

@@ -2,6 +2,8 @@
 
 use crate::exec::{self, ExecError};
 use crate::fabric::{SimFabric, Transport};
+use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
+use crate::model::Problem;
 use crate::plan::{self, Plan, PlanError};
 use crate::scenario::{Expectation, Scenario};
 use crate::verify::{self, Observation, Violation};
@@ -23,33 +25,98 @@ impl Outcome {
     }
 }
 
-/// Runs `scenario` on a fresh in-memory fabric.
-pub fn run(scenario: &Scenario) -> Outcome {
-    run_on(scenario, &mut SimFabric::new())
+/// Why a scenario was not run at all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunError {
+    /// The scenario's regions do not fit the simulated-memory budget; nothing was allocated.
+    #[error("the scenario registers {} of simulated memory, more than the budget of {budget} (fix: smaller requests, pools or models, or set {MEMORY_BUDGET_ENV} to a byte count)", needed.map_or_else(|| "more than 2^64 bytes".to_owned(), |bytes| format!("{bytes} bytes")))]
+    OverBudget { needed: Option<u64>, budget: Budget },
+    /// The budget override is not a byte count.
+    #[error("{MEMORY_BUDGET_ENV}={value:?} is not a byte count (fix: a whole number of bytes, e.g. 8589934592)")]
+    BadBudget { value: String },
+}
+
+/// How much simulated memory one run may register, and where that number came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Budget {
+    pub bytes: u64,
+    pub source: String,
+}
+
+impl std::fmt::Display for Budget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes ({})", self.bytes, self.source)
+    }
+}
+
+impl Budget {
+    /// A fixed budget (tests, fuzzing).
+    pub fn bytes(bytes: u64) -> Budget {
+        Budget { bytes, source: "set by the caller".to_owned() }
+    }
+
+    /// `KVRELAY_MAX_FABRIC_BYTES` when set; otherwise half of the machine's available memory (`MemAvailable` of
+    /// /proc/meminfo), or 4 GiB where that cannot be read.
+    pub fn from_env() -> Result<Budget, RunError> {
+        if let Ok(value) = std::env::var(MEMORY_BUDGET_ENV) {
+            return match value.trim().parse() {
+                Ok(bytes) => Ok(Budget { bytes, source: format!("from {MEMORY_BUDGET_ENV}") }),
+                Err(_) => Err(RunError::BadBudget { value }),
+            };
+        }
+        let (numerator, denominator) = DEFAULT_MEMORY_SHARE;
+        Ok(match available_memory() {
+            Some(available) => Budget {
+                bytes: available / denominator * numerator,
+                source: format!("{numerator}/{denominator} of the {available} bytes this machine has available"),
+            },
+            None => {
+                Budget { bytes: FALLBACK_MEMORY_BUDGET, source: "available memory unknown; the fallback".to_owned() }
+            }
+        })
+    }
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|line| line.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Bytes every region of both sides registers; `None` past `u64` (checked, never wrapping).
+pub fn simulated_bytes(problem: &Problem) -> Option<u64> {
+    let mut total = 0u64;
+    for side in [&problem.prefill, &problem.decode] {
+        for region in side.ranks.iter().flat_map(|rank| &rank.regions) {
+            let bytes = region.item_len.checked_mul(u64::from(region.item_count))?;
+            total = total.checked_add(bytes)?;
+        }
+    }
+    Some(total)
+}
+
+/// Runs `scenario` on a fresh in-memory fabric within the default budget ([`Budget::from_env`]).
+pub fn run(scenario: &Scenario) -> Result<Outcome, RunError> {
+    run_with(scenario, &Budget::from_env()?)
+}
+
+/// Runs `scenario` on a fresh in-memory fabric within `budget`.
+pub fn run_with(scenario: &Scenario, budget: &Budget) -> Result<Outcome, RunError> {
+    run_on(scenario, &mut SimFabric::new(), budget)
 }
 
 /// Runs `scenario` on `transport`. A rejected plan executes nothing; the oracle then checks that no byte moved.
-pub fn run_on(scenario: &Scenario, transport: &mut impl Transport) -> Outcome {
+///
+/// The memory check comes first: a scenario over `budget` is refused before planning or allocating anything.
+pub fn run_on(scenario: &Scenario, transport: &mut impl Transport, budget: &Budget) -> Result<Outcome, RunError> {
     let problem = &scenario.problem;
-    let plan = plan::plan(problem);
-    let needed: u64 = [&problem.prefill, &problem.decode]
-        .iter()
-        .flat_map(|side| side.ranks.iter().flat_map(|rank| rank.regions.iter().map(|region| region.len_bytes())))
-        .sum();
-    let limit = memory_limit();
-    if needed > limit {
-        // Refuse before allocating: a scenario too big for this machine must fail, not hang or swap.
-        let failure = format!(
-            "the scenario registers {needed} bytes of simulated memory, more than the limit of {limit} (fix: smaller requests or pools, or raise KVRELAY_MAX_FABRIC_BYTES)"
-        );
-        return Outcome {
-            plan,
-            exec_error: None,
-            observation: Observation::default(),
-            violations: Vec::new(),
-            failures: vec![failure],
-        };
+    let needed = simulated_bytes(problem);
+    if needed.is_none_or(|needed| needed > budget.bytes) {
+        return Err(RunError::OverBudget { needed, budget: budget.clone() });
     }
+    let plan = plan::plan(problem);
     let mut exec_error = None;
     let mut writes = Vec::new();
     if let Err(error) = exec::stage(problem, transport) {
@@ -89,10 +156,5 @@ pub fn run_on(scenario: &Scenario, transport: &mut impl Transport) -> Outcome {
     if !violations.is_empty() {
         failures.push(format!("{} oracle violations", violations.len()));
     }
-    Outcome { plan, exec_error, observation, violations, failures }
-}
-
-/// Simulated-memory budget of one run: `KVRELAY_MAX_FABRIC_BYTES`, or 16 GiB (the Kimi-K3 scenario needs about 2.6).
-fn memory_limit() -> u64 {
-    std::env::var("KVRELAY_MAX_FABRIC_BYTES").ok().and_then(|value| value.parse().ok()).unwrap_or(16 << 30)
+    Ok(Outcome { plan, exec_error, observation, violations, failures })
 }

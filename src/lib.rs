@@ -5,6 +5,7 @@
 //!
 //! - [`model`]: pure vocabulary (ranks, topologies, model geometry, registered regions, requests).
 //!   Start at [`model::Problem`].
+//! - [`limits`]: every size, count and depth limit, in one place (README.md lists them).
 //! - [`seed`]: the one seeded generator ([`seed::SimRng`], Xoshiro256++) and its named sub-streams.
 //! - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows YAML.
 //! - [`plan`]: the pure planner, `plan(&Problem) -> Result<Plan, PlanError>` (domain.md §2–§4).
@@ -19,6 +20,7 @@ pub mod cli;
 pub mod exec;
 pub mod fabric;
 pub mod harness;
+pub mod limits;
 pub mod model;
 pub mod plan;
 pub mod render;

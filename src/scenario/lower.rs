@@ -4,22 +4,47 @@ use std::collections::BTreeSet;
 
 use super::raw::{RawComponent, RawExpect, RawModel, RawRequest, RawScenario, RawSide};
 use super::{Diagnostic, Expectation};
+use crate::limits::{
+    MAX_AUX_BUFFERS, MAX_CHUNKS, MAX_COMPONENTS, MAX_DIAGNOSTICS, MAX_DRAFT_ENTRIES, MAX_DTYPE_BYTES, MAX_GROUPS,
+    MAX_ITEM_BYTES, MAX_KV_HEADS, MAX_LAYERS, MAX_PAGE_SIZE, MAX_POOL_ITEMS, MAX_PP, MAX_RANKS, MAX_REGIONS,
+    MAX_REQUESTS, MAX_TENSORS, MAX_TP, MAX_WIDTH,
+};
 use crate::model::{
-    build_side_layout, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem, Request, Side, SideOptions,
-    StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
+    build_side_layout, stage_layers, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem, Request, Side,
+    SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
 };
 use crate::seed::{Seed, SimRng};
 
-struct Diagnostics(Vec<Diagnostic>);
+/// The first [`MAX_DIAGNOSTICS`] diagnostics, and a count of the rest (an aliased list can repeat one mistake
+/// half a million times).
+struct Diagnostics {
+    kept: Vec<Diagnostic>,
+    omitted: usize,
+}
 
 impl Diagnostics {
     fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.0.push(Diagnostic { line: None, path: path.into(), message: message.into() });
+        if self.kept.len() < MAX_DIAGNOSTICS {
+            self.kept.push(Diagnostic { line: None, column: None, path: path.into(), message: message.into() });
+        } else {
+            self.omitted += 1;
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.kept.is_empty()
+    }
+
+    fn into_error(self) -> (Vec<Diagnostic>, usize) {
+        (self.kept, self.omitted)
     }
 }
 
-pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Expectation), Vec<Diagnostic>> {
-    let mut diagnostics = Diagnostics(Vec::new());
+/// Why lowering failed: the kept diagnostics and how many more there were.
+pub(super) type Failure = (Vec<Diagnostic>, usize);
+
+pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Expectation), Failure> {
+    let mut diagnostics = Diagnostics { kept: Vec::new(), omitted: 0 };
     let model = lower_model(&raw.model, &mut diagnostics);
     let prefill = lower_topology("prefill", &raw.prefill, &mut diagnostics);
     let decode = lower_topology("decode", &raw.decode, &mut diagnostics);
@@ -35,8 +60,15 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     if raw.requests.is_empty() {
         diagnostics.push("requests", "no requests (fix: add at least one request)");
     }
+    if raw.requests.len() > MAX_REQUESTS {
+        diagnostics.push(
+            "requests",
+            format!("{} requests, more than the limit of {MAX_REQUESTS} (fix: fewer requests)", raw.requests.len()),
+        );
+        return Err(diagnostics.into_error());
+    }
     let (Some(model), Some(prefill), Some(decode)) = (model, prefill, decode) else {
-        return Err(diagnostics.0);
+        return Err(diagnostics.into_error());
     };
     for (side, raw_side) in [("prefill", &raw.prefill), ("decode", &raw.decode)] {
         for (index, layer) in raw_side.missing_layers.iter().enumerate() {
@@ -49,6 +81,18 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         }
     }
     check_divisibility(&model, &prefill, &decode, &mut diagnostics);
+    let mut regions = 0u64;
+    for (side, raw_side, topology) in [("prefill", &raw.prefill, &prefill), ("decode", &raw.decode, &decode)] {
+        check_side_sizes(side, raw_side, &model, topology, &mut diagnostics);
+        regions += region_count(&model, topology);
+    }
+    if regions > MAX_REGIONS {
+        diagnostics.push(
+            "model",
+            format!("both sides register {regions} regions (one per rank, layer and tensor), more than the limit of {MAX_REGIONS} (fix: fewer ranks or layers)"),
+        );
+        return Err(diagnostics.into_error());
+    }
     for (side, raw_side) in [("prefill", &raw.prefill), ("decode", &raw.decode)] {
         // Overrides must name an existing component and an entry or tensor it can have; otherwise they would be
         // silently ignored.
@@ -85,8 +129,8 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         }
     }
     let mut requests = lower_requests(&raw.requests, &model, &prefill, &decode, &mut diagnostics);
-    if !diagnostics.0.is_empty() {
-        return Err(diagnostics.0);
+    if !diagnostics.is_empty() {
+        return Err(diagnostics.into_error());
     }
     let seed = Seed(raw.seed.unwrap_or(1));
     let mut sides = Vec::new();
@@ -123,8 +167,8 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         };
         sides.push(build_side_layout(side, topology, &model, &options));
     }
-    if !diagnostics.0.is_empty() {
-        return Err(diagnostics.0);
+    if !diagnostics.is_empty() {
+        return Err(diagnostics.into_error());
     }
     let decode_layout = sides.pop().expect("two sides");
     let prefill_layout = sides.pop().expect("two sides");
@@ -136,6 +180,81 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         requests,
     };
     Ok((problem, expect))
+}
+
+/// Byte sizes one side registers: every KV, draft and state item within [`MAX_ITEM_BYTES`], `kv_token_len` able
+/// to hold the model's token row (domain.md §1.1; a narrower row cannot hold a token), override widths bounded.
+fn check_side_sizes(
+    side: &str,
+    raw: &RawSide,
+    model: &ModelGeometry,
+    topology: &Topology,
+    diagnostics: &mut Diagnostics,
+) {
+    let own_row = model.token_len(topology.tp);
+    let token_len = match raw.kv_token_len {
+        Some(len) if len > MAX_ITEM_BYTES => {
+            diagnostics.push(
+                format!("{side}.kv_token_len"),
+                format!("{len} B is more than the limit of {MAX_ITEM_BYTES} B per item"),
+            );
+            return;
+        }
+        Some(len) if len < own_row || len % 8 != 0 => {
+            diagnostics.push(
+                format!("{side}.kv_token_len"),
+                format!(
+                    "{len} B cannot hold the model's token row of {own_row} B on a {side} rank (fix: a multiple of 8 of at least {own_row}, or change the model's widths)"
+                ),
+            );
+            return;
+        }
+        Some(len) => len,
+        None => own_row,
+    };
+    // Saturating: a product past u64 is over the limit all the same.
+    let page = u64::from(topology.page_size);
+    let mut items = vec![("kv_token_len", page.saturating_mul(token_len), "page_size x token row")];
+    if let Some(draft) = model.draft {
+        let rows = u64::from(topology.virtual_page_size());
+        items.push(("page_size", rows.saturating_mul(draft.token_len), "page_size x dcp x draft token_len"));
+    }
+    for (field, bytes, what) in items {
+        if bytes > MAX_ITEM_BYTES {
+            diagnostics.push(
+                format!("{side}.{field}"),
+                format!("a page of {bytes} B ({what}) is more than the limit of {MAX_ITEM_BYTES} B per item (fix: a smaller page_size or narrower rows)"),
+            );
+        }
+    }
+    for (index, item) in raw.state_item_lens.iter().enumerate() {
+        check_item_len(&format!("{side}.state_item_lens[{index}].item_len"), item.item_len, diagnostics);
+    }
+    for (index, item) in raw.metadata_overrides.iter().enumerate() {
+        if item.groups.as_ref().is_some_and(|groups| groups.len() > MAX_GROUPS) {
+            diagnostics.push(
+                format!("{side}.metadata_overrides[{index}].groups"),
+                format!("more than the limit of {MAX_GROUPS} sub-blocks"),
+            );
+        }
+    }
+}
+
+/// Regions one side registers: per stage, its TP ranks times the KV, draft, state and aux entries of its layers.
+fn region_count(model: &ModelGeometry, topology: &Topology) -> u64 {
+    let parts = if model.is_mla() { 1 } else { 2 };
+    (0..topology.pp)
+        .map(|stage| {
+            let layers = stage_layers(model.layer_count, topology.pp, stage);
+            let in_stage = |ids: &[u32]| ids.iter().filter(|id| layers.contains(id)).count() as u64;
+            let kv = parts * in_stage(&model.kv_layers);
+            let draft =
+                if stage == topology.pp - 1 { model.draft.map_or(0, |draft| u64::from(draft.entries)) } else { 0 };
+            let state: u64 =
+                model.state.iter().map(|component| component.tensors.len() as u64 * in_stage(&component.layers)).sum();
+            u64::from(topology.tp) * (kv + draft + state + model.aux_item_lens.len() as u64)
+        })
+        .sum()
 }
 
 /// The state component `index` names, or a diagnostic at `path.component` saying it does not exist.
@@ -288,23 +407,27 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         },
         None => None,
     };
-    let positive = |field: &str, value: Option<u32>, diagnostics: &mut Diagnostics| {
-        if value == Some(0) {
-            diagnostics.push(format!("model.{field}"), "must be at least 1");
+    let layers =
+        bounded("model.layers", raw.layers.or(base.as_ref().map(|model| model.layer_count)), MAX_LAYERS, diagnostics);
+    let dtype_bytes = bounded(
+        "model.dtype_bytes",
+        raw.dtype_bytes.or(base.as_ref().map(|model| model.dtype_bytes)),
+        MAX_DTYPE_BYTES,
+        diagnostics,
+    );
+    for (field, value, most) in [
+        ("kv_heads", raw.kv_heads, MAX_KV_HEADS),
+        ("head_dim", raw.head_dim, MAX_WIDTH),
+        ("kv_lora_rank", raw.kv_lora_rank, MAX_WIDTH),
+        ("qk_rope_head_dim", raw.qk_rope_head_dim, MAX_WIDTH),
+    ] {
+        if value.is_some_and(|value| value > most) {
+            diagnostics
+                .push(format!("model.{field}"), format!("{} is more than the limit of {most}", value.unwrap_or(0)));
+            return None;
         }
-        value
-    };
-    let layers = positive("layers", raw.layers.or(base.as_ref().map(|model| model.layer_count)), diagnostics);
-    let dtype_bytes =
-        positive("dtype_bytes", raw.dtype_bytes.or(base.as_ref().map(|model| model.dtype_bytes)), diagnostics);
-    let Some(layers) = layers else {
-        diagnostics.push("model.layers", "missing (fix: give it or use a model.preset)");
-        return None;
-    };
-    let Some(dtype_bytes) = dtype_bytes else {
-        diagnostics.push("model.dtype_bytes", "missing (fix: give it or use a model.preset)");
-        return None;
-    };
+    }
+    let (Some(layers), Some(dtype_bytes)) = (layers, dtype_bytes) else { return None };
     let attention = match (
         raw.kv_heads,
         raw.head_dim,
@@ -349,12 +472,24 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         (None, _) => Vec::new(),
     };
     let draft = raw.draft.map(|draft| DraftGeometry { entries: draft.entries, token_len: draft.token_len });
-    if draft.is_some_and(|draft| draft.token_len == 0 || draft.token_len % 8 != 0) {
-        diagnostics.push("model.draft.token_len", "must be a positive multiple of 8");
+    if let Some(draft) = draft {
+        check_item_len("model.draft.token_len", draft.token_len, diagnostics);
+        if draft.entries > MAX_DRAFT_ENTRIES {
+            diagnostics.push(
+                "model.draft.entries",
+                format!("{} is more than the limit of {MAX_DRAFT_ENTRIES}", draft.entries),
+            );
+        }
     }
     let aux_item_lens = raw.aux.clone().unwrap_or_default();
-    if aux_item_lens.iter().any(|len| *len == 0 || len % 8 != 0) {
-        diagnostics.push("model.aux", "aux row lengths must be positive multiples of 8");
+    if aux_item_lens.len() > MAX_AUX_BUFFERS {
+        diagnostics.push(
+            "model.aux",
+            format!("{} aux buffers, more than the limit of {MAX_AUX_BUFFERS}", aux_item_lens.len()),
+        );
+    }
+    for (index, len) in aux_item_lens.iter().enumerate().take(MAX_AUX_BUFFERS) {
+        check_item_len(&format!("model.aux[{index}]"), *len, diagnostics);
     }
     let model = ModelGeometry {
         name: raw.preset.clone().unwrap_or_else(|| "custom".to_owned()),
@@ -378,6 +513,30 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
     Some(model)
 }
 
+/// `value` when it is given and within `1..=most`; `None` after a diagnostic.
+fn bounded(path: &str, value: Option<u32>, most: u32, diagnostics: &mut Diagnostics) -> Option<u32> {
+    match value {
+        None => diagnostics.push(path, "missing (fix: give it or use a model.preset)"),
+        Some(0) => diagnostics.push(path, "must be at least 1"),
+        Some(value) if value > most => diagnostics.push(path, format!("{value} is more than the limit of {most}")),
+        Some(value) => return Some(value),
+    }
+    None
+}
+
+/// An item or row length: a positive multiple of 8 (the pattern's word) and at most [`MAX_ITEM_BYTES`].
+fn check_item_len(path: &str, len: u64, diagnostics: &mut Diagnostics) -> bool {
+    let problem = if len == 0 || len % 8 != 0 {
+        format!("{len} B is not a positive multiple of 8")
+    } else if len > MAX_ITEM_BYTES {
+        format!("{len} B is more than the limit of {MAX_ITEM_BYTES} B per item")
+    } else {
+        return true;
+    };
+    diagnostics.push(path, problem);
+    false
+}
+
 fn check_layer_list(path: &str, ids: &[u32], layers: u32, diagnostics: &mut Diagnostics) {
     let unique: BTreeSet<u32> = ids.iter().copied().collect();
     if unique.len() != ids.len() || ids.windows(2).any(|pair| pair[0] > pair[1]) {
@@ -395,8 +554,22 @@ fn lower_state(
     diagnostics: &mut Diagnostics,
 ) -> Vec<StateComponent> {
     let mut res = Vec::new();
+    if components.len() > MAX_COMPONENTS {
+        diagnostics.push(
+            "model.state",
+            format!("{} state components, more than the limit of {MAX_COMPONENTS}", components.len()),
+        );
+        return res;
+    }
     for (index, raw) in components.iter().enumerate() {
         let path = format!("model.state[{index}]");
+        if raw.tensors.len() > MAX_TENSORS {
+            diagnostics.push(
+                format!("{path}.tensors"),
+                format!("{} tensors, more than the limit of {MAX_TENSORS}", raw.tensors.len()),
+            );
+            continue;
+        }
         let kind = match raw.kind.as_str() {
             "mamba" => StateKind::Mamba,
             "swa" => StateKind::Swa,
@@ -424,17 +597,9 @@ fn lower_state(
                 }
                 (None, Some(full_dim), Some(unit_bytes)) if kind == StateKind::Mamba => {
                     let outer_count = tensor.outer.unwrap_or(1);
-                    if full_dim == 0 || unit_bytes == 0 || outer_count == 0 {
-                        diagnostics.push(path.clone(), "dim, unit_bytes and outer must be at least 1");
-                    }
-                    if let Some(groups) = &tensor.groups {
-                        let total: u64 = groups.iter().map(|group| u64::from(*group)).sum();
-                        if total != u64::from(full_dim) {
-                            diagnostics.push(
-                                format!("{path}.groups"),
-                                format!("sub-blocks sum to {total}, not dim {full_dim}"),
-                            );
-                        }
+                    if !check_sliced(&path, tensor.groups.as_deref(), (full_dim, unit_bytes, outer_count), diagnostics)
+                    {
+                        continue;
                     }
                     TensorShape::Sliced { full_dim, unit_bytes, outer_count, groups: tensor.groups.clone() }
                 }
@@ -447,11 +612,10 @@ fn lower_state(
                 }
             };
             let tensor = StateTensor { name: tensor.name.clone(), shape };
-            if tensor.item_len(1) == 0 || tensor.item_len(1) % 8 != 0 {
-                diagnostics
-                    .push(path.clone(), format!("item of {} B is not a positive multiple of 8", tensor.item_len(1)));
+            // Within the limits checked above, the item on one rank (the largest) fits in u64.
+            if check_item_len(&path, tensor.item_len(1), diagnostics) {
+                tensors.push(tensor);
             }
-            tensors.push(tensor);
         }
         if kind != StateKind::Mamba && raw.window_pages == Some(0) {
             diagnostics.push(format!("{path}.window_pages"), "must be at least 1");
@@ -461,14 +625,74 @@ fn lower_state(
     res
 }
 
+/// Bounds of a sliced Mamba tensor: widths, sub-blocks and the byte size of a whole item, checked before use.
+fn check_sliced(path: &str, groups: Option<&[u32]>, shape: (u32, u64, u32), diagnostics: &mut Diagnostics) -> bool {
+    let (full_dim, unit_bytes, outer_count) = shape;
+    if full_dim == 0 || unit_bytes == 0 || outer_count == 0 {
+        diagnostics.push(path, "dim, unit_bytes and outer must be at least 1");
+        return false;
+    }
+    let item = u64::from(outer_count).checked_mul(u64::from(full_dim)).and_then(|units| units.checked_mul(unit_bytes));
+    if full_dim > MAX_WIDTH || outer_count > MAX_WIDTH || item.is_none_or(|item| item > MAX_ITEM_BYTES) {
+        diagnostics.push(
+            path,
+            format!(
+                "outer {outer_count} x dim {full_dim} x unit_bytes {unit_bytes} is more than the limit of {MAX_ITEM_BYTES} B per item (fix: the real shape of one request's state)"
+            ),
+        );
+        return false;
+    }
+    let Some(groups) = groups else { return true };
+    if groups.len() > MAX_GROUPS {
+        diagnostics.push(
+            format!("{path}.groups"),
+            format!("{} sub-blocks, more than the limit of {MAX_GROUPS}", groups.len()),
+        );
+        return false;
+    }
+    let total: u64 = groups.iter().map(|group| u64::from(*group)).sum();
+    if total != u64::from(full_dim) || groups.contains(&0) {
+        diagnostics.push(
+            format!("{path}.groups"),
+            format!("sub-blocks sum to {total}, not dim {full_dim} (fix: positive widths that add up to dim)"),
+        );
+        return false;
+    }
+    true
+}
+
 fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> Option<Topology> {
-    let mut ok = true;
-    for (field, value) in [("tp", raw.tp), ("pp", raw.pp), ("dcp", raw.dcp), ("page_size", raw.page_size)] {
+    let before = diagnostics.kept.len() + diagnostics.omitted;
+    let bounds = [
+        ("tp", raw.tp, MAX_TP),
+        ("pp", raw.pp, MAX_PP),
+        ("dcp", raw.dcp, MAX_TP),
+        ("page_size", raw.page_size, MAX_PAGE_SIZE),
+    ];
+    for (field, value, most) in bounds {
         if value == 0 {
             diagnostics.push(format!("{side}.{field}"), "must be at least 1");
-            ok = false;
+        } else if value > most {
+            diagnostics.push(format!("{side}.{field}"), format!("{value} is more than the limit of {most}"));
         }
     }
+    if raw.tp > 0 && raw.dcp > 0 && raw.tp % raw.dcp != 0 {
+        diagnostics.push(
+            format!("{side}.dcp"),
+            format!(
+                "{} does not divide tp {} (DCP ranks are carved out of the TP group, domain.md §2.2; fix: a divisor of tp)",
+                raw.dcp, raw.tp
+            ),
+        );
+    }
+    let ranks = u64::from(raw.tp) * u64::from(raw.pp);
+    if raw.tp <= MAX_TP && raw.pp <= MAX_PP && ranks > u64::from(MAX_RANKS) {
+        diagnostics.push(
+            format!("{side}.pp"),
+            format!("tp {} x pp {} = {ranks} ranks, more than the limit of {MAX_RANKS}", raw.tp, raw.pp),
+        );
+    }
+    let ok = diagnostics.kept.len() + diagnostics.omitted == before;
     ok.then_some(Topology { tp: raw.tp, pp: raw.pp, dcp: raw.dcp, page_size: raw.page_size })
 }
 
@@ -481,6 +705,7 @@ fn lower_requests(
 ) -> Vec<Request> {
     let chunk_page = prefill.virtual_page_size();
     let mut requests = Vec::new();
+    let mut totals = Totals(vec![0; 3 + 2 * model.state.len()]);
     for (index, request) in raw.iter().enumerate() {
         let path = |field: &str| format!("requests[{index}].{field}");
         if request.tokens == 0 {
@@ -514,7 +739,7 @@ fn lower_requests(
         if let Some(chunk) = chunks[..chunks.len().saturating_sub(1)].iter().find(|it| **it % chunk_page != 0) {
             diagnostics.push(
                 path("chunks"),
-                format!("non-last chunk of {chunk} tokens is not a multiple of the prefill page size {chunk_page} (domain.md §2.3)"),
+                format!("non-last chunk of {chunk} tokens is not a multiple of the prefill allocator page V = page_size x dcp = {chunk_page} tokens (domain.md §2.3)"),
             );
         }
         let prefill_count = request.tokens.div_ceil(chunk_page) as usize;
@@ -559,23 +784,11 @@ fn lower_requests(
                 ),
             }
         }
-        // Bound every per-request list before allocating it (a typo must not allocate gigabytes).
-        let mut oversized = false;
-        let lists = [("tokens", prefill_count as u64), ("decode_page_count", decode_count as u64)];
-        let state_lists = counts.iter().flat_map(|count| {
-            [("state_pages (prefill)", u64::from(count.0)), ("state_pages (decode)", u64::from(count.1))]
-        });
-        for (field, count) in lists.into_iter().chain(state_lists) {
-            if count > MAX_POOL_PAGES {
-                diagnostics.push(
-                    path(field),
-                    format!("needs {count} pages, more than the in-memory fabric's limit of {MAX_POOL_PAGES}"),
-                );
-                oversized = true;
-            }
-        }
-        if oversized {
-            continue;
+        // Bound every list over all requests before allocating any (a typo must not allocate gigabytes).
+        let mut wanted = vec![prefill_count as u64, decode_count as u64, chunks.len() as u64];
+        wanted.extend(counts.iter().flat_map(|count| [u64::from(count.0), u64::from(count.1)]));
+        if !totals.take(&wanted, index, diagnostics) {
+            break;
         }
         let state = |side: usize| StateIndices {
             slot: 0,
@@ -596,8 +809,42 @@ fn lower_requests(
     requests
 }
 
-/// Largest pool the allocator hands pages from (2^24 pages); bigger scenarios are rejected rather than stalling.
-const MAX_POOL_PAGES: u64 = 1 << 24;
+/// Running totals over requests of: prefill pages, decode pages, chunks, then prefill and decode pages of each state
+/// component.
+struct Totals(Vec<u64>);
+
+impl Totals {
+    /// Adds one request's counts, or names the first list that would pass its limit and adds nothing.
+    fn take(&mut self, wanted: &[u64], request: usize, diagnostics: &mut Diagnostics) -> bool {
+        for (position, (total, count)) in self.0.iter().zip(wanted).enumerate() {
+            let (most, what, field) = match position {
+                0 => (MAX_POOL_ITEMS, "prefill pages", "tokens"),
+                1 => (MAX_POOL_ITEMS, "decode pages", "decode_page_count"),
+                2 => (MAX_CHUNKS, "chunks", "chunks"),
+                _ => (MAX_POOL_ITEMS, "state pages", "state_pages"),
+            };
+            let sum = total + count;
+            if sum > most {
+                let who = match request {
+                    0 => "needs".to_owned(),
+                    1 => "with the request before it needs".to_owned(),
+                    _ => format!("with the {request} requests before it needs"),
+                };
+                diagnostics.push(
+                    format!("requests[{request}].{field}"),
+                    format!(
+                        "{who} {sum} {what}, more than the limit of {most} (fix: fewer or shorter requests, or a larger page_size)"
+                    ),
+                );
+                return false;
+            }
+        }
+        for (total, count) in self.0.iter_mut().zip(wanted) {
+            *total += count;
+        }
+        true
+    }
+}
 
 /// Hands out pages to every request that did not list its own: shuffled, so never contiguous by accident, and
 /// never page 0 (the padding page, domain.md §1.2). Returns the pool capacity.
@@ -650,10 +897,10 @@ fn allocate(
         Some(pages) => u64::from(pages),
         None => (2 * needed + 1).max(u64::from(highest) + 1),
     };
-    if capacity > MAX_POOL_PAGES {
+    if capacity > MAX_POOL_ITEMS {
         diagnostics.push(
             format!("{side}.pool_pages"),
-            format!("a pool of {capacity} pages exceeds the in-memory fabric's limit of {MAX_POOL_PAGES} (fix: fewer or shorter requests, or a smaller pool_pages)"),
+            format!("a pool of {capacity} pages exceeds the in-memory fabric's limit of {MAX_POOL_ITEMS} (fix: fewer or shorter requests, or a smaller pool_pages)"),
         );
         return 0;
     }
@@ -697,8 +944,8 @@ fn allocate_slots(side: Side, slot_count: u32, requests: &mut [Request], seed: S
         );
         return;
     }
-    if u64::from(slot_count) > MAX_POOL_PAGES {
-        diagnostics.push(format!("{side}.slots"), format!("{slot_count} slots exceed the limit of {MAX_POOL_PAGES}"));
+    if u64::from(slot_count) > MAX_POOL_ITEMS {
+        diagnostics.push(format!("{side}.slots"), format!("{slot_count} slots exceed the limit of {MAX_POOL_ITEMS}"));
         return;
     }
     for (stream, pick) in [("slots", 0), ("aux", 1)] {
@@ -736,10 +983,10 @@ fn allocate_state_pages(
             &mut state.pages[component]
         }
         let needed: u64 = requests.iter_mut().map(|request| pages_of(side, component, request).len() as u64).sum();
-        if 2 * needed + 1 > MAX_POOL_PAGES {
+        if 2 * needed + 1 > MAX_POOL_ITEMS {
             diagnostics.push(
                 format!("model.state[{component}]"),
-                format!("the requests need {needed} {side} state pages, more than the limit of {MAX_POOL_PAGES} (fix: fewer or smaller state_pages)"),
+                format!("the requests need {needed} {side} state pages, more than the limit of {MAX_POOL_ITEMS} (fix: fewer or smaller state_pages)"),
             );
             capacities.push(0);
             continue;

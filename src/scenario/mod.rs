@@ -5,10 +5,16 @@
 
 mod lower;
 pub mod raw;
+mod text;
+mod yaml;
 
 use std::fmt;
+use std::io::Read as _;
 use std::path::Path;
 
+#[cfg(doc)]
+use crate::limits::MAX_DIAGNOSTICS;
+use crate::limits::MAX_SCENARIO_BYTES;
 use crate::model::Problem;
 
 /// What the scenario promises.
@@ -35,17 +41,28 @@ pub struct Scenario {
 /// One problem found in a scenario file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Diagnostic {
+    /// 1-based line, when known.
     pub line: Option<usize>,
+    /// 1-based column, when known.
+    pub column: Option<usize>,
     /// Field path such as `requests[1].chunks`.
     pub path: String,
     pub message: String,
 }
 
-/// Every diagnostic of one file, or why it could not be read.
+/// The first [`MAX_DIAGNOSTICS`] diagnostics of one file, or why it could not be read, and how many more there were.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScenarioError {
     pub file: String,
     pub diagnostics: Vec<Diagnostic>,
+    /// Diagnostics found beyond the ones kept.
+    pub omitted: usize,
+}
+
+impl ScenarioError {
+    fn one(file: &str, diagnostic: Diagnostic) -> ScenarioError {
+        ScenarioError { file: file.to_owned(), diagnostics: vec![diagnostic], omitted: 0 }
+    }
 }
 
 impl fmt::Display for ScenarioError {
@@ -54,14 +71,21 @@ impl fmt::Display for ScenarioError {
             if index > 0 {
                 writeln!(f)?;
             }
-            match diagnostic.line {
-                Some(line) => write!(f, "{}:{line}: ", self.file)?,
-                None => write!(f, "{}: ", self.file)?,
+            f.write_str(&self.file)?;
+            if let Some(line) = diagnostic.line {
+                write!(f, ":{line}")?;
+                if let Some(column) = diagnostic.column {
+                    write!(f, ":{column}")?;
+                }
             }
+            f.write_str(": ")?;
             if !diagnostic.path.is_empty() {
                 write!(f, "{}: ", diagnostic.path)?;
             }
             f.write_str(&diagnostic.message)?;
+        }
+        if self.omitted > 0 {
+            write!(f, "\n{}: ... and {} more diagnostics (fix the ones above first)", self.file, self.omitted)?;
         }
         Ok(())
     }
@@ -75,49 +99,47 @@ pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
 }
 
 /// [`load`], with `seed` (when given) replacing the file's `seed` for the allocators.
+///
+/// A file over [`MAX_SCENARIO_BYTES`] is refused from its metadata, and at most one byte past the limit is read.
 pub fn load_seeded(path: &Path, seed: Option<u64>) -> Result<Scenario, ScenarioError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|error| ScenarioError {
-        file: file.clone(),
-        diagnostics: vec![Diagnostic { line: None, path: String::new(), message: format!("cannot read: {error}") }],
-    })?;
+    let unreadable = |error: std::io::Error| {
+        let message = format!("cannot read: {error}");
+        ScenarioError::one(&file, Diagnostic { line: None, column: None, path: String::new(), message })
+    };
+    let handle = std::fs::File::open(path).map_err(unreadable)?;
+    let len = handle.metadata().map_err(unreadable)?.len();
+    if len > MAX_SCENARIO_BYTES {
+        return Err(ScenarioError::one(&file, text::too_large(len)));
+    }
+    let mut bytes = Vec::new();
+    handle.take(MAX_SCENARIO_BYTES + 1).read_to_end(&mut bytes).map_err(unreadable)?;
     let stem = path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
-    parse_seeded(&text, &file, &stem, seed)
+    parse_bytes(&bytes, &file, &stem, seed)
 }
 
 /// Parses scenario `text`; `file` names it in diagnostics and `default_name` is used when it has no `name`.
 pub fn parse(text: &str, file: &str, default_name: &str) -> Result<Scenario, ScenarioError> {
-    parse_seeded(text, file, default_name, None)
+    parse_bytes(text.as_bytes(), file, default_name, None)
 }
 
 /// [`parse`], with `seed` (when given) replacing the text's `seed`.
 pub fn parse_seeded(text: &str, file: &str, default_name: &str, seed: Option<u64>) -> Result<Scenario, ScenarioError> {
-    let error = |diagnostics| ScenarioError { file: file.to_owned(), diagnostics };
-    let deserializer = serde_yaml_ng::Deserializer::from_str(text);
-    let mut raw: raw::RawScenario = serde_path_to_error::deserialize(deserializer).map_err(|failure| {
-        let path = failure.path().to_string();
-        let inner = failure.into_inner();
-        let line = inner.location().map(|location| location.line()).or_else(|| lower::locate(text, &path));
-        let path = if path == "." { String::new() } else { path };
-        // serde_yaml_ng repeats the location and a path prefix in its message; the diagnostic already has both.
-        let mut message = inner.to_string();
-        if let Some(at) = message.rfind(" at line ") {
-            message.truncate(at);
-        }
-        if let Some((head, rest)) = message.split_once(": ") {
-            if !head.contains(' ') && path.starts_with(head) {
-                message = rest.to_owned();
-            }
-        }
-        error(vec![Diagnostic { line, path, message }])
-    })?;
+    parse_bytes(text.as_bytes(), file, default_name, seed)
+}
+
+/// Parses the raw bytes of a scenario file: bounded in size, depth and alias expansion, never panicking.
+pub fn parse_bytes(bytes: &[u8], file: &str, default_name: &str, seed: Option<u64>) -> Result<Scenario, ScenarioError> {
+    let text = text::checked_text(bytes).map_err(|diagnostic| ScenarioError::one(file, diagnostic))?;
+    let mut raw = yaml::parse(text).map_err(|diagnostic| ScenarioError::one(file, diagnostic))?;
     raw.seed = seed.or(raw.seed);
     let seed = raw.seed.unwrap_or(1);
-    let (problem, expect) = lower::lower(raw, default_name).map_err(|mut diagnostics| {
+    let (problem, expect) = lower::lower(raw, default_name).map_err(|(mut diagnostics, omitted)| {
         for diagnostic in &mut diagnostics {
             diagnostic.line = lower::locate(text, &diagnostic.path);
+            diagnostic.message = yaml::clip(&diagnostic.message);
         }
-        error(diagnostics)
+        ScenarioError { file: file.to_owned(), diagnostics, omitted }
     })?;
     Ok(Scenario { name: problem.name.clone(), file: file.to_owned(), seed, problem, expect })
 }

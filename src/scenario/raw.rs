@@ -41,7 +41,7 @@
 use serde::Deserialize;
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a scenario: a mapping with model, prefill, decode, requests and expect")]
 pub struct RawScenario {
     pub name: Option<String>,
     pub seed: Option<u64>,
@@ -53,7 +53,7 @@ pub struct RawScenario {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a model mapping such as {preset: kimi-k3}")]
 pub struct RawModel {
     pub preset: Option<String>,
     pub layers: Option<u32>,
@@ -69,7 +69,7 @@ pub struct RawModel {
 }
 
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a state component mapping such as {kind: mamba, tensors: [...]}")]
 pub struct RawComponent {
     pub kind: String,
     pub layers: Option<Vec<u32>>,
@@ -78,7 +78,7 @@ pub struct RawComponent {
 }
 
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a state tensor mapping such as {name: conv, dim: 96, unit_bytes: 2}")]
 pub struct RawTensor {
     pub name: String,
     pub dim: Option<u32>,
@@ -89,14 +89,14 @@ pub struct RawTensor {
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a draft mapping {entries: N, token_len: B}")]
 pub struct RawDraft {
     pub entries: u32,
     pub token_len: u64,
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a side mapping such as {tp: 2, page_size: 64}")]
 pub struct RawSide {
     #[serde(default = "one")]
     pub tp: u32,
@@ -122,7 +122,7 @@ pub struct RawSide {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping {component: C, tensor: T, item_len: B}")]
 pub struct RawItemLen {
     pub component: u32,
     pub tensor: u32,
@@ -130,7 +130,7 @@ pub struct RawItemLen {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping {component: C, entry: E, groups: [...], dim: D}")]
 pub struct RawOverride {
     pub component: u32,
     pub entry: u32,
@@ -139,7 +139,7 @@ pub struct RawOverride {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a request mapping such as {tokens: 1000}")]
 pub struct RawRequest {
     pub tokens: u32,
     #[serde(default)]
@@ -153,20 +153,49 @@ pub struct RawRequest {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping {component: C, prefill: N, decode: N}")]
 pub struct RawStatePages {
     pub component: u32,
     pub prefill: u32,
     pub decode: u32,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// The verdict: `ok` or `{error: "message"}`.
+#[derive(Debug)]
 pub enum RawExpect {
-    /// `expect: ok`.
+    /// `expect: ok` (any other word is reported by the loader).
     Word(String),
     /// `expect: {error: "..."}`.
     Error { error: String },
+}
+
+impl<'de> Deserialize<'de> for RawExpect {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<RawExpect, D::Error> {
+        struct ExpectVisitor;
+        impl<'de> serde::de::Visitor<'de> for ExpectVisitor {
+            type Value = RawExpect;
+
+            fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                formatter.write_str("`ok` or {error: \"the planner's message\"}")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, word: &str) -> Result<RawExpect, E> {
+                Ok(RawExpect::Word(word.to_owned()))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<RawExpect, A::Error> {
+                let error = RawError::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(RawExpect::Error { error: error.error })
+            }
+        }
+        deserializer.deserialize_any(ExpectVisitor)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping {error: \"the planner's message\"}")]
+struct RawError {
+    error: String,
 }
 
 fn one() -> u32 {

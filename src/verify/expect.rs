@@ -2,7 +2,7 @@
 
 use super::decode::rank_heads;
 use super::ViolationKind;
-use crate::model::{Attention, KvPart, LayerId, Problem, RankId, RegionKind, Request, TensorShape};
+use crate::model::{Attention, KvPart, LayerId, Problem, RankId, Region, RegionKind, Request, TensorShape};
 
 /// `length` bytes at `target_offset` of a decode region must equal source region bytes at `source_offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +82,12 @@ pub(crate) fn pieces(
                     continue;
                 };
                 let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
+                // Rows must hold the heads at their local positions; otherwise no byte-exact placement exists.
+                let fits = |len: u64, heads: u32| u64::from(heads) * head_len <= len;
+                if !fits(target_len, head_count) || !fits(source_len, holder_local + 1) {
+                    notes.push((0, ViolationKind::Geometry { source_len, target_len }));
+                    continue;
+                }
                 for request in &problem.requests {
                     for (target_row, source_row) in token_rows(problem, target, request, notes) {
                         res.push(Piece {
@@ -106,11 +112,12 @@ pub(crate) fn pieces(
                         outer_count: *outer_count,
                         groups: groups.as_deref(),
                     };
-                    mamba_pieces(problem, target, decode_region.kind, layer, &sliced, &mut res);
+                    mamba_pieces(problem, target, decode_region, &sliced, &mut res, notes);
                 }
                 (crate::model::StateKind::Mamba, TensorShape::Replicated { item_len }) => {
+                    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None);
                     if let Some((source, source_region)) =
-                        holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None)
+                        held.filter(|held| same_items(problem, *held, decode_region, *item_len, *item_len, notes))
                     {
                         for request in &problem.requests {
                             res.push(Piece {
@@ -124,12 +131,13 @@ pub(crate) fn pieces(
                     }
                 }
                 (kind, _) => {
+                    let item_len = decode_region.item_len;
+                    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None);
                     let Some((source, source_region)) =
-                        holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None)
+                        held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
                     else {
                         return res;
                     };
-                    let item_len = decode_region.item_len;
                     for request in &problem.requests {
                         let (source_pages, target_pages) = (
                             &request.prefill_state.pages[component as usize],
@@ -162,12 +170,13 @@ pub(crate) fn pieces(
         }
         RegionKind::Aux { .. } => {
             let last = problem.prefill.topology.pp - 1;
+            let item_len = decode_region.item_len;
+            let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, 0, Some(last));
             let Some((source, source_region)) =
-                holder(problem, primary_tp(problem, target), target, decode_region.kind, 0, Some(last))
+                held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
             else {
                 return res;
             };
-            let item_len = decode_region.item_len;
             for request in &problem.requests {
                 res.push(Piece {
                     target_offset: u64::from(request.decode_state.aux) * item_len,
@@ -180,6 +189,24 @@ pub(crate) fn pieces(
         }
     }
     res
+}
+
+/// Whether the prefill region `held` and `decode_region` have the item lengths the rules assume (`source_item`,
+/// `target_item`); otherwise no byte-exact placement exists and a geometry note says so.
+fn same_items(
+    problem: &Problem,
+    held: (RankId, u32),
+    decode_region: &Region,
+    source_item: u64,
+    target_item: u64,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> bool {
+    let source_len = problem.prefill.rank(held.0).regions[held.1 as usize].item_len;
+    let fits = source_len == source_item && decode_region.item_len == target_item;
+    if !fits {
+        notes.push((0, ViolationKind::Geometry { source_len, target_len: decode_region.item_len }));
+    }
+    fits
 }
 
 /// The prefill TP rank that sends replicated data (latent, draft, paged state, aux) to `target` (domain.md §3.1).
@@ -317,10 +344,10 @@ struct Sliced<'a> {
 fn mamba_pieces(
     problem: &Problem,
     target: RankId,
-    kind: RegionKind,
-    layer: LayerId,
+    decode_region: &Region,
     tensor: &Sliced<'_>,
     res: &mut Vec<Piece>,
+    notes: &mut Vec<(u64, ViolationKind)>,
 ) {
     let (prefill_tp, decode_tp) = (problem.prefill.topology.tp, problem.decode.topology.tp);
     let groups: Vec<u32> = tensor.groups.map_or_else(|| vec![tensor.full_dim], <[u32]>::to_vec);
@@ -329,9 +356,14 @@ fn mamba_pieces(
     let target_row = u64::from(tensor.full_dim / decode_tp) * unit;
     let source_row = u64::from(tensor.full_dim / prefill_tp) * unit;
     let (target_item, source_item) = (target_row * outer, source_row * outer);
-    // The holder depends only on the prefill TP rank: look each one up once.
-    let holders: Vec<Option<(RankId, u32)>> =
-        (0..prefill_tp).map(|tp| holder(problem, tp, target, kind, layer, None)).collect();
+    // The holder depends only on the prefill TP rank: look each one up once; every holder's items must have the
+    // model's length.
+    let holders: Vec<Option<(RankId, u32)>> = (0..prefill_tp)
+        .map(|tp| {
+            holder(problem, tp, target, decode_region.kind, decode_region.layer, None)
+                .filter(|held| same_items(problem, *held, decode_region, source_item, target_item, notes))
+        })
+        .collect();
     for request in &problem.requests {
         for row in 0..outer {
             let (mut target_start, mut source_start) = (0u64, 0u64);

@@ -86,6 +86,8 @@ pub enum ViolationKind {
     Unplaceable { request: u32, position: u32 },
     /// Source and target rows differ in length, so no byte-exact placement exists.
     Geometry { source_len: u64, target_len: u64 },
+    /// The rules place bytes past the end of the registered region (its pool is too small for the indices).
+    OutsideRegion { end: u64, region_len: u64 },
     /// A position-indexed state component has index lists of different lengths.
     IndexLengths { request: u32, prefill: usize, decode: usize },
 }
@@ -103,6 +105,9 @@ impl fmt::Display for Violation {
             }
             ViolationKind::Geometry { source_len, target_len } => {
                 write!(f, "rows differ: prefill {source_len} B, decode {target_len} B")
+            }
+            ViolationKind::OutsideRegion { end, region_len } => {
+                write!(f, "the rules place bytes up to {end}, past the region's {region_len} B")
             }
             ViolationKind::IndexLengths { request, prefill, decode } => {
                 write!(f, "request {request} has {prefill} prefill and {decode} decode state indices")
@@ -143,6 +148,17 @@ fn check_with(problem: &Problem, observation: &Observation, transferred: bool) -
             let Some(bytes) = observation.images.get(&key) else {
                 panic!("observation lacks decode region {key:?}");
             };
+            let region_len = bytes.len() as u64;
+            if let Some(piece) = pieces.iter().find(|piece| piece.target_offset + piece.length > region_len) {
+                let (start, end) = (piece.target_offset, piece.target_offset + piece.length);
+                violations.push(Violation {
+                    rank: layout.rank,
+                    region: label.clone(),
+                    place: format!("bytes {start}..{end}"),
+                    kind: ViolationKind::OutsideRegion { end, region_len },
+                });
+                pieces.retain(|piece| piece.target_offset + piece.length <= region_len);
+            }
             let row_len = region.row_len();
             let place = |offset: u64, length: u64| {
                 let (row, within) = (offset / row_len, offset % row_len);

@@ -120,3 +120,32 @@ fn run_output_is_deterministic_per_seed() {
     assert_ne!(first.stdout, other.stdout, "a different seed must hand out different pages");
     assert!(text(&first.stdout).starts_with("seed: 11\n"));
 }
+
+/// `check` reads `.yml` as well as `.yaml`, never follows a symbolic link (two links to `.` used to walk about
+/// 2^40 paths), and says what it skipped and why.
+#[cfg(unix)]
+#[test]
+fn check_skips_links_and_reads_yml() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let temp = std::env::temp_dir().join(format!("kvrelay-links-{}", std::process::id()));
+    let (scenarios, golden) = (temp.join("scenarios"), temp.join("golden"));
+    copy_small(&root.join("scenarios/basic"), &scenarios, &["baseline-tp1-to-tp1.yaml"]);
+    std::fs::rename(scenarios.join("baseline-tp1-to-tp1.yaml"), scenarios.join("baseline.yml")).unwrap();
+    std::fs::create_dir_all(&golden).unwrap();
+    let snapshot = std::fs::read_to_string(root.join("golden/golden@basic__baseline-tp1-to-tp1.yaml.snap")).unwrap();
+    let snapshot = snapshot.replace("scenario: baseline-tp1-to-tp1", "scenario: baseline");
+    std::fs::write(golden.join("golden@baseline.yml.snap"), snapshot).unwrap();
+    std::os::unix::fs::symlink(".", scenarios.join("loop-a")).unwrap();
+    std::os::unix::fs::symlink(".", scenarios.join("loop-b")).unwrap();
+    std::fs::write(scenarios.join("notes.txt"), "not a scenario").unwrap();
+    let output = kvrelay(&["check", scenarios.to_str().unwrap(), "--golden", golden.to_str().unwrap()]);
+    std::fs::remove_dir_all(&temp).unwrap();
+    let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+    assert!(output.status.success(), "{stderr}");
+    assert!(stdout.contains("pass baseline.yml") && stdout.contains("1 scenarios, 1 passed"), "{stdout}");
+    for skipped in
+        ["loop-a: a symbolic link (not followed)", "loop-b: a symbolic link", "notes.txt: not a .yaml or .yml"]
+    {
+        assert!(stderr.contains(skipped), "{stderr}");
+    }
+}

@@ -10,9 +10,9 @@ fn golden() {
     settings.set_prepend_module_to_snapshot(false);
     settings.set_omit_expression(true);
     settings.bind(|| {
-        insta::glob!("../../scenarios", "**/*.yaml", |path| {
+        insta::glob!("../../scenarios", "**/*.{yaml,yml}", |path| {
             let scenario = scenario::load(path).unwrap_or_else(|error| panic!("{error}"));
-            let outcome = harness::run(&scenario);
+            let outcome = harness::run(&scenario).expect("within the memory budget");
             // The snapshot carries the verdict, so a failing scenario can never be accepted silently.
             assert!(
                 outcome.passed(),

@@ -33,7 +33,7 @@ fn misaligned_chunk_points_at_the_request_line() {
     );
     assert_eq!(
         res,
-        "scenarios/bad.yaml:7: requests[1].chunks: non-last chunk of 100 tokens is not a multiple of the prefill page size 64 (domain.md §2.3)"
+        "scenarios/bad.yaml:7: requests[1].chunks: non-last chunk of 100 tokens is not a multiple of the prefill allocator page V = page_size x dcp = 64 tokens (domain.md §2.3)"
     );
 }
 
@@ -85,7 +85,7 @@ fn seeded_allocator_never_hands_out_page_zero_or_contiguous_lists() {
 fn oversized_pools_are_refused_not_allocated() {
     let res = error("model: {preset: deepseek-v2-lite}\nprefill: {page_size: 4}\ndecode: {page_size: 4}\nrequests:\n  - tokens: 3000000000\nexpect: ok\n");
     assert!(
-        res.contains("requests[0].tokens: needs 750000000 pages, more than the in-memory fabric's limit of 16777216"),
+        res.contains("requests[0].tokens: needs 750000000 prefill pages, more than the limit of 16777216"),
         "{res}"
     );
 }

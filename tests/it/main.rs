@@ -7,6 +7,8 @@ mod cases;
 mod cli;
 /// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
 mod golden;
+/// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.
+mod hostile;
 /// Scenario loader diagnostics: unknown fields, file/line/field paths.
 mod loader;
 /// Proptest invariants over random topologies (domain.md §12).

@@ -270,7 +270,7 @@ proptest! {
     fn each_dcp_group_holds_every_sent_position_once(shape in shapes()) {
         let scenario = scenario(&shape.yaml());
         let problem = &scenario.problem;
-        let outcome = harness::run(&scenario);
+        let outcome = harness::run(&scenario).expect("within the memory budget");
         let sources = Sources::new(problem);
         let dcp = problem.decode.topology.dcp;
         let mut seen: BTreeMap<(u32, u32, RankId), Vec<u32>> = BTreeMap::new();
@@ -319,7 +319,7 @@ proptest! {
 
 /// Zero-fault run of the shape's scenario: the planner accepts and the oracle finds no violation.
 fn transfers_cleanly(shape: &Shape) -> Result<(), TestCaseError> {
-    let outcome = harness::run(&scenario(&shape.yaml()));
+    let outcome = harness::run(&scenario(&shape.yaml())).expect("within the memory budget");
     prop_assert!(
         outcome.passed(),
         "{}\n{}\n{}",
@@ -332,8 +332,8 @@ fn transfers_cleanly(shape: &Shape) -> Result<(), TestCaseError> {
 
 /// Re-chunking the send range at other page-aligned points leaves the final decode image unchanged.
 fn rechunking_keeps_the_image(shape: &Shape, other_cuts: &[u32]) -> Result<(), TestCaseError> {
-    let first = harness::run(&scenario(&shape.yaml()));
-    let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.to_vec())));
+    let first = harness::run(&scenario(&shape.yaml())).expect("within the memory budget");
+    let second = harness::run(&scenario(&shape.yaml_with(|_| other_cuts.to_vec()))).expect("within the memory budget");
     prop_assert!(first.passed() && second.passed());
     prop_assert!(first.observation.images == second.observation.images, "decode images differ between chunkings");
     Ok(())

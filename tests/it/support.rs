@@ -13,7 +13,7 @@ pub(crate) fn scenario(yaml: &str) -> Scenario {
 #[track_caller]
 pub(crate) fn check_run(yaml: &str) -> Outcome {
     let scenario = scenario(yaml);
-    let outcome = harness::run(&scenario);
+    let outcome = harness::run(&scenario).expect("within the memory budget");
     assert!(
         outcome.passed(),
         "\n--- failures ---\n{}\n--- violations ---\n{}--- reproduce: save this scenario to a file, then `cargo run --release -- run <file>` ---\n{yaml}",

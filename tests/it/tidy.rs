@@ -6,6 +6,15 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Scenario files: what `kvrelay check` reads.
+fn scenario_files() -> Vec<PathBuf> {
+    let dir = root().join("scenarios");
+    let mut res = files(&dir, "yaml");
+    res.extend(files(&dir, "yml"));
+    res.sort();
+    res
+}
+
 fn files(dir: &Path, extension: &str) -> Vec<PathBuf> {
     let mut res = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -102,7 +111,7 @@ fn no_should_panic_or_ignored_tests() {
 
 #[test]
 fn every_scenario_starts_with_a_comment() {
-    for path in files(&root().join("scenarios"), "yaml") {
+    for path in scenario_files() {
         assert!(
             read(&path).starts_with('#'),
             "{} must start with a `#` comment saying what it exercises and why",
@@ -115,7 +124,7 @@ fn every_scenario_starts_with_a_comment() {
 #[test]
 fn golden_files_and_scenarios_match_one_to_one() {
     let scenarios_dir = root().join("scenarios");
-    let expected: Vec<String> = files(&scenarios_dir, "yaml")
+    let expected: Vec<String> = scenario_files()
         .iter()
         .map(|path| kvrelay::render::golden_file_name(path.strip_prefix(&scenarios_dir).unwrap()))
         .collect();
