@@ -196,7 +196,7 @@ fn check_side_sizes(
         Some(len) if len > MAX_ITEM_BYTES => {
             diagnostics.push(
                 format!("{side}.kv_token_len"),
-                format!("{len} B is more than the limit of {MAX_ITEM_BYTES} B per item"),
+                format!("{len} B is more than the limit of {MAX_ITEM_BYTES} B per item (fix: the real size of one row or item)"),
             );
             return;
         }
@@ -234,7 +234,7 @@ fn check_side_sizes(
         if item.groups.as_ref().is_some_and(|groups| groups.len() > MAX_GROUPS) {
             diagnostics.push(
                 format!("{side}.metadata_overrides[{index}].groups"),
-                format!("more than the limit of {MAX_GROUPS} sub-blocks"),
+                format!("more than the limit of {MAX_GROUPS} sub-blocks (fix: at most {MAX_GROUPS})"),
             );
         }
     }
@@ -422,8 +422,10 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         ("qk_rope_head_dim", raw.qk_rope_head_dim, MAX_WIDTH),
     ] {
         if value.is_some_and(|value| value > most) {
-            diagnostics
-                .push(format!("model.{field}"), format!("{} is more than the limit of {most}", value.unwrap_or(0)));
+            diagnostics.push(
+                format!("model.{field}"),
+                format!("{} is more than the limit of {most} (fix: at most {most})", value.unwrap_or(0)),
+            );
             return None;
         }
     }
@@ -477,7 +479,10 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         if draft.entries > MAX_DRAFT_ENTRIES {
             diagnostics.push(
                 "model.draft.entries",
-                format!("{} is more than the limit of {MAX_DRAFT_ENTRIES}", draft.entries),
+                format!(
+                    "{} is more than the limit of {MAX_DRAFT_ENTRIES} (fix: at most {MAX_DRAFT_ENTRIES})",
+                    draft.entries
+                ),
             );
         }
     }
@@ -485,7 +490,10 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
     if aux_item_lens.len() > MAX_AUX_BUFFERS {
         diagnostics.push(
             "model.aux",
-            format!("{} aux buffers, more than the limit of {MAX_AUX_BUFFERS}", aux_item_lens.len()),
+            format!(
+                "{} aux buffers, more than the limit of {MAX_AUX_BUFFERS} (fix: at most {MAX_AUX_BUFFERS})",
+                aux_item_lens.len()
+            ),
         );
     }
     for (index, len) in aux_item_lens.iter().enumerate().take(MAX_AUX_BUFFERS) {
@@ -518,7 +526,9 @@ fn bounded(path: &str, value: Option<u32>, most: u32, diagnostics: &mut Diagnost
     match value {
         None => diagnostics.push(path, "missing (fix: give it or use a model.preset)"),
         Some(0) => diagnostics.push(path, "must be at least 1"),
-        Some(value) if value > most => diagnostics.push(path, format!("{value} is more than the limit of {most}")),
+        Some(value) if value > most => {
+            diagnostics.push(path, format!("{value} is more than the limit of {most} (fix: at most {most})"))
+        }
         Some(value) => return Some(value),
     }
     None
@@ -529,7 +539,7 @@ fn check_item_len(path: &str, len: u64, diagnostics: &mut Diagnostics) -> bool {
     let problem = if len == 0 || len % 8 != 0 {
         format!("{len} B is not a positive multiple of 8")
     } else if len > MAX_ITEM_BYTES {
-        format!("{len} B is more than the limit of {MAX_ITEM_BYTES} B per item")
+        format!("{len} B is more than the limit of {MAX_ITEM_BYTES} B per item (fix: the real size of one row or item)")
     } else {
         return true;
     };
@@ -557,7 +567,10 @@ fn lower_state(
     if components.len() > MAX_COMPONENTS {
         diagnostics.push(
             "model.state",
-            format!("{} state components, more than the limit of {MAX_COMPONENTS}", components.len()),
+            format!(
+                "{} state components, more than the limit of {MAX_COMPONENTS} (fix: at most {MAX_COMPONENTS})",
+                components.len()
+            ),
         );
         return res;
     }
@@ -566,7 +579,10 @@ fn lower_state(
         if raw.tensors.len() > MAX_TENSORS {
             diagnostics.push(
                 format!("{path}.tensors"),
-                format!("{} tensors, more than the limit of {MAX_TENSORS}", raw.tensors.len()),
+                format!(
+                    "{} tensors, more than the limit of {MAX_TENSORS} (fix: at most {MAX_TENSORS})",
+                    raw.tensors.len()
+                ),
             );
             continue;
         }
@@ -646,7 +662,7 @@ fn check_sliced(path: &str, groups: Option<&[u32]>, shape: (u32, u64, u32), diag
     if groups.len() > MAX_GROUPS {
         diagnostics.push(
             format!("{path}.groups"),
-            format!("{} sub-blocks, more than the limit of {MAX_GROUPS}", groups.len()),
+            format!("{} sub-blocks, more than the limit of {MAX_GROUPS} (fix: at most {MAX_GROUPS})", groups.len()),
         );
         return false;
     }
@@ -673,7 +689,10 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
         if value == 0 {
             diagnostics.push(format!("{side}.{field}"), "must be at least 1");
         } else if value > most {
-            diagnostics.push(format!("{side}.{field}"), format!("{value} is more than the limit of {most}"));
+            diagnostics.push(
+                format!("{side}.{field}"),
+                format!("{value} is more than the limit of {most} (fix: at most {most})"),
+            );
         }
     }
     if raw.tp > 0 && raw.dcp > 0 && raw.tp % raw.dcp != 0 {
@@ -689,7 +708,10 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
     if raw.tp <= MAX_TP && raw.pp <= MAX_PP && ranks > u64::from(MAX_RANKS) {
         diagnostics.push(
             format!("{side}.pp"),
-            format!("tp {} x pp {} = {ranks} ranks, more than the limit of {MAX_RANKS}", raw.tp, raw.pp),
+            format!(
+                "tp {} x pp {} = {ranks} ranks, more than the limit of {MAX_RANKS} (fix: fewer stages or a smaller tp)",
+                raw.tp, raw.pp
+            ),
         );
     }
     let ok = diagnostics.kept.len() + diagnostics.omitted == before;

@@ -149,3 +149,43 @@ fn check_skips_links_and_reads_yml() {
         assert!(stderr.contains(skipped), "{stderr}");
     }
 }
+
+/// Writes `yaml` to a fresh temporary scenario file.
+fn temp_scenario(name: &str, yaml: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("kvrelay-{name}-{}.yaml", std::process::id()));
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+/// The default simulated-memory budget is the machine's (half of its available memory), not a fixed 16 GiB: a
+/// Kimi-K3 scenario needing terabytes fails before allocating, with the budget message, instead of aborting.
+#[test]
+fn default_budget_is_the_machines_and_refuses_before_allocating() {
+    let path = temp_scenario(
+        "huge",
+        "# Kimi-K3 with 500 M tokens: about 14 TB of pools.\nmodel: {preset: kimi-k3}\nprefill: {page_size: 64}\ndecode: {page_size: 64}\nrequests: [{tokens: 500000000}]\nexpect: ok\n",
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_kvrelay"))
+        .args(["run", path.to_str().unwrap()])
+        .env_remove("KVRELAY_MAX_FABRIC_BYTES")
+        .output()
+        .unwrap();
+    let stderr = text(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("of simulated memory, more than the budget of"), "{stderr}");
+    assert!(
+        stderr.contains("bytes this machine has available") || stderr.contains("available memory unknown"),
+        "{stderr}"
+    );
+    let bad = Command::new(env!("CARGO_BIN_EXE_kvrelay"))
+        .args(["run", path.to_str().unwrap()])
+        .env("KVRELAY_MAX_FABRIC_BYTES", "lots")
+        .output()
+        .unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        text(&bad.stderr).contains("KVRELAY_MAX_FABRIC_BYTES=\"lots\" is not a byte count"),
+        "{}",
+        text(&bad.stderr)
+    );
+}
