@@ -6,7 +6,7 @@ use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_
 use crate::model::Problem;
 use crate::plan::{self, Plan, PlanError};
 use crate::scenario::{Expectation, Scenario};
-use crate::verify::{self, Observation, Violation};
+use crate::verify::{self, Observation, Verdicts, Violation};
 
 /// Everything a run produced, for rendering and judging.
 #[derive(Debug)]
@@ -127,18 +127,23 @@ pub fn run_on(scenario: &Scenario, transport: &mut impl Transport, budget: &Budg
             Err(error) => exec_error = Some(error),
         }
     }
-    let observation = match exec::observe(problem, &mut *transport, writes) {
-        Ok(observation) => observation,
+    let (observation, observed) = match exec::observe(problem, &mut *transport, writes) {
+        Ok(observation) => (observation, true),
         Err(error) => {
             exec_error.get_or_insert(error);
-            Observation::default()
+            (Observation::default(), false)
         }
     };
-    let violations = match (&exec_error, &plan) {
-        (Some(_), _) => Vec::new(),
-        (None, Ok(_)) => verify::check(problem, &observation),
-        (None, Err(_)) => verify::check_untouched(problem, &observation),
+    // Every run is judged, a failed one included: an execution error fails every request, which may then leave
+    // bytes only inside its own destination items.
+    let verdicts = match (&exec_error, &plan) {
+        (_, Err(_)) => Verdicts::rejected(),
+        (Some(_), Ok(_)) => {
+            Verdicts { failed: problem.requests.iter().map(|request| request.id).collect(), nothing_sent: false }
+        }
+        (None, Ok(_)) => Verdicts::all_succeeded(),
     };
+    let violations = if observed { verify::check_outcome(problem, &observation, &verdicts) } else { Vec::new() };
     let mut failures = Vec::new();
     match (&scenario.expect, &plan) {
         (Expectation::Ok, Err(error)) => failures.push(format!("expected a clean transfer, planner rejected: {error}")),

@@ -2,11 +2,13 @@
 
 use super::decode::rank_heads;
 use super::ViolationKind;
-use crate::model::{Attention, KvPart, LayerId, Problem, RankId, Region, RegionKind, Request, TensorShape};
+use crate::model::{Attention, KvPart, LayerId, Problem, RankId, Region, RegionKind, Request, StateKind, TensorShape};
 
 /// `length` bytes at `target_offset` of a decode region must equal source region bytes at `source_offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Piece {
+    /// The request whose bytes these are.
+    pub(crate) request: u32,
     pub(crate) target_offset: u64,
     pub(crate) length: u64,
     pub(crate) source: RankId,
@@ -46,6 +48,7 @@ pub(crate) fn pieces(
                 };
                 for (target_row, source_row) in rows {
                     res.push(Piece {
+                        request: request.id,
                         target_offset: target_row * target_len,
                         length: target_len,
                         source,
@@ -91,6 +94,7 @@ pub(crate) fn pieces(
                 for request in &problem.requests {
                     for (target_row, source_row) in token_rows(problem, target, request, notes) {
                         res.push(Piece {
+                            request: request.id,
                             target_offset: target_row * target_len + u64::from(local) * head_len,
                             length: head_len,
                             source,
@@ -121,6 +125,7 @@ pub(crate) fn pieces(
                     {
                         for request in &problem.requests {
                             res.push(Piece {
+                                request: request.id,
                                 target_offset: u64::from(request.decode_state.slot) * item_len,
                                 length: *item_len,
                                 source,
@@ -157,6 +162,7 @@ pub(crate) fn pieces(
                         // Paged kinds pair the common prefix of both index lists (domain.md §8: truncate to m).
                         for (source_page, target_page) in source_pages.iter().zip(target_pages) {
                             res.push(Piece {
+                                request: request.id,
                                 target_offset: u64::from(*target_page) * item_len,
                                 length: item_len,
                                 source,
@@ -179,6 +185,7 @@ pub(crate) fn pieces(
             };
             for request in &problem.requests {
                 res.push(Piece {
+                    request: request.id,
                     target_offset: u64::from(request.decode_state.aux) * item_len,
                     length: item_len,
                     source,
@@ -377,6 +384,7 @@ fn mamba_pieces(
                     push_merged(
                         res,
                         Piece {
+                            request: request.id,
                             target_offset: u64::from(request.decode_state.slot) * target_item
                                 + row * target_row
                                 + (target_start + index) * unit,
@@ -399,7 +407,8 @@ fn mamba_pieces(
 /// Appends `piece`, extending the last one when both sides continue it.
 fn push_merged(res: &mut Vec<Piece>, piece: Piece) {
     if let Some(last) = res.last_mut() {
-        let continues = last.source == piece.source
+        let continues = last.request == piece.request
+            && last.source == piece.source
             && last.source_region == piece.source_region
             && last.target_offset + last.length == piece.target_offset
             && last.source_offset + last.length == piece.source_offset;
@@ -409,4 +418,20 @@ fn push_merged(res: &mut Vec<Piece>, piece: Piece) {
         }
     }
     res.push(piece);
+}
+
+/// Byte ranges of decode region `region` on `target` that hold `request`'s destination items: its decode pages
+/// (KV, draft), its Mamba slot or state pages, its aux row. A failed request may leave bytes only here.
+pub(crate) fn territory(problem: &Problem, target: RankId, region: u32, request: &Request) -> Vec<(u64, u64)> {
+    let decode_region = &problem.decode.rank(target).regions[region as usize];
+    let items: Vec<u32> = match decode_region.kind {
+        RegionKind::Kv(_) | RegionKind::Draft => request.decode_pages.clone(),
+        RegionKind::State { component, .. } => match problem.model.state[component as usize].kind {
+            StateKind::Mamba => vec![request.decode_state.slot],
+            _ => request.decode_state.pages[component as usize].clone(),
+        },
+        RegionKind::Aux { .. } => vec![request.decode_state.aux],
+    };
+    let len = decode_region.item_len;
+    items.iter().map(|item| (u64::from(*item) * len, (u64::from(*item) + 1) * len)).collect()
 }

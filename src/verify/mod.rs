@@ -11,10 +11,10 @@ pub mod pattern;
 
 pub use decode::{item_noun, rank_heads, tensor_name, Described, Origin, Run, Sources};
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::model::{Problem, RankId, Side};
+use crate::model::{Problem, RankId, Region, Side};
 
 /// Address of one registered region in a fabric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -116,89 +116,170 @@ impl fmt::Display for Violation {
     }
 }
 
+/// How each request ended, as far as the oracle is concerned.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Verdicts {
+    /// Requests that ended Failed: their bytes may be anything, but only inside their own destination items.
+    pub failed: BTreeSet<u32>,
+    /// No byte may have been written at all (the plan was rejected before any transfer).
+    pub nothing_sent: bool,
+}
+
+impl Verdicts {
+    /// Every request succeeded.
+    pub fn all_succeeded() -> Verdicts {
+        Verdicts::default()
+    }
+
+    /// The plan was rejected: every request failed and nothing may have moved.
+    pub fn rejected() -> Verdicts {
+        Verdicts { failed: BTreeSet::new(), nothing_sent: true }
+    }
+}
+
 /// Checks a completed transfer: every decode byte against the rules, and every write happened once.
 pub fn check(problem: &Problem, observation: &Observation) -> Vec<Violation> {
-    check_with(problem, observation, true)
+    check_outcome(problem, observation, &Verdicts::all_succeeded())
 }
 
 /// Checks a rejected transfer: nothing was written and every decode byte is still the sentinel.
 pub fn check_untouched(problem: &Problem, observation: &Observation) -> Vec<Violation> {
-    check_with(problem, observation, false)
+    check_outcome(problem, observation, &Verdicts::rejected())
 }
 
-fn check_with(problem: &Problem, observation: &Observation, transferred: bool) -> Vec<Violation> {
+/// Judges any run, including one where requests failed part-way: a succeeded request's bytes must be exactly
+/// where the rules place them; a failed request may leave bytes only inside its own destination items; every
+/// other byte must still be the sentinel, and no byte may be written twice outside failed requests' items.
+pub fn check_outcome(problem: &Problem, observation: &Observation, verdicts: &Verdicts) -> Vec<Violation> {
+    problem.decode.ranks.iter().flat_map(|layout| check_rank(problem, layout.rank, observation, verdicts)).collect()
+}
+
+/// [`check_outcome`] for one decode rank alone: `observation` needs only that rank's images and writes, so a
+/// decode process can verify its own memory.
+pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, verdicts: &Verdicts) -> Vec<Violation> {
     let sources = Sources::new(problem);
     let mut violations = Vec::new();
-    for layout in &problem.decode.ranks {
-        for (index, region) in layout.regions.iter().enumerate() {
-            let key = RegionKey { side: Side::Decode, rank: layout.rank, region: index as u32 };
-            let label = format!("layer {} {}", region.layer, tensor_name(problem, region));
-            let mut notes = Vec::new();
-            let mut pieces =
-                if transferred { expect::pieces(problem, layout.rank, index as u32, &mut notes) } else { Vec::new() };
-            for (row, kind) in notes {
-                violations.push(Violation {
-                    rank: layout.rank,
-                    region: label.clone(),
-                    place: format!("row {row}"),
-                    kind,
-                });
-            }
-            pieces.sort_by_key(|piece| piece.target_offset);
-            let Some(bytes) = observation.images.get(&key) else {
-                panic!("observation lacks decode region {key:?}");
-            };
-            let region_len = bytes.len() as u64;
-            if let Some(piece) = pieces.iter().find(|piece| piece.target_offset + piece.length > region_len) {
-                let (start, end) = (piece.target_offset, piece.target_offset + piece.length);
-                violations.push(Violation {
-                    rank: layout.rank,
-                    region: label.clone(),
-                    place: format!("bytes {start}..{end}"),
-                    kind: ViolationKind::OutsideRegion { end, region_len },
-                });
-                pieces.retain(|piece| piece.target_offset + piece.length <= region_len);
-            }
-            let row_len = region.row_len();
-            let place = |offset: u64, length: u64| {
-                let (row, within) = (offset / row_len, offset % row_len);
-                let noun = item_noun(problem, region);
-                if within == 0 && length == row_len {
-                    format!("{noun} {row}")
-                } else {
-                    format!("{noun} {row} bytes {within}..{}", within + length)
-                }
-            };
-            let mut report = |offset: u64, length: u64, expected: Content| {
-                let found = found_content(&sources, bytes, offset, length);
-                violations.push(Violation {
-                    rank: layout.rank,
-                    region: label.clone(),
-                    place: place(offset, length),
-                    kind: ViolationKind::Wrong { expected, found },
-                });
-            };
-            let mut cursor = 0u64;
-            for piece in &pieces {
-                assert!(
-                    piece.target_offset >= cursor,
-                    "oracle expects two sources for byte {} of {key:?}",
-                    piece.target_offset
-                );
-                check_gap(bytes, cursor, piece.target_offset, row_len, &mut report);
-                let range = piece.target_offset as usize..(piece.target_offset + piece.length) as usize;
-                let number = sources.number(piece.source, piece.source_region);
-                if !pattern::matches_source(number, piece.source_offset, &bytes[range]) {
-                    let expected = Content::From(sources.describe(number, piece.source_offset, piece.length));
-                    report(piece.target_offset, piece.length, expected);
-                }
-                cursor = piece.target_offset + piece.length;
-            }
-            check_gap(bytes, cursor, bytes.len() as u64, row_len, &mut report);
+    for index in 0..problem.decode.rank(rank).regions.len() as u32 {
+        let key = RegionKey { side: Side::Decode, rank, region: index };
+        let Some(bytes) = observation.images.get(&key) else {
+            panic!("observation lacks decode region {key:?}");
+        };
+        let region = RegionCheck { problem, sources: &sources, key, bytes, verdicts };
+        region.run(&mut violations);
+    }
+    check_writes(problem, observation, rank, verdicts, &mut violations);
+    violations
+}
+
+/// One decode region under judgement.
+struct RegionCheck<'a> {
+    problem: &'a Problem,
+    sources: &'a Sources<'a>,
+    key: RegionKey,
+    bytes: &'a [u8],
+    verdicts: &'a Verdicts,
+}
+
+impl RegionCheck<'_> {
+    fn region(&self) -> &Region {
+        &self.problem.decode.rank(self.key.rank).regions[self.key.region as usize]
+    }
+
+    fn label(&self) -> String {
+        format!("layer {} {}", self.region().layer, tensor_name(self.problem, self.region()))
+    }
+
+    fn violation(&self, place: String, kind: ViolationKind) -> Violation {
+        Violation { rank: self.key.rank, region: self.label(), place, kind }
+    }
+
+    /// `row 197`, or `row 35 bytes 256..512` for part of a row.
+    fn place(&self, offset: u64, length: u64) -> String {
+        let row_len = self.region().row_len();
+        let (row, within) = (offset / row_len, offset % row_len);
+        let noun = item_noun(self.problem, self.region());
+        if within == 0 && length == row_len {
+            format!("{noun} {row}")
+        } else {
+            format!("{noun} {row} bytes {within}..{}", within + length)
         }
     }
-    check_writes(problem, observation, &mut violations);
-    violations
+
+    /// The pieces succeeded requests must hold, sorted, and the byte ranges failed requests may have touched.
+    fn expectations(&self, violations: &mut Vec<Violation>) -> (Vec<expect::Piece>, Vec<(u64, u64)>) {
+        if self.verdicts.nothing_sent {
+            return (Vec::new(), Vec::new());
+        }
+        let mut notes = Vec::new();
+        let mut pieces = expect::pieces(self.problem, self.key.rank, self.key.region, &mut notes);
+        for (row, kind) in notes {
+            violations.push(self.violation(format!("row {row}"), kind));
+        }
+        pieces.retain(|piece| !self.verdicts.failed.contains(&piece.request));
+        pieces.sort_by_key(|piece| piece.target_offset);
+        let mut free = Vec::new();
+        for request in self.problem.requests.iter().filter(|request| self.verdicts.failed.contains(&request.id)) {
+            free.extend(expect::territory(self.problem, self.key.rank, self.key.region, request));
+        }
+        free.sort_unstable();
+        (pieces, free)
+    }
+
+    fn run(&self, violations: &mut Vec<Violation>) {
+        let (mut pieces, free) = self.expectations(violations);
+        let region_len = self.bytes.len() as u64;
+        if let Some(piece) = pieces.iter().find(|piece| piece.target_offset + piece.length > region_len) {
+            let (start, end) = (piece.target_offset, piece.target_offset + piece.length);
+            violations.push(
+                self.violation(format!("bytes {start}..{end}"), ViolationKind::OutsideRegion { end, region_len }),
+            );
+            pieces.retain(|piece| piece.target_offset + piece.length <= region_len);
+        }
+        let mut cursor = 0u64;
+        for piece in &pieces {
+            assert!(
+                piece.target_offset >= cursor,
+                "oracle expects two sources for byte {} of {:?}",
+                piece.target_offset,
+                self.key
+            );
+            self.check_gap(cursor, piece.target_offset, &free, violations);
+            let range = piece.target_offset as usize..(piece.target_offset + piece.length) as usize;
+            let number = self.sources.number(piece.source, piece.source_region);
+            if !pattern::matches_source(number, piece.source_offset, &self.bytes[range]) {
+                let expected = Content::From(self.sources.describe(number, piece.source_offset, piece.length));
+                self.report(piece.target_offset, piece.length, expected, violations);
+            }
+            cursor = piece.target_offset + piece.length;
+        }
+        self.check_gap(cursor, region_len, &free, violations);
+    }
+
+    /// Bytes `[start, end)` outside every failed request's items must be sentinel.
+    fn check_gap(&self, start: u64, end: u64, free: &[(u64, u64)], violations: &mut Vec<Violation>) {
+        let mut cursor = start;
+        for (free_start, free_end) in free.iter().filter(|(a, b)| *b > start && *a < end) {
+            if *free_start > cursor {
+                self.check_sentinel(cursor, *free_start, violations);
+            }
+            cursor = cursor.max(*free_end);
+        }
+        if cursor < end {
+            self.check_sentinel(cursor, end, violations);
+        }
+    }
+
+    fn check_sentinel(&self, start: u64, end: u64, violations: &mut Vec<Violation>) {
+        let row_len = self.region().row_len();
+        check_gap(self.bytes, start, end, row_len, &mut |offset, length, expected| {
+            self.report(offset, length, expected, violations);
+        });
+    }
+
+    fn report(&self, offset: u64, length: u64, expected: Content, violations: &mut Vec<Violation>) {
+        let found = found_content(self.sources, self.bytes, offset, length);
+        violations.push(self.violation(self.place(offset, length), ViolationKind::Wrong { expected, found }));
+    }
 }
 
 /// Bytes `[start, end)` must be sentinel; mismatches are reported one row at a time.
@@ -236,13 +317,27 @@ fn found_content(sources: &Sources<'_>, bytes: &[u8], offset: u64, length: u64) 
     }
 }
 
-/// Every written byte was written once: overlapping writes to one region are violations (domain.md §12.2).
-fn check_writes(problem: &Problem, observation: &Observation, violations: &mut Vec<Violation>) {
+/// Every written byte of `rank` was written once, except inside failed requests' own items (a retry may rewrite
+/// them): overlapping writes are violations (domain.md §12.2).
+fn check_writes(
+    problem: &Problem,
+    observation: &Observation,
+    rank: RankId,
+    verdicts: &Verdicts,
+    violations: &mut Vec<Violation>,
+) {
     let mut by_region: BTreeMap<RegionKey, Vec<(u64, u64)>> = BTreeMap::new();
-    for write in &observation.writes {
+    for write in observation.writes.iter().filter(|write| write.target.rank == rank) {
         by_region.entry(write.target).or_default().push((write.offset, write.length));
     }
     for (key, mut writes) in by_region {
+        let failed: Vec<(u64, u64)> = problem
+            .requests
+            .iter()
+            .filter(|request| verdicts.failed.contains(&request.id))
+            .flat_map(|request| expect::territory(problem, key.rank, key.region, request))
+            .collect();
+        writes.retain(|(offset, length)| !failed.iter().any(|(a, b)| *a <= *offset && offset + length <= *b));
         writes.sort_unstable();
         let region = &problem.decode.rank(key.rank).regions[key.region as usize];
         let label = format!("layer {} {}", region.layer, tensor_name(problem, region));

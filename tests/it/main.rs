@@ -17,3 +17,5 @@ mod props;
 mod support;
 /// Repository hygiene: module docs, purity of pure modules, scenario headers, golden coverage.
 mod tidy;
+/// Verdicts: failed requests are judged too, and one decode rank can be judged alone.
+mod verdicts;

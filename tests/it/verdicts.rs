@@ -1,0 +1,83 @@
+//! Every run is judged, failed requests included, and one decode rank can be judged alone (domain.md §6.4, §12).
+
+use kvrelay::model::{RankId, Side};
+use kvrelay::verify::{self, Observation, RegionKey, Verdicts};
+
+use crate::support::{check_run, scenario};
+
+/// Two requests over MLA TP1 -> TP2: every decode rank holds both requests' pages.
+const TWO_REQUESTS: &str = "
+model: {layers: 2, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}
+prefill: {page_size: 4}
+decode: {tp: 2, page_size: 4}
+requests:
+  - {tokens: 10}
+  - {tokens: 7}
+expect: ok
+";
+
+fn failed(ids: &[u32]) -> Verdicts {
+    Verdicts { failed: ids.iter().copied().collect(), nothing_sent: false }
+}
+
+/// Byte offset of the first byte of `request`'s first decode page in KV region 0 of `rank`.
+fn first_page_offset(problem: &kvrelay::model::Problem, rank: RankId, request: usize) -> (RegionKey, usize) {
+    let region = &problem.decode.rank(rank).regions[0];
+    let page = problem.requests[request].decode_pages[0];
+    (RegionKey { side: Side::Decode, rank, region: 0 }, (u64::from(page) * region.item_len) as usize)
+}
+
+fn flip(observation: &mut Observation, key: RegionKey, offset: usize) {
+    observation.images.get_mut(&key).unwrap()[offset] ^= 0xff;
+}
+
+#[test]
+fn failed_request_may_leave_bytes_only_in_its_own_items() {
+    let outcome = check_run(TWO_REQUESTS);
+    let problem = &scenario(TWO_REQUESTS).problem;
+    let mut observation = outcome.observation.clone();
+    let rank = RankId { pp: 0, tp: 1 };
+    // Request 0 failed part-way: whatever it left in its own pages is allowed, garbage included.
+    let (key, own) = first_page_offset(problem, rank, 0);
+    flip(&mut observation, key, own);
+    assert_eq!(verify::check_outcome(problem, &observation, &failed(&[0])), vec![]);
+    // The same damage is a violation when request 0 is said to have succeeded.
+    assert_eq!(verify::check_outcome(problem, &observation, &failed(&[])).len(), 1);
+    // A byte of the succeeded request 1 changed: a violation even though request 0 failed.
+    let (key, other) = first_page_offset(problem, rank, 1);
+    flip(&mut observation, key, other);
+    let violations = verify::check_outcome(problem, &observation, &failed(&[0]));
+    assert_eq!(violations.len(), 1, "{violations:?}");
+    assert!(violations[0].to_string().starts_with("decode pp0/tp1, layer 0 kv, row"), "{}", violations[0]);
+    // A byte outside every request's items (padding page 0) changed: a violation whatever failed.
+    flip(&mut observation, key, 3);
+    let violations = verify::check_outcome(problem, &observation, &failed(&[0, 1]));
+    assert_eq!(violations.len(), 1, "{violations:?}");
+    assert!(violations[0].to_string().contains("row 0"), "{}", violations[0]);
+}
+
+#[test]
+fn one_decode_rank_is_judged_from_its_own_memory_alone() {
+    let outcome = check_run(TWO_REQUESTS);
+    let problem = &scenario(TWO_REQUESTS).problem;
+    let mut observation = outcome.observation.clone();
+    let broken = RankId { pp: 0, tp: 1 };
+    let (key, offset) = first_page_offset(problem, broken, 1);
+    flip(&mut observation, key, offset);
+    for layout in &problem.decode.ranks {
+        let own = Observation {
+            images: observation
+                .images
+                .iter()
+                .filter(|(key, _)| key.rank == layout.rank)
+                .map(|(k, v)| (*k, v.clone()))
+                .collect(),
+            writes: observation.writes.iter().filter(|write| write.target.rank == layout.rank).copied().collect(),
+        };
+        let alone = verify::check_rank(problem, layout.rank, &own, &Verdicts::all_succeeded());
+        let together: Vec<_> =
+            verify::check(problem, &observation).into_iter().filter(|v| v.rank == layout.rank).collect();
+        assert_eq!(alone, together, "rank {}", layout.rank);
+        assert_eq!(alone.is_empty(), layout.rank != broken);
+    }
+}
