@@ -17,7 +17,10 @@ pub use rows::RowRun;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::model::{Attention, KvPart, LayerId, PoolKind, Problem, RankId, RegionKind, Request, StateKind};
+use crate::model::{
+    Attention, KvPart, LayerId, ModelGeometry, PoolKind, Problem, RankId, RankLayout, RegionKind, Request, StateKind,
+    Topology,
+};
 use ranks::{Connection, Mode};
 use rows::ChunkView;
 
@@ -205,8 +208,9 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
     let mut notes: BTreeMap<(RankId, String), Vec<RankId>> = BTreeMap::new();
     for connection in ranks::connections(prefill, decode) {
         // Every registered peer passes the DCP gate, whatever it sends (domain.md §6.3).
-        let mode = ranks::transfer_mode(prefill, connection.prefill, decode, connection.decode)?;
-        let link = link(problem, &connection, mode)?;
+        let local =
+            Local { model: &problem.model, topology: prefill, layout: problem.prefill.rank(connection.prefill) };
+        let link = link(local, &Peer::ground_truth(problem, connection.decode))?;
         for note in &link.notes {
             notes.entry((connection.prefill, note.clone())).or_default().push(connection.decode);
         }
@@ -362,8 +366,71 @@ fn state_runs(request: &Request, component: usize, kind: StateKind) -> Result<Ar
     Ok(rows::index_runs(&source[..overlap], &target[..overlap]).into())
 }
 
-/// What one connection sends, decided once at registration.
-struct Link {
+/// What a prefill rank knows about itself when a peer registers: the model, its side's topology, its own layout.
+#[derive(Debug, Clone, Copy)]
+pub struct Local<'a> {
+    pub model: &'a ModelGeometry,
+    pub topology: &'a Topology,
+    pub layout: &'a RankLayout,
+}
+
+/// What a prefill rank knows about one decode peer: only its decoded registration (domain.md §6.2): its attention-TP
+/// size and rank, its DCP size and rank, and the regions and metadata it advertised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    pub rank: RankId,
+    pub tp: u32,
+    pub dcp: u32,
+    pub dcp_rank: u32,
+    pub layout: RankLayout,
+}
+
+impl Peer {
+    /// The peer exactly as the problem registers it (ground truth, advertised faithfully).
+    pub fn ground_truth(problem: &Problem, rank: RankId) -> Peer {
+        let decode = &problem.decode.topology;
+        Peer {
+            rank,
+            tp: decode.tp,
+            dcp: decode.dcp,
+            dcp_rank: decode.dcp_rank(rank.tp),
+            layout: problem.decode.rank(rank).clone(),
+        }
+    }
+}
+
+/// Both ends of one connection as the prefill rank sees them at registration.
+struct Ends<'a> {
+    model: &'a ModelGeometry,
+    prefill: &'a Topology,
+    /// The peer's side as far as it advertised it (TP and DCP sizes; page size and stages are the prefill's).
+    decode: Topology,
+    source_layout: &'a RankLayout,
+    target_layout: &'a RankLayout,
+    connection: Connection,
+}
+
+impl<'a> Ends<'a> {
+    fn new(local: Local<'a>, peer: &'a Peer) -> Ends<'a> {
+        let decode = Topology { tp: peer.tp, pp: 1, dcp: peer.dcp, page_size: local.topology.page_size };
+        let (source, target) = (local.layout.rank, peer.rank);
+        // Position among the k prefill ranks a decode rank contacts when decode TP < prefill TP (domain.md §3.1).
+        let offset =
+            if peer.tp >= local.topology.tp { 0 } else { source.tp - target.tp * (local.topology.tp / peer.tp) };
+        Ends {
+            model: local.model,
+            prefill: local.topology,
+            decode,
+            source_layout: local.layout,
+            target_layout: &peer.layout,
+            connection: Connection { prefill: source, decode: target, offset },
+        }
+    }
+}
+
+/// What one connection sends, decided once at registration from the local layout and the peer's registration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
     source: RankId,
     target: RankId,
     mode: Mode,
@@ -376,16 +443,22 @@ struct Link {
     notes: Vec<String>,
 }
 
-fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, PlanError> {
-    let prefill = &problem.prefill.topology;
-    let decode = &problem.decode.topology;
-    let source_layout = problem.prefill.rank(connection.prefill);
-    let target_layout = problem.decode.rank(connection.decode);
+/// Registration-time work for one connection (domain.md §6.3): the transfer mode, then which kinds this prefill
+/// rank sends the peer and how entries pair. Sees only the local layout and what the peer advertised.
+pub fn link(local: Local<'_>, peer: &Peer) -> Result<Link, PlanError> {
+    let ends = Ends::new(local, peer);
+    let mode = ranks::transfer_mode(ends.prefill, ends.connection.prefill, &ends.decode, peer.dcp_rank)?;
+    link_with(&ends, mode)
+}
+
+fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
+    let (prefill, decode, connection) = (ends.prefill, &ends.decode, &ends.connection);
+    let (source_layout, target_layout) = (ends.source_layout, ends.target_layout);
     let primary = connection.offset == 0;
     // Replicated latent: one writer per decode rank. Head-sharded KV: every prefill rank of the group writes its
     // heads, except duplicates when prefill TP exceeds the head count ([I] only the first replica inside the
     // decode rank's group writes, so every decode byte is written exactly once).
-    let kv_writer = match problem.model.attention {
+    let kv_writer = match ends.model.attention {
         _ if decode.tp >= prefill.tp => true,
         Attention::Mla { .. } => primary,
         Attention::Mha { kv_heads, .. } => connection.offset % (prefill.tp / kv_heads).max(1) == 0,
@@ -401,7 +474,7 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
         notes: Vec::new(),
     };
     if kv_writer || primary {
-        let (targets, drafts) = kv_pairs(problem, connection, mode)?;
+        let (targets, drafts) = kv_pairs(ends, mode)?;
         let how = if source_layout.advertised_layer_ids.is_some() && target_layout.advertised_layer_ids.is_some() {
             "by global layer id"
         } else {
@@ -417,7 +490,7 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
             res.notes.push(format!("draft pairing {how}: {}", describe_pairing(&drafts)));
             res.draft = Some(drafts.into());
         }
-    } else if problem.model.pool_kind() == PoolKind::Mla {
+    } else if ends.model.pool_kind() == PoolKind::Mla {
         res.notes.push("dummy: pure MLA, the group's first rank sends the latent".to_owned());
     }
     let shard = state::Shard {
@@ -431,7 +504,7 @@ fn link(problem: &Problem, connection: &Connection, mode: Mode) -> Result<Link, 
         if *kind != StateKind::Mamba && !primary {
             continue;
         }
-        let (mut entries, by_id) = state_pairs(problem, connection, component, *kind, shard)?;
+        let (mut entries, by_id) = state_pairs(ends, component, *kind, shard)?;
         if prefill.tp > decode.tp && !primary {
             // A whole-item copy (no dims from an older peer, equal item lengths: a replicated tensor) must come from
             // one prefill rank of the group, or k ranks would write the same slot k times.
@@ -474,15 +547,9 @@ fn full_row(source_region: u32, target_region: u32, layer: LayerId, row_len: u64
 }
 
 /// KV entry pairs of one connection: target entries, then draft entries (domain.md §2.6, §2.7, §3.2, §4.3).
-fn kv_pairs(
-    problem: &Problem,
-    connection: &Connection,
-    mode: Mode,
-) -> Result<(Vec<EntryPair>, Vec<EntryPair>), PlanError> {
-    let source_layout = problem.prefill.rank(connection.prefill);
-    let target_layout = problem.decode.rank(connection.decode);
-    let prefill = &problem.prefill.topology;
-    let decode = &problem.decode.topology;
+fn kv_pairs(ends: &Ends<'_>, mode: Mode) -> Result<(Vec<EntryPair>, Vec<EntryPair>), PlanError> {
+    let (source_layout, target_layout) = (ends.source_layout, ends.target_layout);
+    let (prefill, decode, connection) = (ends.prefill, &ends.decode, &ends.connection);
     // resolve_dcp_dst_entry_indices (domain.md §2.7) refuses one-sided ids even with prefill PP1.
     let one_sided = source_layout.advertised_layer_ids.is_some() != target_layout.advertised_layer_ids.is_some();
     if one_sided && matches!(mode, Mode::Relayout { .. }) {
@@ -533,8 +600,8 @@ fn kv_pairs(
         }
         let mut entry = full_row(source_index, target_index, source.layer, source.row_len());
         entry.target_row_len = target.row_len();
-        if let (Attention::Mha { kv_heads, .. }, false) = (problem.model.attention, is_draft) {
-            let head_len = target.row_len() / u64::from(problem.model.kv_heads_local(decode.tp));
+        if let (Attention::Mha { kv_heads, .. }, false) = (ends.model.attention, is_draft) {
+            let head_len = target.row_len() / u64::from(ends.model.kv_heads_local(decode.tp));
             let slice = heads::head_slice(
                 kv_heads,
                 prefill.tp,
@@ -565,14 +632,12 @@ fn kv_pairs(
 /// Source-side metadata is read at the source entry `i`, destination-side metadata at its partner `j`, and every
 /// list read is bounds-guarded with the documented defaults (domain.md §5.5).
 fn state_pairs(
-    problem: &Problem,
-    connection: &Connection,
+    ends: &Ends<'_>,
     component: usize,
     kind: StateKind,
     shard: state::Shard,
 ) -> Result<(Vec<EntryPair>, bool), PlanError> {
-    let source_layout = problem.prefill.rank(connection.prefill);
-    let target_layout = problem.decode.rank(connection.decode);
+    let (source_layout, target_layout) = (ends.source_layout, ends.target_layout);
     let (source_meta, target_meta) = (&source_layout.state, &target_layout.state);
     let ids = |meta: &crate::model::StateMetadata| meta.layer_ids.get(component).filter(|ids| !ids.is_empty()).cloned();
     let (source_regions, target_regions) = (&source_meta.regions[component], &target_meta.regions[component]);
@@ -583,7 +648,7 @@ fn state_pairs(
         target_ids.as_deref(),
         source_regions.len(),
         target_regions.len(),
-        problem.prefill.topology.pp == 1,
+        ends.prefill.pp == 1,
     )?;
     let mut res = Vec::new();
     for (source_entry, target_entry) in pairs.iter().copied().enumerate() {

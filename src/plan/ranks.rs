@@ -15,6 +15,7 @@ pub(crate) enum Mode {
 }
 
 /// One prefill rank a decode rank contacts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Connection {
     pub(crate) prefill: RankId,
     pub(crate) decode: RankId,
@@ -79,10 +80,10 @@ pub(crate) fn transfer_mode(
     prefill: &Topology,
     source: RankId,
     decode: &Topology,
-    target: RankId,
+    decode_rank: u32,
 ) -> Result<Mode, PlanError> {
     if prefill.dcp == decode.dcp {
-        let (prefill_rank, decode_rank) = (prefill.dcp_rank(source.tp), decode.dcp_rank(target.tp));
+        let prefill_rank = prefill.dcp_rank(source.tp);
         if prefill_rank != decode_rank {
             return Err(PlanError::MismatchedDcpRanks { prefill: prefill_rank, decode: decode_rank });
         }
@@ -90,7 +91,7 @@ pub(crate) fn transfer_mode(
     }
     // The pool gate (MLA or hybrid-MLA only) already ran in check_topologies.
     if prefill.dcp == 1 {
-        return Ok(Mode::Relayout { dcp: decode.dcp, dcp_rank: decode.dcp_rank(target.tp) });
+        return Ok(Mode::Relayout { dcp: decode.dcp, dcp_rank: decode_rank });
     }
     Err(PlanError::UnsupportedDcpTopology { prefill: prefill.dcp, decode: decode.dcp })
 }
