@@ -227,66 +227,116 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
     let mut groups = Vec::new();
     for request in &problem.requests {
         explain.push(describe_request(request));
-        let virtual_page = decode.virtual_page_size();
-        if request.decode_prefix % virtual_page != 0 {
-            return Err(PlanError::UnalignedDecodePrefix {
-                virtual_page_size: virtual_page,
-                decode_prefix: request.decode_prefix,
-            });
-        }
+        check_prefix(request, decode.virtual_page_size())?;
         // Row runs depend only on (chunk, mode), not on the layer or the stage: compute each once.
-        let mut cache: BTreeMap<(u32, Option<Mode>), Arc<[RowRun]>> = BTreeMap::new();
-        let chunk_count = request.chunks.len() as u32;
+        let mut cache = RunCache::new();
         for (chunk_index, chunk) in
             chunks(request, prefill.virtual_page_size(), u64::from(prefill.page_size)).enumerate()
         {
-            let chunk_index = chunk_index as u32;
             for link in &links {
-                let mut push = |kind, entries: &Arc<[EntryPair]>, runs: Arc<[RowRun]>| {
-                    if !runs.is_empty() && !entries.is_empty() {
-                        groups.push(TransferGroup {
-                            request: request.id,
-                            chunk: chunk_index,
-                            kind,
-                            source: link.source,
-                            target: link.target,
-                            entries: entries.clone(),
-                            runs,
-                        });
-                    }
-                };
-                if let Some(entries) = &link.kv {
-                    let runs = cached(&mut cache, (chunk_index, Some(link.mode)), || match link.mode {
-                        Mode::PageCopy => rows::page_copy(&chunk),
-                        Mode::Relayout { dcp, dcp_rank } => rows::relayout(&chunk, dcp, dcp_rank),
-                    })?;
-                    push(TransferKind::Kv, entries, runs);
-                }
-                if let Some(entries) = &link.draft {
-                    // Draft pools are paged by the allocator page V on both sides (domain.md §2.4 draft rows).
-                    let runs = cached(&mut cache, (chunk_index, None), || match link.mode {
-                        Mode::PageCopy => rows::page_copy(&ChunkView { page_size: u64::from(virtual_page), ..chunk }),
-                        Mode::Relayout { .. } => rows::draft(&chunk, u64::from(virtual_page)),
-                    })?;
-                    push(TransferKind::Draft, entries, runs);
-                }
-                // State and aux travel with the last chunk only (domain.md §2.3, §1.6, §5.1).
-                if chunk_index + 1 != chunk_count {
-                    continue;
-                }
-                for (component, kind, entries) in &link.state {
-                    let runs = state_runs(request, *component, *kind)?;
-                    push(TransferKind::State { component: *component as u32 }, entries, runs);
-                }
-                if let Some(entries) = &link.aux {
-                    let runs = rows::index_runs(&[request.prefill_state.aux], &[request.decode_state.aux]);
-                    push(TransferKind::Aux, entries, runs.into());
-                }
+                link.push_groups(request, chunk_index as u32, &chunk, &mut cache, &mut groups)?;
             }
         }
     }
     groups.sort_by_key(|group| (group.request, group.chunk, group.source, group.target, group.kind));
     Ok(Plan { groups, explain })
+}
+
+/// Row runs computed once per (chunk, mode) and shared by every link (`None`: draft rows).
+type RunCache = BTreeMap<(u32, Option<Mode>), Arc<[RowRun]>>;
+
+/// The decode prefix must be a whole number of decode allocator pages (domain.md §2.1, §2.3).
+fn check_prefix(request: &Request, virtual_page: u32) -> Result<(), PlanError> {
+    if request.decode_prefix % virtual_page != 0 {
+        return Err(PlanError::UnalignedDecodePrefix {
+            virtual_page_size: virtual_page,
+            decode_prefix: request.decode_prefix,
+        });
+    }
+    Ok(())
+}
+
+impl Link {
+    /// The prefill rank that sends on this connection.
+    pub fn source(&self) -> RankId {
+        self.source
+    }
+
+    /// The decode rank that receives on this connection.
+    pub fn target(&self) -> RankId {
+        self.target
+    }
+
+    /// Whether this prefill rank sends the peer anything at all (a pure-MLA dummy does not).
+    pub fn sends_anything(&self) -> bool {
+        self.kv.is_some() || self.draft.is_some() || !self.state.is_empty() || self.aux.is_some()
+    }
+
+    /// What this connection moves for chunk `chunk_index` of `request` (per chunk, domain.md §2.3-§2.5, §5, §8):
+    /// `request` carries the prefill rank's own pages and indices and the decode peer's, from its metadata.
+    pub fn chunk_groups(&self, request: &Request, chunk_index: u32) -> Result<Vec<TransferGroup>, PlanError> {
+        check_prefix(request, self.decode_virtual_page)?;
+        let Some(chunk) = chunks(request, self.prefill.virtual_page_size(), u64::from(self.prefill.page_size))
+            .nth(chunk_index as usize)
+        else {
+            return Ok(Vec::new());
+        };
+        let mut groups = Vec::new();
+        self.push_groups(request, chunk_index, &chunk, &mut RunCache::new(), &mut groups)?;
+        Ok(groups)
+    }
+
+    fn push_groups(
+        &self,
+        request: &Request,
+        chunk_index: u32,
+        chunk: &ChunkView<'_>,
+        cache: &mut RunCache,
+        groups: &mut Vec<TransferGroup>,
+    ) -> Result<(), PlanError> {
+        let virtual_page = u64::from(self.decode_virtual_page);
+        let mut push = |kind, entries: &Arc<[EntryPair]>, runs: Arc<[RowRun]>| {
+            if !runs.is_empty() && !entries.is_empty() {
+                groups.push(TransferGroup {
+                    request: request.id,
+                    chunk: chunk_index,
+                    kind,
+                    source: self.source,
+                    target: self.target,
+                    entries: entries.clone(),
+                    runs,
+                });
+            }
+        };
+        if let Some(entries) = &self.kv {
+            let runs = cached(cache, (chunk_index, Some(self.mode)), || match self.mode {
+                Mode::PageCopy => rows::page_copy(chunk),
+                Mode::Relayout { dcp, dcp_rank } => rows::relayout(chunk, dcp, dcp_rank),
+            })?;
+            push(TransferKind::Kv, entries, runs);
+        }
+        if let Some(entries) = &self.draft {
+            // Draft pools are paged by the allocator page V on both sides (domain.md §2.4 draft rows).
+            let runs = cached(cache, (chunk_index, None), || match self.mode {
+                Mode::PageCopy => rows::page_copy(&ChunkView { page_size: virtual_page, ..*chunk }),
+                Mode::Relayout { .. } => rows::draft(chunk, virtual_page),
+            })?;
+            push(TransferKind::Draft, entries, runs);
+        }
+        // State and aux travel with the last chunk only (domain.md §2.3, §1.6, §5.1).
+        if chunk_index as usize + 1 != request.chunks.len() {
+            return Ok(());
+        }
+        for (component, kind, entries) in &self.state {
+            let runs = state_runs(request, *component, *kind)?;
+            push(TransferKind::State { component: *component as u32 }, entries, runs);
+        }
+        if let Some(entries) = &self.aux {
+            let runs = rows::index_runs(&[request.prefill_state.aux], &[request.decode_state.aux]);
+            push(TransferKind::Aux, entries, runs.into());
+        }
+        Ok(())
+    }
 }
 
 /// Splits a request's send range into the chunks prefill sends (domain.md §2.3).
@@ -311,7 +361,7 @@ fn chunks(request: &Request, prefill_page: u32, page_size: u64) -> impl Iterator
 }
 
 fn cached(
-    cache: &mut BTreeMap<(u32, Option<Mode>), Arc<[RowRun]>>,
+    cache: &mut RunCache,
     key: (u32, Option<Mode>),
     compute: impl FnOnce() -> Result<Vec<RowRun>, PlanError>,
 ) -> Result<Arc<[RowRun]>, PlanError> {
@@ -323,11 +373,51 @@ fn cached(
     Ok(runs)
 }
 
+/// The decode side's gates before it registers anywhere (`try_ensure_parallel_info`, domain.md §2.5, §3.4): the
+/// topologies can be mapped, page sizes agree, DCP needs an MLA pool, paged state allows the TP and DCP sizes.
+pub fn decode_gates(model: &ModelGeometry, prefill: &Topology, decode: &Topology) -> Result<(), PlanError> {
+    let pool = model.pool_kind();
+    ranks::check_topologies(prefill, decode, pool)?;
+    model_state_gates(model, prefill, decode, pool)
+}
+
+/// The prefill ranks decode rank `rank` contacts, in order: the first is the group's primary (domain.md §3.1).
+pub fn prefill_targets(prefill: &Topology, decode: &Topology, rank: RankId) -> Vec<RankId> {
+    ranks::connections(prefill, decode).into_iter().filter(|it| it.decode == rank).map(|it| it.prefill).collect()
+}
+
+/// How many decode ranks send a prefill rank metadata for one request (`required_dst_info_num`, domain.md §3.1).
+pub fn required_dst_info_num(prefill: &Topology, decode: &Topology) -> u32 {
+    (decode.tp / prefill.tp).max(1)
+}
+
+/// How many Success statuses a decode rank waits for per request (domain.md §3.1): the TP factor (pure MLA with
+/// decode TP < prefill TP hears only from the primary) times the PP factor.
+pub fn expected_responses(model: &ModelGeometry, prefill: &Topology, decode: &Topology) -> u32 {
+    let tp = if decode.tp < prefill.tp && model.pool_kind() != PoolKind::Mla { prefill.tp / decode.tp } else { 1 };
+    let pp = if decode.pp == prefill.pp { 1 } else { prefill.pp };
+    tp * pp
+}
+
 /// Rejections that depend on the state components (domain.md §3.4, §8).
 fn check_state_gates(problem: &Problem, pool: PoolKind) -> Result<(), PlanError> {
-    let prefill = &problem.prefill.topology;
-    let decode = &problem.decode.topology;
-    for component in &problem.model.state {
+    model_state_gates(&problem.model, &problem.prefill.topology, &problem.decode.topology, pool)?;
+    let kinds =
+        |side: &crate::model::SideLayout| side.ranks.first().map(|rank| rank.state.kinds.clone()).unwrap_or_default();
+    let (source, target) = (kinds(&problem.prefill), kinds(&problem.decode));
+    if source != target {
+        return Err(PlanError::StateComponents { prefill: source, decode: target });
+    }
+    Ok(())
+}
+
+fn model_state_gates(
+    model: &ModelGeometry,
+    prefill: &Topology,
+    decode: &Topology,
+    pool: PoolKind,
+) -> Result<(), PlanError> {
+    for component in &model.state {
         // domain.md §3.4: "Non-MLA SWA/DSA hybrid with TP mismatch" is rejected; Mamba state slices instead.
         if component.kind != StateKind::Mamba && !pool.replicated_latent() && prefill.tp != decode.tp {
             return Err(PlanError::SwaTpMismatch);
@@ -335,12 +425,6 @@ fn check_state_gates(problem: &Problem, pool: PoolKind) -> Result<(), PlanError>
         if component.kind != StateKind::Mamba && prefill.dcp != decode.dcp {
             return Err(PlanError::PagedStateUnderDcp { kind: component.kind });
         }
-    }
-    let kinds =
-        |side: &crate::model::SideLayout| side.ranks.first().map(|rank| rank.state.kinds.clone()).unwrap_or_default();
-    let (source, target) = (kinds(&problem.prefill), kinds(&problem.decode));
-    if source != target {
-        return Err(PlanError::StateComponents { prefill: source, decode: target });
     }
     Ok(())
 }
@@ -433,6 +517,10 @@ impl<'a> Ends<'a> {
 pub struct Link {
     source: RankId,
     target: RankId,
+    /// The prefill side's topology (chunks are cut by its allocator page).
+    prefill: Topology,
+    /// The decode peer's allocator page `V = P * dcp` (domain.md §2.1).
+    decode_virtual_page: u32,
     mode: Mode,
     /// Target KV entries, or `None` when this peer writes no KV.
     kv: Option<Arc<[EntryPair]>>,
@@ -466,6 +554,8 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
     let mut res = Link {
         source: connection.prefill,
         target: connection.decode,
+        prefill: *prefill,
+        decode_virtual_page: decode.virtual_page_size(),
         mode,
         kv: None,
         draft: None,
