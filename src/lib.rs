@@ -10,7 +10,8 @@
 //! - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows YAML.
 //! - [`plan`]: the pure planner, `plan(&Problem) -> Result<Plan, PlanError>` (domain.md §2–§4).
 //! - [`verify`]: the independent oracle; the source byte pattern, row decoding and `check`. Never calls `plan`.
-//! - [`fabric`]: the [`fabric::Transport`] trait (verbs-shaped one-sided writes) and the in-memory [`fabric::SimFabric`].
+//! - [`fabric`]: the verbs-shaped seam [`fabric::verbs::Endpoint`] and its in-memory, simulated-time
+//!   [`fabric::world::SimWorld`]; the older [`fabric::Transport`] and [`fabric::SimFabric`], which `exec` still uses.
 //! - [`exec`]: drives a plan over any transport and reads back an [`verify::Observation`].
 //! - [`harness`]: one scenario end to end and its pass/fail judgement.
 //! - [`render`]: stable text for golden files and the CLI.

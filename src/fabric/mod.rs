@@ -3,8 +3,15 @@
 //! A transport registers memory regions, accepts posted writes (each with a caller-chosen `id`), and reports one
 //! [`Completion`] per posted write through [`Transport::poll`]. The in-memory [`SimFabric`] is the default; a real
 //! verbs backend implements the same trait (registered MRs, `ibv_post_send` of RDMA WRITEs, CQ polling).
+//!
+//! The new seam is [`verbs::Endpoint`]: one endpoint per rank's process, shaped like verbs (registration with
+//! lkey/rkey, connected QPs, WRITE and WRITE_WITH_IMM work requests with SGE lists, selective signalling, a CQ
+//! polled per endpoint), with [`world::SimWorld`] as its deterministic in-memory fabric in simulated time and
+//! `tests/it/conformance.rs` as its contract. `Transport` stays until `exec` moves over to `Endpoint`.
 
 mod sim;
+pub mod verbs;
+pub mod world;
 
 pub use sim::SimFabric;
 

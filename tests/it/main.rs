@@ -5,6 +5,8 @@
 mod cases;
 /// The `kvrelay` binary end to end.
 mod cli;
+/// The fabric seam's contract (`fabric::verbs::Endpoint`), one body per case run on every backend.
+mod conformance;
 /// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
 mod golden;
 /// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.

@@ -94,6 +94,22 @@ fn oracle_never_calls_the_planner() {
     }
 }
 
+/// The fabric seam moves bytes between addresses it was given keys for: it never names plans, models or the oracle,
+/// and the simulated world is deterministic.
+#[test]
+fn fabric_seam_knows_no_plan() {
+    let forbidden = ["crate::verify", "crate::plan", "crate::model", "HashMap", "HashSet", "std::time", "SimRng"];
+    for path in ["src/fabric/verbs.rs", "src/fabric/world.rs"] {
+        let text = read(&root().join(path));
+        for word in forbidden {
+            assert!(
+                !text.contains(word),
+                "{path} uses `{word}`: the seam takes only std, thiserror and fabric items (domain types go in exec)"
+            );
+        }
+    }
+}
+
 #[test]
 fn no_should_panic_or_ignored_tests() {
     let banned = [concat!("#[should", "_panic"), concat!("#[", "ignore")];

@@ -1,0 +1,212 @@
+//! The fabric seam, shaped like RDMA verbs: one [`Endpoint`] per rank's process, memory registration with
+//! lkey/rkey, reliable-connected queue pairs, RDMA WRITE (and WRITE_WITH_IMM) work requests with scatter-gather
+//! lists, selective signalling and a non-blocking completion queue.
+//!
+//! This module is pure vocabulary and the contract; it knows nothing of plans, regions or the oracle.
+//! The in-memory implementation is [`super::world::SimWorld`]; a verbs backend implements the same trait, and both
+//! must pass the conformance suite in `tests/it/conformance.rs`.
+
+use std::fmt;
+
+/// One endpoint: one rank's process (a protection domain, its CQ and its QPs on a real NIC).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeId(pub u32);
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "node {}", self.0)
+    }
+}
+
+/// A queue pair number, unique within its node (`ibv_qp::qp_num`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct QpNum(pub u32);
+
+impl fmt::Display for QpNum {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "qp {:#x}", self.0)
+    }
+}
+
+/// What the bootstrap exchanges so that two QPs can be connected (node and QP number; GID/LID/PSN on hardware).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct QpInfo {
+    pub node: NodeId,
+    pub qpn: QpNum,
+}
+
+/// A registered memory region, as `ibv_reg_mr` returns it.
+///
+/// The owner uses `lkey` in its own [`Sge`]s; it advertises `addr`, `len` and `rkey` to peers, which write to it
+/// with a [`RemoteAddr`]. There is no global namespace of regions: an rkey is only meaningful on its own node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MemoryRegion {
+    /// Virtual address of the first byte (never zero).
+    pub addr: u64,
+    pub len: u64,
+    pub lkey: u32,
+    pub rkey: u32,
+}
+
+/// One scatter-gather entry: `len` bytes of local memory at `addr`, inside the region registered with `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Sge {
+    pub addr: u64,
+    pub len: u64,
+    pub lkey: u32,
+}
+
+/// Where a WRITE lands on the peer: a virtual address inside the peer's region registered with `rkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RemoteAddr {
+    pub addr: u64,
+    pub rkey: u32,
+}
+
+/// An RDMA WRITE (or WRITE_WITH_IMM when `imm` is `Some`) work request.
+///
+/// The bytes of `sges`, gathered in order, land contiguously at `remote`. With `imm`, the peer gets a
+/// [`WcKind::RecvImm`] completion carrying it once the data has landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkRequest {
+    /// Returned as given in the completion; the fabric never interprets or deduplicates it.
+    pub wr_id: u64,
+    /// At most [`Caps::max_sge`] entries; an empty list is a zero-byte write.
+    pub sges: Vec<Sge>,
+    pub remote: RemoteAddr,
+    pub imm: Option<u32>,
+    /// `IBV_SEND_SIGNALED`: only signalled work requests complete successfully on the CQ (see [`Endpoint`]).
+    pub signaled: bool,
+}
+
+impl WorkRequest {
+    /// The message length: the sum of the SGE lengths (`None` if it overflows `u64`).
+    pub fn byte_len(&self) -> Option<u64> {
+        self.sges.iter().try_fold(0u64, |total, sge| total.checked_add(sge.len))
+    }
+}
+
+/// Status of a work completion, mirroring `ibv_wc_status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum WcStatus {
+    /// `IBV_WC_SUCCESS`: every byte landed.
+    Success,
+    /// `IBV_WC_LOC_PROT_ERR`: an SGE is not inside the local region of its lkey.
+    LocalProtection,
+    /// `IBV_WC_REM_ACCESS_ERR`: the remote range is not inside the peer's region of the rkey.
+    RemoteAccess,
+    /// `IBV_WC_RETRY_EXC_ERR`: the peer did not answer (no such QP, or it is not connected back to this one).
+    RetryExceeded,
+    /// `IBV_WC_WR_FLUSH_ERR`: the QP was already in the error state; the work request did not execute.
+    Flushed,
+}
+
+/// What a completion reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum WcKind {
+    /// The sender's completion of a WRITE or WRITE_WITH_IMM (`IBV_WC_RDMA_WRITE`).
+    Write,
+    /// The receiver's notification of a WRITE_WITH_IMM (`IBV_WC_RECV_RDMA_WITH_IMM`).
+    RecvImm,
+}
+
+/// One completion queue entry (`ibv_wc`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The work request's `wr_id` for [`WcKind::Write`]; unspecified for [`WcKind::RecvImm`] (receives are
+    /// posted by the endpoint itself; the in-memory fabric reports 0).
+    pub wr_id: u64,
+    /// The local QP the completion belongs to (the receiver's QP for [`WcKind::RecvImm`]).
+    pub qp: QpNum,
+    pub status: WcStatus,
+    pub kind: WcKind,
+    /// The immediate of a [`WcKind::RecvImm`]; `None` for [`WcKind::Write`].
+    pub imm: Option<u32>,
+    /// Bytes the work request moved: its message length on [`WcStatus::Success`], 0 otherwise.
+    pub byte_len: u64,
+}
+
+/// Device and QP limits (`ibv_device_attr`, `ibv_qp_cap`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    /// Most SGEs per work request (`max_send_sge`).
+    pub max_sge: usize,
+    /// Largest message in bytes (`max_msg_sz`).
+    pub max_message: u64,
+    /// Send queue depth per QP (`max_send_wr`): work requests outstanding at once.
+    pub sq_depth: usize,
+}
+
+/// Why an endpoint call failed (as opposed to a work request completing in error).
+///
+/// A failed [`Endpoint::post_send`] posted nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FabricError {
+    #[error("the send queue of {qp} is full ({depth} outstanding): poll completions to free slots, then post again")]
+    QueueFull { qp: QpNum, depth: usize },
+    #[error("{qp} would hold {depth} unsignalled work requests: signal at least one work request in every {depth}")]
+    SignalRequired { qp: QpNum, depth: usize },
+    #[error("{0} does not exist on this endpoint: use a QP number returned by create_qp")]
+    UnknownQp(QpNum),
+    #[error("{0} is not connected: call connect_qp with the peer's QpInfo before posting")]
+    NotConnected(QpNum),
+    #[error("{0} is already connected: create another QP for another peer")]
+    AlreadyConnected(QpNum),
+    #[error("work request {wr_id} has {given} scatter-gather entries but the fabric allows {max}: split it")]
+    TooManySges { wr_id: u64, given: usize, max: usize },
+    #[error("work request {wr_id} moves {len} bytes but the fabric allows {max} per message: split it")]
+    MessageTooLarge { wr_id: u64, len: u64, max: u64 },
+    #[error("no region at {addr:#x} with these keys on this endpoint: pass a region its own register returned")]
+    UnknownRegion { addr: u64 },
+    #[error("bytes {offset}..{offset}+{len} are outside the {region_len}-byte region: read within the region")]
+    OutOfRegion { offset: u64, len: u64, region_len: u64 },
+    #[error("the fabric ran out of {0}: use a new world or fewer registrations and QPs")]
+    Exhausted(&'static str),
+}
+
+/// One rank's process on the fabric.
+///
+/// Semantics every implementation keeps (the conformance suite checks each):
+/// - **Ordering.** Completions of one QP arrive in post order; nothing is promised across QPs. A
+///   [`WcKind::RecvImm`] at the receiver implies every earlier WRITE on that QP has landed.
+/// - **Posting.** [`Endpoint::post_send`] is all-or-nothing: a batch that would overflow the send queue, or that
+///   holds an invalid work request, posts nothing and returns the error; the caller keeps its credits.
+///   Posting does not execute anything: the bytes are gathered and written later (the in-memory fabric executes
+///   them when its world's time reaches their delivery time).
+/// - **Selective signalling.** A successful unsignalled work request produces no completion; its send-queue slot
+///   is freed when the completion of a later work request on the same QP is polled (a signalled one, or an error).
+///   A signalled work request's slot is freed when its own completion is polled. Because of this, a batch whose
+///   last work request is unsignalled is refused with [`FabricError::SignalRequired`] when the send queue would then
+///   hold `sq_depth` work requests after the last signalled one: at least one in every `sq_depth` must be signalled.
+/// - **Errors.** The first work request that fails moves its QP to the error state; every later work request on
+///   that QP (already posted or posted afterwards) completes [`WcStatus::Flushed`] without executing. Failed and
+///   flushed work requests always produce a completion, signalled or not. Other QPs are unaffected. A QP in the
+///   error state stays there.
+/// - **Protection.** A WRITE with an SGE outside the local region of its lkey completes
+///   [`WcStatus::LocalProtection`]; one whose remote range is outside the peer's region of its rkey completes
+///   [`WcStatus::RemoteAccess`]. The in-memory fabric then writes no byte; hardware writes none for messages within
+///   one MTU, so callers must treat the target range of a failed write as undefined. A byte outside every target
+///   range is never changed.
+/// - **Memory.** Only the owning endpoint reads or deregisters its regions; peers reach them only through rkeys.
+pub trait Endpoint {
+    /// The device and QP limits.
+    fn caps(&self) -> Caps;
+    /// Which node this endpoint is.
+    fn node(&self) -> NodeId;
+    /// Registers `bytes` (an MR) and returns its address and keys; the endpoint owns the bytes until deregistered.
+    fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError>;
+    /// Deregisters a region of this endpoint and hands back its bytes (no second copy). Work requests that reach
+    /// it afterwards complete in error.
+    fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError>;
+    /// Copies `out.len()` bytes of one of this endpoint's regions, from `offset` within it, into `out`.
+    fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError>;
+    /// Creates a QP (in the reset state) and returns what the bootstrap must tell the peer.
+    fn create_qp(&mut self) -> Result<QpInfo, FabricError>;
+    /// Connects a local QP to a peer's QP (RESET → RTR → RTS). The peer must connect its QP back to this one;
+    /// otherwise work requests complete [`WcStatus::RetryExceeded`].
+    fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError>;
+    /// Posts a batch of WRITE work requests on a connected QP (one doorbell), all or nothing.
+    fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError>;
+    /// Moves up to `max` available completions into `out` (appending) and returns how many; never blocks.
+    fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize;
+}

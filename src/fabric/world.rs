@@ -1,0 +1,525 @@
+//! `SimWorld`: the in-memory fabric behind [`Endpoint`], with deterministic simulated time.
+//!
+//! Every simulated rank gets a [`SimEndpoint`] onto one shared world. Memory is owned per node: each registration
+//! gets its own virtual address range on its node (a bump allocator from [`REGION_BASE_ADDR`], regions separated
+//! by at least [`REGION_GUARD_BYTES`]) and fresh keys (unique across the world, so a key used on the wrong node
+//! never resolves).
+//!
+//! Posting executes nothing. A work request executes (bounds checked, bytes gathered and written, completions
+//! queued) at its delivery time, when [`SimWorld::advance_to`] or [`SimWorld::run_until_idle`] reaches it:
+//!
+//! - each QP has one wire: a work request starts at the later of its post time and the moment the QP's previous
+//!   message has left the wire, occupies the wire for [`wire_time_ns`] of its bytes (the bytes over
+//!   [`BANDWIDTH_BYTES_PER_S`], rounded up), and is delivered [`LATENCY_NS`] after it has left the wire;
+//! - a work request posted on a QP in the error state is delivered (flushed) at the post time, or at the QP's
+//!   previous delivery if that is later, so delivery times never decrease along a QP; work requests already queued
+//!   when their QP fails keep their delivery times and are flushed then;
+//! - equal delivery times execute in post order (across the whole world).
+//!
+//! QPs do not share bandwidth (each has the full wire), receive queues and CQ overflow are not modelled, and the
+//! responder side of a failed write is unaffected. No clock, no randomness, no hash-ordered collection.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::ops::Range;
+use std::rc::Rc;
+
+use super::verbs::{
+    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcKind, WcStatus,
+    WorkCompletion, WorkRequest,
+};
+
+/// One-way latency of every message, in nanoseconds (NIC processing plus one switch hop).
+pub const LATENCY_NS: u64 = 2_000;
+/// Wire bandwidth of one QP, in bytes per second (200 Gb/s).
+pub const BANDWIDTH_BYTES_PER_S: u64 = 25_000_000_000;
+/// Virtual address of the first region registered on each node (never zero, so a zero address is always wrong).
+pub const REGION_BASE_ADDR: u64 = 0x1000_0000;
+/// Unregistered bytes after every region (at least; region starts are page aligned).
+pub const REGION_GUARD_BYTES: u64 = 4096;
+const PAGE_BYTES: u64 = 4096;
+const FIRST_KEY: u32 = 0x100;
+const FIRST_QPN: u32 = 0x40;
+
+/// Nanoseconds `bytes` occupy one QP's wire: the bytes over [`BANDWIDTH_BYTES_PER_S`], rounded up.
+pub fn wire_time_ns(bytes: u64) -> u64 {
+    let nanos = (u128::from(bytes) * 1_000_000_000).div_ceil(u128::from(BANDWIDTH_BYTES_PER_S));
+    u64::try_from(nanos).unwrap_or(u64::MAX)
+}
+
+/// The shared in-memory fabric: every node's memory, QPs and CQ, the pending deliveries and the simulated clock.
+///
+/// Cloning gives another handle onto the same world.
+#[derive(Debug, Clone)]
+pub struct SimWorld {
+    inner: Rc<RefCell<World>>,
+}
+
+/// One node's [`Endpoint`] on a [`SimWorld`].
+#[derive(Debug)]
+pub struct SimEndpoint {
+    world: Rc<RefCell<World>>,
+    node: NodeId,
+}
+
+impl SimWorld {
+    /// An empty world at time 0 whose endpoints all report `caps`.
+    pub fn new(caps: Caps) -> SimWorld {
+        let world = World {
+            caps,
+            now_ns: 0,
+            next_event: 0,
+            next_key: FIRST_KEY,
+            events: BTreeMap::new(),
+            nodes: BTreeMap::new(),
+        };
+        SimWorld { inner: Rc::new(RefCell::new(world)) }
+    }
+
+    /// The endpoint of `node`, creating the node on first use; a second call gives another handle onto the same node.
+    pub fn endpoint(&self, node: NodeId) -> SimEndpoint {
+        self.inner.borrow_mut().nodes.entry(node).or_insert_with(Node::new);
+        SimEndpoint { world: Rc::clone(&self.inner), node }
+    }
+
+    /// Simulated time, in nanoseconds since the world was created.
+    pub fn now(&self) -> u64 {
+        self.inner.borrow().now_ns
+    }
+
+    /// The delivery time of the earliest pending work request, if any.
+    pub fn next_event(&self) -> Option<u64> {
+        self.inner.borrow().events.keys().next().map(|&(time_ns, _)| time_ns)
+    }
+
+    /// Executes every work request delivered at or before `time_ns`, in delivery order, and sets the clock to
+    /// `time_ns`. Time never goes back: an earlier `time_ns` executes nothing.
+    pub fn advance_to(&self, time_ns: u64) {
+        let mut world = self.inner.borrow_mut();
+        while world.next_event_at_or_before(time_ns) {
+            world.deliver_next();
+        }
+        world.now_ns = world.now_ns.max(time_ns);
+    }
+
+    /// Executes every pending work request; the clock stops at the last delivery.
+    pub fn run_until_idle(&self) {
+        let mut world = self.inner.borrow_mut();
+        while world.next_event_at_or_before(u64::MAX) {
+            world.deliver_next();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct World {
+    caps: Caps,
+    now_ns: u64,
+    /// Tie-breaker of the event key: equal delivery times execute in post order.
+    next_event: u64,
+    next_key: u32,
+    events: BTreeMap<(u64, u64), Delivery>,
+    nodes: BTreeMap<NodeId, Node>,
+}
+
+/// A posted work request waiting for its delivery time.
+#[derive(Debug)]
+struct Delivery {
+    node: NodeId,
+    qp: QpNum,
+    /// Position on its QP (0 for the first work request ever posted on it).
+    seq: u64,
+    wr: WorkRequest,
+}
+
+#[derive(Debug)]
+struct Node {
+    /// By start address.
+    regions: BTreeMap<u64, Region>,
+    by_lkey: BTreeMap<u32, u64>,
+    by_rkey: BTreeMap<u32, u64>,
+    next_addr: u64,
+    qps: BTreeMap<QpNum, Qp>,
+    next_qpn: u32,
+    cq: VecDeque<Cqe>,
+}
+
+#[derive(Debug)]
+struct Region {
+    addr: u64,
+    bytes: Vec<u8>,
+    lkey: u32,
+    rkey: u32,
+}
+
+/// One QP's state. Send-queue slots are tracked by position: `freed..posted` are outstanding.
+#[derive(Debug, Default)]
+struct Qp {
+    /// `None` while in the reset state.
+    peer: Option<QpInfo>,
+    /// The error state: every later work request is flushed.
+    failed: bool,
+    posted: u64,
+    freed: u64,
+    /// One past the position of the last signalled work request posted (0 if none).
+    signaled_end: u64,
+    wire_free_ns: u64,
+    last_delivery_ns: u64,
+}
+
+/// A completion waiting in a CQ; polling a sender's completion frees its QP's slots up to `frees_through`.
+#[derive(Debug)]
+struct Cqe {
+    wc: WorkCompletion,
+    frees_through: Option<u64>,
+}
+
+impl World {
+    fn node(&self, node: NodeId) -> &Node {
+        self.nodes.get(&node).expect("endpoints exist only for nodes SimWorld::endpoint created")
+    }
+
+    fn node_mut(&mut self, node: NodeId) -> &mut Node {
+        self.nodes.get_mut(&node).expect("endpoints exist only for nodes SimWorld::endpoint created")
+    }
+
+    fn fresh_key(&mut self) -> Result<u32, FabricError> {
+        let key = self.next_key;
+        self.next_key = key.checked_add(1).ok_or(FabricError::Exhausted("memory keys"))?;
+        Ok(key)
+    }
+
+    fn register(&mut self, node: NodeId, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
+        let lkey = self.fresh_key()?;
+        let rkey = self.fresh_key()?;
+        self.node_mut(node).insert(bytes, lkey, rkey)
+    }
+
+    fn post(&mut self, node: NodeId, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
+        let caps = self.caps;
+        let state = self.node(node).qps.get(&qp).ok_or(FabricError::UnknownQp(qp))?;
+        if state.peer.is_none() {
+            return Err(FabricError::NotConnected(qp));
+        }
+        for wr in wrs {
+            validate(caps, wr)?;
+        }
+        check_slots(state, qp, caps.sq_depth, wrs)?;
+        for wr in wrs {
+            self.schedule(node, qp, wr.clone());
+        }
+        Ok(())
+    }
+
+    fn schedule(&mut self, node: NodeId, qp: QpNum, wr: WorkRequest) {
+        let now_ns = self.now_ns;
+        let state = self.node_mut(node).qps.get_mut(&qp).expect("checked by post");
+        let time_ns = state.delivery_time(now_ns, wr.byte_len().expect("checked by validate"));
+        let seq = state.posted;
+        state.posted += 1;
+        if wr.signaled {
+            state.signaled_end = state.posted;
+        }
+        let key = (time_ns, self.next_event);
+        self.next_event += 1;
+        self.events.insert(key, Delivery { node, qp, seq, wr });
+    }
+
+    fn next_event_at_or_before(&self, time_ns: u64) -> bool {
+        self.events.keys().next().is_some_and(|&(event_ns, _)| event_ns <= time_ns)
+    }
+
+    fn deliver_next(&mut self) {
+        let ((time_ns, _), delivery) = self.events.pop_first().expect("caller checked an event is pending");
+        self.now_ns = self.now_ns.max(time_ns);
+        let status = self.execute(&delivery);
+        let node = self.node_mut(delivery.node);
+        let qp = node.qps.get_mut(&delivery.qp).expect("QPs are never destroyed");
+        qp.failed |= status != WcStatus::Success;
+        if delivery.wr.signaled || status != WcStatus::Success {
+            node.cq.push_back(send_completion(&delivery, status));
+        }
+    }
+
+    /// Runs one work request: checks, then gathers and writes, then notifies the receiver of an immediate.
+    fn execute(&mut self, delivery: &Delivery) -> WcStatus {
+        let qp = &self.node(delivery.node).qps[&delivery.qp];
+        if qp.failed {
+            return WcStatus::Flushed;
+        }
+        let peer = qp.peer.expect("posting requires a connected QP");
+        if !self.connected_back(peer, QpInfo { node: delivery.node, qpn: delivery.qp }) {
+            return WcStatus::RetryExceeded;
+        }
+        let Some(bytes) = self.node(delivery.node).gather(&delivery.wr.sges) else {
+            return WcStatus::LocalProtection;
+        };
+        let target = self.node_mut(peer.node);
+        if !target.scatter(delivery.wr.remote, &bytes) {
+            return WcStatus::RemoteAccess;
+        }
+        if let Some(imm) = delivery.wr.imm {
+            let wc = WorkCompletion {
+                wr_id: 0,
+                qp: peer.qpn,
+                status: WcStatus::Success,
+                kind: WcKind::RecvImm,
+                imm: Some(imm),
+                byte_len: bytes.len() as u64,
+            };
+            target.cq.push_back(Cqe { wc, frees_through: None });
+        }
+        WcStatus::Success
+    }
+
+    /// Whether `peer` exists and is connected to `local` (an RC QP answers only its own peer).
+    fn connected_back(&self, peer: QpInfo, local: QpInfo) -> bool {
+        let peer_qp = self.nodes.get(&peer.node).and_then(|node| node.qps.get(&peer.qpn));
+        peer_qp.is_some_and(|qp| qp.peer == Some(local))
+    }
+}
+
+/// The sender's completion of a delivered work request; polling it frees the slots up to and including its own.
+fn send_completion(delivery: &Delivery, status: WcStatus) -> Cqe {
+    let byte_len = if status == WcStatus::Success { delivery.wr.byte_len().expect("checked by validate") } else { 0 };
+    let wc =
+        WorkCompletion { wr_id: delivery.wr.wr_id, qp: delivery.qp, status, kind: WcKind::Write, imm: None, byte_len };
+    Cqe { wc, frees_through: Some(delivery.seq + 1) }
+}
+
+fn validate(caps: Caps, wr: &WorkRequest) -> Result<(), FabricError> {
+    if wr.sges.len() > caps.max_sge {
+        return Err(FabricError::TooManySges { wr_id: wr.wr_id, given: wr.sges.len(), max: caps.max_sge });
+    }
+    match wr.byte_len() {
+        Some(len) if len <= caps.max_message => Ok(()),
+        len => {
+            Err(FabricError::MessageTooLarge { wr_id: wr.wr_id, len: len.unwrap_or(u64::MAX), max: caps.max_message })
+        }
+    }
+}
+
+/// Refuses a batch that would overflow the send queue or fill it with work requests no completion will free.
+fn check_slots(qp: &Qp, qpn: QpNum, depth: usize, wrs: &[WorkRequest]) -> Result<(), FabricError> {
+    if wrs.is_empty() {
+        return Ok(());
+    }
+    let count = wrs.len() as u64;
+    let outstanding = qp.posted - qp.freed;
+    if outstanding + count > depth as u64 {
+        return Err(FabricError::QueueFull { qp: qpn, depth });
+    }
+    let signaled_end = match wrs.iter().rposition(|wr| wr.signaled) {
+        Some(index) => qp.posted + index as u64 + 1,
+        None => qp.signaled_end,
+    };
+    // Outstanding work requests after the last signalled one: no completion will ever free their slots.
+    let unsignaled_tail = qp.posted + count - signaled_end.max(qp.freed);
+    if unsignaled_tail >= depth as u64 {
+        return Err(FabricError::SignalRequired { qp: qpn, depth });
+    }
+    Ok(())
+}
+
+impl Qp {
+    /// Delivery time of the next work request of `bytes` posted at `now_ns` (the module docs' model).
+    fn delivery_time(&mut self, now_ns: u64, bytes: u64) -> u64 {
+        let time_ns = if self.failed {
+            now_ns
+        } else {
+            self.wire_free_ns = self.wire_free_ns.max(now_ns).saturating_add(wire_time_ns(bytes));
+            self.wire_free_ns.saturating_add(LATENCY_NS)
+        };
+        self.last_delivery_ns = self.last_delivery_ns.max(time_ns);
+        self.last_delivery_ns
+    }
+}
+
+impl Node {
+    fn new() -> Node {
+        Node {
+            regions: BTreeMap::new(),
+            by_lkey: BTreeMap::new(),
+            by_rkey: BTreeMap::new(),
+            next_addr: REGION_BASE_ADDR,
+            qps: BTreeMap::new(),
+            next_qpn: FIRST_QPN,
+            cq: VecDeque::new(),
+        }
+    }
+
+    fn insert(&mut self, bytes: Vec<u8>, lkey: u32, rkey: u32) -> Result<MemoryRegion, FabricError> {
+        let addr = self.next_addr;
+        let len = bytes.len() as u64;
+        let exhausted = FabricError::Exhausted("virtual address space");
+        let end = addr.checked_add(len).and_then(|end| end.checked_add(REGION_GUARD_BYTES)).ok_or(exhausted.clone())?;
+        self.next_addr = end.checked_next_multiple_of(PAGE_BYTES).ok_or(exhausted)?;
+        self.regions.insert(addr, Region { addr, bytes, lkey, rkey });
+        self.by_lkey.insert(lkey, addr);
+        self.by_rkey.insert(rkey, addr);
+        Ok(MemoryRegion { addr, len, lkey, rkey })
+    }
+
+    /// The region `region` names, if it is registered here with exactly these keys and length.
+    fn owned(&self, region: &MemoryRegion) -> Result<&Region, FabricError> {
+        self.regions
+            .get(&region.addr)
+            .filter(|it| it.lkey == region.lkey && it.rkey == region.rkey && it.bytes.len() as u64 == region.len)
+            .ok_or(FabricError::UnknownRegion { addr: region.addr })
+    }
+
+    fn remove(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
+        self.owned(region)?;
+        let removed = self.regions.remove(&region.addr).expect("checked by owned");
+        self.by_lkey.remove(&removed.lkey);
+        self.by_rkey.remove(&removed.rkey);
+        Ok(removed.bytes)
+    }
+
+    fn read(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
+        let owned = self.owned(region)?;
+        let len = out.len() as u64;
+        let range = owned.addr.checked_add(offset).and_then(|addr| owned.range(addr, len));
+        let range = range.ok_or(FabricError::OutOfRegion { offset, len, region_len: region.len })?;
+        out.copy_from_slice(&owned.bytes[range]);
+        Ok(())
+    }
+
+    fn create_qp(&mut self, node: NodeId) -> Result<QpInfo, FabricError> {
+        let qpn = QpNum(self.next_qpn);
+        self.next_qpn = self.next_qpn.checked_add(1).ok_or(FabricError::Exhausted("QP numbers"))?;
+        self.qps.insert(qpn, Qp::default());
+        Ok(QpInfo { node, qpn })
+    }
+
+    fn connect(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
+        let qp = self.qps.get_mut(&local).ok_or(FabricError::UnknownQp(local))?;
+        if qp.peer.is_some() {
+            return Err(FabricError::AlreadyConnected(local));
+        }
+        qp.peer = Some(remote);
+        Ok(())
+    }
+
+    /// The SGEs' bytes in order, or `None` if one is outside the region of its lkey.
+    fn gather(&self, sges: &[Sge]) -> Option<Vec<u8>> {
+        let mut bytes = Vec::new();
+        for sge in sges {
+            let region = &self.regions[self.by_lkey.get(&sge.lkey)?];
+            bytes.extend_from_slice(&region.bytes[region.range(sge.addr, sge.len)?]);
+        }
+        Some(bytes)
+    }
+
+    /// Writes `bytes` at `remote`, or returns false (writing nothing) if they leave the region of its rkey.
+    fn scatter(&mut self, remote: RemoteAddr, bytes: &[u8]) -> bool {
+        let Some(&addr) = self.by_rkey.get(&remote.rkey) else {
+            return false;
+        };
+        let region = self.regions.get_mut(&addr).expect("key index follows the regions");
+        let Some(range) = region.range(remote.addr, bytes.len() as u64) else {
+            return false;
+        };
+        region.bytes[range].copy_from_slice(bytes);
+        true
+    }
+
+    fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        let count = max.min(self.cq.len());
+        for cqe in self.cq.drain(..count) {
+            if let Some(end) = cqe.frees_through {
+                let qp = self.qps.get_mut(&cqe.wc.qp).expect("QPs are never destroyed");
+                qp.freed = qp.freed.max(end);
+            }
+            out.push(cqe.wc);
+        }
+        count
+    }
+}
+
+impl Region {
+    /// Indices of `len` bytes at virtual address `addr`, if they lie inside this region.
+    fn range(&self, addr: u64, len: u64) -> Option<Range<usize>> {
+        let start = addr.checked_sub(self.addr)?;
+        let end = start.checked_add(len)?;
+        (end <= self.bytes.len() as u64).then_some(start as usize..end as usize)
+    }
+}
+
+impl SimEndpoint {
+    fn with<T>(&self, f: impl FnOnce(&Node) -> T) -> T {
+        f(self.world.borrow().node(self.node))
+    }
+
+    fn with_mut<T>(&mut self, f: impl FnOnce(&mut Node) -> T) -> T {
+        f(self.world.borrow_mut().node_mut(self.node))
+    }
+}
+
+impl Endpoint for SimEndpoint {
+    fn caps(&self) -> Caps {
+        self.world.borrow().caps
+    }
+
+    fn node(&self) -> NodeId {
+        self.node
+    }
+
+    fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
+        self.world.borrow_mut().register(self.node, bytes)
+    }
+
+    fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
+        self.with_mut(|node| node.remove(region))
+    }
+
+    fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
+        self.with(|node| node.read(region, offset, out))
+    }
+
+    fn create_qp(&mut self) -> Result<QpInfo, FabricError> {
+        let id = self.node;
+        self.with_mut(|node| node.create_qp(id))
+    }
+
+    fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
+        self.with_mut(|node| node.connect(local, remote))
+    }
+
+    fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
+        self.world.borrow_mut().post(self.node, qp, wrs)
+    }
+
+    fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        self.with_mut(|node| node.poll(out, max))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_time_rounds_up_to_whole_nanoseconds() {
+        assert_eq!(wire_time_ns(0), 0);
+        assert_eq!(wire_time_ns(1), 1);
+        assert_eq!(wire_time_ns(25), 1);
+        assert_eq!(wire_time_ns(26), 2);
+        assert_eq!(wire_time_ns(25_000_000_000), 1_000_000_000);
+    }
+
+    #[test]
+    fn regions_get_disjoint_page_aligned_ranges_with_a_guard_gap() {
+        let world = SimWorld::new(Caps { max_sge: 1, max_message: 1, sq_depth: 1 });
+        let mut endpoint = world.endpoint(NodeId(0));
+        let first = endpoint.register(vec![0; 5000]).unwrap();
+        let second = endpoint.register(Vec::new()).unwrap();
+        let third = endpoint.register(vec![0; 1]).unwrap();
+        assert_eq!(first.addr, REGION_BASE_ADDR);
+        assert!(second.addr >= first.addr + first.len + REGION_GUARD_BYTES);
+        assert!(third.addr >= second.addr + REGION_GUARD_BYTES);
+        assert_eq!(second.addr % PAGE_BYTES, 0);
+        let keys = [first.lkey, first.rkey, second.lkey, second.rkey, third.lkey, third.rkey];
+        assert!(keys.windows(2).all(|pair| pair[0] < pair[1]), "keys must be fresh: {keys:?}");
+    }
+}
