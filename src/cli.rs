@@ -12,7 +12,8 @@ use std::time::Instant;
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 
-use crate::harness;
+use crate::engine::sim::SimOptions;
+use crate::harness::{self, Budget};
 use crate::model::{Problem, RankId};
 use crate::plan;
 use crate::render;
@@ -44,8 +45,13 @@ pub struct Args {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Plan a scenario, execute it on the in-memory fabric, verify every decode byte and summarise.
-    Run { scenario: PathBuf },
+    /// Plan a scenario, run it through the per-rank engines on the in-memory fabric, verify every decode byte.
+    Run {
+        scenario: PathBuf,
+        /// Print the message and engine event sequence (simulated time, sender -> receiver: message).
+        #[arg(long)]
+        trace: bool,
+    },
     /// Show what landed where on each decode rank (run-length encoded).
     Layout {
         scenario: PathBuf,
@@ -76,6 +82,9 @@ pub enum Command {
         /// Timed repetitions (the median is reported).
         #[arg(long, default_value_t = 21)]
         iterations: u32,
+        /// Runs of the whole Kimi-K3 scenario, through the engines and directly (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        runs: u32,
     },
 }
 
@@ -105,9 +114,15 @@ fn load(path: &Path, seed: Option<u64>) -> anyhow::Result<Scenario> {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let seed = args.seed;
     match args.command {
-        Command::Run { scenario } => {
+        Command::Run { scenario, trace } => {
             let scenario = load(&scenario, seed)?;
-            let outcome = harness::run(&scenario)?;
+            let options = SimOptions { trace, ..SimOptions::default() };
+            let outcome = harness::run_with(&scenario, &Budget::from_env()?, &options)?;
+            if trace {
+                for line in outcome.engine.iter().flat_map(|run| &run.trace) {
+                    outln!("{line}");
+                }
+            }
             outln!("seed: {}", scenario.seed);
             out!("{}", render::golden_header(&scenario, &outcome));
             if outcome.passed() {
@@ -155,7 +170,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
         Command::Check { dir, golden } => check(&dir, &golden),
-        Command::Bench { tokens, iterations } => bench(tokens, iterations),
+        Command::Bench { tokens, iterations, runs } => {
+            bench(tokens, iterations)?;
+            bench_engines(runs)
+        }
     }
 }
 
@@ -329,5 +347,24 @@ fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
         }
     }
     outln!("ratio plan(kv+kda)/plan(kv): {:.2}", times[1] / times[0].max(1e-12));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The Kimi-K3 scenario end to end (plan, move, verify) through the engines and directly, side by side.
+fn bench_engines(runs: u32) -> anyhow::Result<ExitCode> {
+    let path = Path::new("scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml");
+    let scenario = load(path, None)?;
+    let budget = Budget::from_env()?;
+    outln!("bench: {} end to end (plan, move, verify), {runs} runs each", path.display());
+    let (engines, passed) = median(runs, &mut || {
+        harness::run_with(&scenario, &budget, &SimOptions::default()).map_or(0, |outcome| u64::from(outcome.passed()))
+    });
+    let (direct, clean) = median(runs, &mut || {
+        harness::run_direct(&scenario.problem, &budget).map_or(0, |violations| u64::from(violations.is_empty()))
+    });
+    outln!("{:<10} {:>10} {:>8}", "path", "seconds", "verdict");
+    outln!("{:<10} {:>10.3} {:>8}", "engines", engines.as_secs_f64(), if passed == 1 { "pass" } else { "FAIL" });
+    outln!("{:<10} {:>10.3} {:>8}", "direct", direct.as_secs_f64(), if clean == 1 { "pass" } else { "FAIL" });
+    outln!("ratio engines/direct: {:.2}", engines.as_secs_f64() / direct.as_secs_f64().max(1e-12));
     Ok(ExitCode::SUCCESS)
 }

@@ -1,18 +1,23 @@
-//! One scenario end to end on a transport: plan, stage, execute, observe, verify, judge.
+//! One scenario end to end: budget, composed plan, the per-rank engines on the in-memory fabric, the oracle per
+//! decode rank, and the judgement against the scenario's expectation.
 
-use crate::exec::{self, ExecError};
-use crate::fabric::{SimFabric, Transport};
+use crate::engine::sim::{self, SimOptions, SimRun};
+use crate::exec;
+use crate::fabric::SimFabric;
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
-use crate::model::Problem;
+use crate::model::{Problem, RankId};
 use crate::plan::{self, Plan, PlanError};
 use crate::scenario::{Expectation, Scenario};
-use crate::verify::{self, Observation, Verdicts, Violation};
+use crate::verify::{self, Observation, Violation};
+use crate::wire::KvPoll;
 
 /// Everything a run produced, for rendering and judging.
 #[derive(Debug)]
 pub struct Outcome {
+    /// The composed plan (every connection, every chunk): decisions, statistics, the expected rejection.
     pub plan: Result<Plan, PlanError>,
-    pub exec_error: Option<ExecError>,
+    /// What the engines did: room states per decode rank, the trace.
+    pub engine: Option<SimRun>,
     pub observation: Observation,
     pub violations: Vec<Violation>,
     /// Why the run does not meet the scenario's expectation; empty means pass.
@@ -97,69 +102,111 @@ pub fn simulated_bytes(problem: &Problem) -> Option<u64> {
     Some(total)
 }
 
-/// Runs `scenario` on a fresh in-memory fabric within the default budget ([`Budget::from_env`]).
+/// Runs `scenario` through the engines within the default budget ([`Budget::from_env`]).
 pub fn run(scenario: &Scenario) -> Result<Outcome, RunError> {
-    run_with(scenario, &Budget::from_env()?)
+    run_with(scenario, &Budget::from_env()?, &SimOptions::default())
 }
 
-/// Runs `scenario` on a fresh in-memory fabric within `budget`.
-pub fn run_with(scenario: &Scenario, budget: &Budget) -> Result<Outcome, RunError> {
-    run_on(scenario, &mut SimFabric::new(), budget)
-}
-
-/// Runs `scenario` on `transport`. A rejected plan executes nothing; the oracle then checks that no byte moved.
-///
-/// The memory check comes first: a scenario over `budget` is refused before planning or allocating anything.
-pub fn run_on(scenario: &Scenario, transport: &mut impl Transport, budget: &Budget) -> Result<Outcome, RunError> {
-    let problem = &scenario.problem;
+/// Refuses a problem whose simulated memory does not fit `budget`, before anything is planned or allocated.
+fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> {
     let needed = simulated_bytes(problem);
     if needed.is_none_or(|needed| needed > budget.bytes) {
         return Err(RunError::OverBudget { needed, budget: budget.clone() });
     }
+    Ok(())
+}
+
+/// Runs `scenario` through the per-rank engines on the in-memory fabric (the one path of `run` and `check`):
+/// the composed plan gives the decisions and the expected verdict, the engines move the bytes, and the oracle
+/// judges every decode rank with the rooms it saw fail.
+pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> Result<Outcome, RunError> {
+    let problem = &scenario.problem;
+    check_budget(problem, budget)?;
     let plan = plan::plan(problem);
-    let mut exec_error = None;
-    let mut writes = Vec::new();
-    if let Err(error) = exec::stage(problem, transport) {
-        exec_error = Some(error);
-    } else if let Ok(plan) = &plan {
-        match exec::execute(plan, transport) {
-            Ok(records) => writes = records,
-            Err(error) => exec_error = Some(error),
+    let (observation, engine, run_error) = match sim::run(problem, options) {
+        Ok(mut run) => (std::mem::take(&mut run.observation), Some(run), None),
+        Err(error) => (Observation::default(), None, Some(error.to_string())),
+    };
+    let mut violations = Vec::new();
+    if let Some(run) = &engine {
+        for layout in &problem.decode.ranks {
+            violations.extend(verify::check_rank(problem, layout.rank, &observation, &run.verdicts(layout.rank)));
         }
     }
-    let (observation, observed) = match exec::observe(problem, &mut *transport, writes) {
-        Ok(observation) => (observation, true),
-        Err(error) => {
-            exec_error.get_or_insert(error);
-            (Observation::default(), false)
-        }
-    };
-    // Every run is judged, a failed one included: an execution error fails every request, which may then leave
-    // bytes only inside its own destination items.
-    let verdicts = match (&exec_error, &plan) {
-        (_, Err(_)) => Verdicts::rejected(),
-        (Some(_), Ok(_)) => {
-            Verdicts { failed: problem.requests.iter().map(|request| request.id).collect(), nothing_sent: false }
-        }
-        (None, Ok(_)) => Verdicts::all_succeeded(),
-    };
-    let violations = if observed { verify::check_outcome(problem, &observation, &verdicts) } else { Vec::new() };
-    let mut failures = Vec::new();
-    match (&scenario.expect, &plan) {
-        (Expectation::Ok, Err(error)) => failures.push(format!("expected a clean transfer, planner rejected: {error}")),
-        (Expectation::Error(message), Ok(_)) => {
-            failures.push(format!("expected rejection `{message}`, planner accepted"))
-        }
-        (Expectation::Error(message), Err(error)) if error.to_string() != *message => {
-            failures.push(format!("expected rejection `{message}`, got `{error}`"));
-        }
-        _ => {}
-    }
-    if let Some(error) = &exec_error {
-        failures.push(format!("execution failed: {error}"));
+    let mut failures = expectation_failures(&scenario.expect, &plan, engine.as_ref());
+    if let Some(error) = &run_error {
+        failures.push(format!("the simulated fabric failed: {error}"));
     }
     if !violations.is_empty() {
         failures.push(format!("{} oracle violations", violations.len()));
     }
-    Ok(Outcome { plan, exec_error, observation, violations, failures })
+    Ok(Outcome { plan, engine, observation, violations, failures })
+}
+
+/// How the plan and the engines' room states depart from the scenario's expectation.
+fn expectation_failures(expect: &Expectation, plan: &Result<Plan, PlanError>, engine: Option<&SimRun>) -> Vec<String> {
+    let mut failures = Vec::new();
+    match (expect.error(), plan) {
+        (None, Err(error)) => failures.push(format!("expected a clean transfer, planner rejected: {error}")),
+        (Some(message), Ok(_)) => failures.push(format!("expected rejection `{message}`, planner accepted")),
+        (Some(message), Err(error)) if error.to_string() != message => {
+            failures.push(format!("expected rejection `{message}`, got `{error}`"));
+        }
+        _ => {}
+    }
+    if let Some(engine) = engine {
+        failures.extend(room_failures(expect, engine));
+    }
+    failures
+}
+
+/// Rooms that ended otherwise than the expectation says: every room succeeds (`ok`), every room fails with the
+/// message among the reasons (`error`: each decode rank words it for itself, e.g. its DCP rank), or only the
+/// listed rooms fail, each with exactly the message (`error` with `ranks` or `requests`).
+fn room_failures(expect: &Expectation, engine: &SimRun) -> Vec<String> {
+    let mut failures = Vec::new();
+    let ranks: Vec<RankId> = engine.rooms.keys().copied().collect();
+    for (index, (rank, rooms)) in engine.rooms.iter().enumerate() {
+        for (room, state) in rooms {
+            let should_fail = match expect {
+                Expectation::Ok => false,
+                Expectation::Error(_) => true,
+                Expectation::Partial { ranks, requests, .. } => {
+                    ranks.as_ref().is_none_or(|ranks| ranks.contains(&(index as u32)))
+                        && requests.as_ref().is_none_or(|requests| requests.contains(&(*room as u32)))
+                }
+            };
+            let failed = state.poll != KvPoll::Success;
+            let reason = state.reason.clone().unwrap_or_else(|| format!("{:?}", state.poll));
+            let wrong_reason = matches!(expect, Expectation::Partial { error, .. } if failed && reason != *error);
+            if failed != should_fail || wrong_reason {
+                let ended = if failed { format!("failed: {reason}") } else { "succeeded".to_owned() };
+                failures.push(format!("request {room} on decode {rank} {ended}"));
+            }
+        }
+    }
+    if let Expectation::Error(message) = expect {
+        let reasons = engine.rooms.values().flat_map(|rooms| rooms.values()).filter_map(|room| room.reason.as_ref());
+        if failures.is_empty() && !ranks.is_empty() && !reasons.clone().any(|reason| reason == message) {
+            failures.push(format!("no decode rank failed with `{message}`"));
+        }
+    }
+    if failures.len() > 3 {
+        let more = failures.len() - 3;
+        failures.truncate(3);
+        failures.push(format!("{more} more rooms"));
+    }
+    failures
+}
+
+/// Today's direct execution, kept as the benchmark's baseline: the composed plan's copies posted on one
+/// transport holding every rank's memory, without engines or messages.
+pub fn run_direct(problem: &Problem, budget: &Budget) -> Result<Vec<Violation>, RunError> {
+    check_budget(problem, budget)?;
+    let Ok(plan) = plan::plan(problem) else { return Ok(Vec::new()) };
+    let mut transport = SimFabric::new();
+    let direct = exec::stage(problem, &mut transport)
+        .and_then(|()| exec::execute(&plan, &mut transport))
+        .and_then(|writes| exec::observe(problem, &mut transport, writes));
+    Ok(direct.map_or_else(|_| Vec::new(), |observation| verify::check(problem, &observation)))
 }

@@ -18,6 +18,7 @@
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
 
 pub mod cli;
+pub mod engine;
 pub mod exec;
 pub mod fabric;
 pub mod harness;
@@ -28,3 +29,4 @@ pub mod render;
 pub mod scenario;
 pub mod seed;
 pub mod verify;
+pub mod wire;

@@ -29,6 +29,11 @@ pub fn golden_header(scenario: &Scenario, outcome: &Outcome) -> String {
         Expectation::Error(message) => {
             let _ = writeln!(out, "expect: error: {message}");
         }
+        Expectation::Partial { error, ranks, requests } => {
+            let list = |ids: &Option<Vec<u32>>| ids.as_ref().map_or("all".to_owned(), |ids| format!("{ids:?}"));
+            let _ =
+                writeln!(out, "expect: error on decode ranks {}, requests {}: {error}", list(ranks), list(requests));
+        }
     }
     if outcome.passed() {
         out.push_str("verdict: pass\n");

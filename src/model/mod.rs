@@ -407,6 +407,30 @@ impl Request {
     }
 }
 
+/// What decode ranks advertise in their registration beyond the truth of their memory (domain.md §6.2): a legacy
+/// peer, a peer that sends only entry 0's item length (the PR #37358 Mori wire), or one that lies about it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Advertise {
+    /// Omit PR #37358's four fields (DCP size and rank, state and KV layer ids): the prefill applies the defaults.
+    pub legacy: bool,
+    /// Send only `kv_item_len` (entry 0) instead of an item length per KV entry.
+    pub entry0_item_len_only: bool,
+    /// Advertise this `kv_item_len` instead of the true one.
+    pub kv_item_len: Option<u64>,
+    /// Decode ranks (stage-major index) these options apply to; `None` = every rank.
+    pub ranks: Option<Vec<u32>>,
+}
+
+impl Advertise {
+    /// The options in force for decode rank `index` (faithful when they do not apply to it).
+    pub fn for_rank(&self, index: u32) -> Advertise {
+        match &self.ranks {
+            Some(ranks) if !ranks.contains(&index) => Advertise::default(),
+            _ => self.clone(),
+        }
+    }
+}
+
 /// Everything the planner and the oracle need: model, both sides' layouts and the requests.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
@@ -415,4 +439,6 @@ pub struct Problem {
     pub prefill: SideLayout,
     pub decode: SideLayout,
     pub requests: Vec<Request>,
+    /// What decode ranks put in their registrations.
+    pub advertise: Advertise,
 }

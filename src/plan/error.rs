@@ -9,6 +9,9 @@ use crate::model::{LayerId, StateKind};
 /// A topology, geometry or request the planner refuses; raised before any byte moves (domain.md §12.6).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
+    /// [I] a registration whose fields contradict each other (domain.md §6.2); the peer's requests fail.
+    #[error("Invalid registration from decode peer: {reason}")]
+    Registration { reason: String },
     /// domain.md §2.5 case 3.
     #[error("Unsupported PD DCP topology: {prefill} -> {decode}")]
     UnsupportedDcpTopology { prefill: u32, decode: u32 },

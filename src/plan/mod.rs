@@ -7,6 +7,7 @@
 mod error;
 mod heads;
 mod pairing;
+pub mod peer;
 mod ranks;
 mod rows;
 mod state;
@@ -210,7 +211,7 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
         // Every registered peer passes the DCP gate, whatever it sends (domain.md §6.3).
         let local =
             Local { model: &problem.model, topology: prefill, layout: problem.prefill.rank(connection.prefill) };
-        let link = link(local, &Peer::ground_truth(problem, connection.decode))?;
+        let link = link(local, &advertised_peer(problem, local, connection.decode)?)?;
         for note in &link.notes {
             notes.entry((connection.prefill, note.clone())).or_default().push(connection.decode);
         }
@@ -240,6 +241,22 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
     }
     groups.sort_by_key(|group| (group.request, group.chunk, group.source, group.target, group.kind));
     Ok(Plan { groups, explain })
+}
+
+/// The peer decode rank `rank` as the prefill rank sees it: its registration encoded onto the wire and decoded
+/// (memory addresses are placeholders; the engines advertise real ones).
+fn advertised_peer(problem: &Problem, local: Local<'_>, rank: RankId) -> Result<Peer, PlanError> {
+    let descs: Vec<crate::wire::MemoryDesc> = problem
+        .decode
+        .rank(rank)
+        .regions
+        .iter()
+        .map(|region| crate::wire::MemoryDesc { address: 0, length_bytes: region.len_bytes(), rkey: 0 })
+        .collect();
+    let frames = peer::advertise(problem, rank, &descs).encode();
+    let registration = crate::wire::Registration::decode(&frames)
+        .map_err(|error| PlanError::Registration { reason: error.to_string() })?;
+    Ok(peer::from_registration(local, &registration)?.0)
 }
 
 /// Row runs computed once per (chunk, mode) and shared by every link (`None`: draft rows).
@@ -565,7 +582,7 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
     };
     if kv_writer || primary {
         let (targets, drafts) = kv_pairs(ends, mode)?;
-        let how = if source_layout.advertised_layer_ids.is_some() && target_layout.advertised_layer_ids.is_some() {
+        let how = if kv_ids(source_layout).is_some() && kv_ids(target_layout).is_some() {
             "by global layer id"
         } else {
             "by position (no layer ids from one or both peers)"
@@ -623,6 +640,11 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
     Ok(res)
 }
 
+/// The KV layer ids a rank advertises (an empty list from a rank without KV entries is still a list).
+fn kv_ids(layout: &RankLayout) -> Option<&[LayerId]> {
+    layout.advertised_layer_ids.as_deref()
+}
+
 fn full_row(source_region: u32, target_region: u32, layer: LayerId, row_len: u64) -> EntryPair {
     EntryPair {
         source_region,
@@ -641,13 +663,13 @@ fn kv_pairs(ends: &Ends<'_>, mode: Mode) -> Result<(Vec<EntryPair>, Vec<EntryPai
     let (source_layout, target_layout) = (ends.source_layout, ends.target_layout);
     let (prefill, decode, connection) = (ends.prefill, &ends.decode, &ends.connection);
     // resolve_dcp_dst_entry_indices (domain.md §2.7) refuses one-sided ids even with prefill PP1.
-    let one_sided = source_layout.advertised_layer_ids.is_some() != target_layout.advertised_layer_ids.is_some();
+    let one_sided = kv_ids(source_layout).is_some() != kv_ids(target_layout).is_some();
     if one_sided && matches!(mode, Mode::Relayout { .. }) {
         return Err(PlanError::OneSidedLayerMetadata);
     }
     let pairs = pairing::pair_entries(
-        source_layout.advertised_layer_ids.as_deref(),
-        target_layout.advertised_layer_ids.as_deref(),
+        kv_ids(source_layout),
+        kv_ids(target_layout),
         source_layout.kv_entries.len(),
         target_layout.kv_entries.len(),
         prefill.pp == 1,

@@ -10,8 +10,8 @@ use crate::limits::{
     MAX_REQUESTS, MAX_TENSORS, MAX_TP, MAX_WIDTH,
 };
 use crate::model::{
-    build_side_layout, stage_layers, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem, Request, Side,
-    SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
+    build_side_layout, stage_layers, Advertise, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem,
+    Request, Side, SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
 };
 use crate::seed::{Seed, SimRng};
 
@@ -55,7 +55,8 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
                 .push("expect", format!("unknown verdict `{word}` (fix: write `ok` or `{{error: \"message\"}}`)"));
             Expectation::Ok
         }
-        RawExpect::Error { error } => Expectation::Error(error),
+        RawExpect::Error { error, ranks: None, requests: None } => Expectation::Error(error),
+        RawExpect::Error { error, ranks, requests } => Expectation::Partial { error, ranks, requests },
     };
     if raw.requests.is_empty() {
         diagnostics.push("requests", "no requests (fix: add at least one request)");
@@ -172,12 +173,17 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     }
     let decode_layout = sides.pop().expect("two sides");
     let prefill_layout = sides.pop().expect("two sides");
+    let advertise = lower_advertise(&raw.prefill, &raw.decode, &mut diagnostics);
+    if !diagnostics.is_empty() {
+        return Err(diagnostics.into_error());
+    }
     let problem = Problem {
         name: raw.name.unwrap_or_else(|| default_name.to_owned()),
         prefill: prefill_layout,
         decode: decode_layout,
         model,
         requests,
+        advertise,
     };
     Ok((problem, expect))
 }
@@ -255,6 +261,36 @@ fn region_count(model: &ModelGeometry, topology: &Topology) -> u64 {
             u64::from(topology.tp) * (kv + draft + state + model.aux_item_lens.len() as u64)
         })
         .sum()
+}
+
+/// `decode.registration`: what decode ranks advertise; prefill ranks do not register.
+fn lower_advertise(prefill: &RawSide, decode: &RawSide, diagnostics: &mut Diagnostics) -> Advertise {
+    if prefill.registration.is_some() {
+        diagnostics.push("prefill.registration", "prefill ranks do not register with decode (fix: move it to decode)");
+    }
+    let Some(raw) = &decode.registration else { return Advertise::default() };
+    let entry0_item_len_only = match raw.item_lens.as_deref() {
+        None | Some("per_entry") => false,
+        Some("entry0") => true,
+        Some(other) => {
+            diagnostics.push("decode.registration.item_lens", format!("unknown `{other}` (fix: per_entry or entry0)"));
+            false
+        }
+    };
+    let ranks = u64::from(decode.tp) * u64::from(decode.pp);
+    if let Some(rank) = raw.ranks.iter().flatten().find(|rank| u64::from(**rank) >= ranks) {
+        diagnostics.push(
+            "decode.registration.ranks",
+            format!(
+                "decode rank {rank} does not exist: decode has {ranks} ranks (fix: stage-major indices below {ranks})"
+            ),
+        );
+    }
+    if raw.kv_item_len.is_some_and(|len| len > MAX_ITEM_BYTES) {
+        diagnostics
+            .push("decode.registration.kv_item_len", format!("more than the limit of {MAX_ITEM_BYTES} B per item"));
+    }
+    Advertise { legacy: raw.legacy, entry0_item_len_only, kv_item_len: raw.kv_item_len, ranks: raw.ranks.clone() }
 }
 
 /// The state component `index` names, or a diagnostic at `path.component` saying it does not exist.

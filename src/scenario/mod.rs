@@ -24,6 +24,19 @@ pub enum Expectation {
     Ok,
     /// The planner rejects the problem with exactly this message, and no byte is written.
     Error(String),
+    /// The composed plan rejects with `error`; on the decode ranks the engines fail only the listed rooms (decode
+    /// rank indices, stage-major; request ids; `None` = all) and every other room succeeds byte-exact.
+    Partial { error: String, ranks: Option<Vec<u32>>, requests: Option<Vec<u32>> },
+}
+
+impl Expectation {
+    /// The planner message the composed plan must reject with, if any.
+    pub fn error(&self) -> Option<&str> {
+        match self {
+            Expectation::Ok => None,
+            Expectation::Error(error) | Expectation::Partial { error, .. } => Some(error),
+        }
+    }
 }
 
 /// A loaded scenario.

@@ -29,6 +29,10 @@
 //! | `*.state_item_lens[]` | list | [] | `{component, tensor, item_len}`: register a state tensor with another item length |
 //! | `*.draft_paged_physically` | bool | false | register the draft pool paged by `P` rather than `V` (version-1 layout) |
 //! | `*.kv_token_len` | u64 | model | register KV token rows of this many bytes (a peer with another KV layout) |
+//! | `decode.registration.legacy` | bool | false | omit PR #37358's DCP size/rank and layer-id frames (prefill applies the defaults) |
+//! | `decode.registration.item_lens` | `per_entry` or `entry0` | `per_entry` | advertise every KV entry's item length, or only entry 0's (the PR #37358 Mori wire) |
+//! | `decode.registration.kv_item_len` | u64 | truth | advertise this entry-0 item length (a lying peer) |
+//! | `decode.registration.ranks` | [u32] | all | decode ranks (stage-major index) the registration options apply to |
 //! | `requests[].tokens` | u32 | required | prompt length |
 //! | `requests[].decode_prefix` | u32 | 0 | tokens decode already holds |
 //! | `requests[].chunks` | [u32] | one chunk | token counts of the prefill chunks over the send range |
@@ -37,6 +41,7 @@
 //! | `requests[].decode_page_count` | u32 | enough | how many decode pages the allocator hands out |
 //! | `requests[].state_pages[]` | list | window / all pages | `{component, prefill, decode}`: state page counts of a paged component |
 //! | `expect` | `ok` or `{error: msg}` | required | the verdict: a clean transfer, or this exact planner error |
+//! | `expect.ranks`, `expect.requests` | [u32] | all | only these decode ranks (stage-major) and requests fail, with `error`; every other request succeeds byte-exact |
 
 use serde::Deserialize;
 
@@ -119,6 +124,21 @@ pub struct RawSide {
     #[serde(default)]
     pub draft_paged_physically: bool,
     pub kv_token_len: Option<u64>,
+    pub registration: Option<RawRegistration>,
+}
+
+/// `decode.registration`: what decode ranks advertise (domain.md §6.2); default: the truth, per-entry item lengths.
+#[derive(Debug, Default, Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping such as {legacy: true, item_lens: entry0, kv_item_len: 1152, ranks: [3]}"
+)]
+pub struct RawRegistration {
+    #[serde(default)]
+    pub legacy: bool,
+    pub item_lens: Option<String>,
+    pub kv_item_len: Option<u64>,
+    pub ranks: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -165,8 +185,8 @@ pub struct RawStatePages {
 pub enum RawExpect {
     /// `expect: ok` (any other word is reported by the loader).
     Word(String),
-    /// `expect: {error: "..."}`.
-    Error { error: String },
+    /// `expect: {error: "...", ranks: [..], requests: [..]}` (the lists narrow which rooms fail).
+    Error { error: String, ranks: Option<Vec<u32>>, requests: Option<Vec<u32>> },
 }
 
 impl<'de> Deserialize<'de> for RawExpect {
@@ -185,7 +205,7 @@ impl<'de> Deserialize<'de> for RawExpect {
 
             fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<RawExpect, A::Error> {
                 let error = RawError::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
-                Ok(RawExpect::Error { error: error.error })
+                Ok(RawExpect::Error { error: error.error, ranks: error.ranks, requests: error.requests })
             }
         }
         deserializer.deserialize_any(ExpectVisitor)
@@ -196,6 +216,8 @@ impl<'de> Deserialize<'de> for RawExpect {
 #[serde(deny_unknown_fields, expecting = "a mapping {error: \"the planner's message\"}")]
 struct RawError {
     error: String,
+    ranks: Option<Vec<u32>>,
+    requests: Option<Vec<u32>>,
 }
 
 fn one() -> u32 {

@@ -82,7 +82,7 @@ fn exercise(bytes: &[u8]) -> String {
             assert!(!text.contains("RawScenario") && !text.contains("untagged"), "parser internals leak: {text}");
             text
         }
-        Ok(scenario) => match harness::run_with(&scenario, &Budget::bytes(BUDGET)) {
+        Ok(scenario) => match harness::run_with(&scenario, &Budget::bytes(BUDGET), &Default::default()) {
             Err(error) => error.to_string(),
             Ok(outcome) => {
                 let _ = kvrelay::render::golden(&scenario, &outcome);

@@ -1,0 +1,431 @@
+//! The prefill sender (domain.md §6.1 steps 4-5, §6.3, §6.4): links each registered decode peer from its decoded
+//! registration, collects per-request metadata until `required_dst_info_num` peers sent it, plans every chunk for
+//! every peer before the first byte, posts writes within the send queue's credits chunk by chunk, and reports a
+//! status to each peer once its writes completed (or the reason the room failed).
+
+use std::collections::{BTreeMap, VecDeque};
+
+use super::handshake::{classify, Kind, LinkAck};
+use super::{Nic, Outbox, CHUNK_COMPUTE_NS, SIGNAL_INTERVAL};
+use crate::fabric::verbs::{
+    Caps, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcStatus, WorkCompletion, WorkRequest,
+};
+use crate::model::{ModelGeometry, RankId, RankLayout, Request, StateIndices, StateKind, Topology};
+use crate::plan::{self, peer, Link, Local, Plan};
+use crate::wire::{KvPoll, MemoryDesc, Registration, RequestMeta, Status};
+
+/// One write the fabric confirmed: `length` bytes at `offset` of region `region` on decode rank `target`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Written {
+    pub target: RankId,
+    pub region: u32,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// A write planned for a room and peer, not yet confirmed.
+#[derive(Debug, Clone)]
+struct Pending {
+    room: u64,
+    peer: NodeId,
+    sge: Sge,
+    remote: RemoteAddr,
+    written: Written,
+}
+
+/// A connected decode peer: its queue pair and the link (or why it cannot be served).
+struct PeerState {
+    rank: RankId,
+    qp: QpNum,
+    link: Result<(Link, Vec<MemoryDesc>), String>,
+}
+
+/// One request (room) on this prefill rank.
+#[derive(Default)]
+struct Room {
+    infos: BTreeMap<NodeId, RequestMeta>,
+    poll: Option<KvPoll>,
+    /// Planned writes per chunk, per peer; drained as chunks become ready.
+    chunks: Vec<BTreeMap<NodeId, Vec<Pending>>>,
+    next_chunk: usize,
+    ready_at: u64,
+    /// Per peer, writes queued or in flight.
+    outstanding: BTreeMap<NodeId, usize>,
+    reported: Vec<NodeId>,
+}
+
+/// The send queue of one queue pair: writes waiting for credits and writes posted but not yet confirmed.
+#[derive(Default)]
+struct SendQueue {
+    waiting: VecDeque<Pending>,
+    in_flight: VecDeque<(u64, Pending)>,
+    /// The QP went to the error state: nothing more can be posted on it.
+    broken: bool,
+}
+
+/// The prefill engine of one rank.
+pub struct PrefillEngine {
+    rank: RankId,
+    model: ModelGeometry,
+    topology: Topology,
+    layout: RankLayout,
+    regions: Vec<MemoryRegion>,
+    requests: BTreeMap<u64, Request>,
+    peers: BTreeMap<NodeId, PeerState>,
+    rooms: BTreeMap<u64, Room>,
+    queues: BTreeMap<QpNum, (NodeId, SendQueue)>,
+    caps: Caps,
+    next_wr: u64,
+    written: Vec<Written>,
+}
+
+impl PrefillEngine {
+    /// `regions` are this rank's registered regions in `layout` order; `requests` its view of each request
+    /// (its own pages, indices and chunks; room = request id).
+    pub fn new(
+        rank: RankId,
+        model: ModelGeometry,
+        topology: Topology,
+        layout: RankLayout,
+        regions: Vec<MemoryRegion>,
+        requests: &[Request],
+        caps: Caps,
+    ) -> PrefillEngine {
+        PrefillEngine {
+            rank,
+            model,
+            topology,
+            layout,
+            regions,
+            requests: requests.iter().map(|request| (u64::from(request.id), request.clone())).collect(),
+            peers: BTreeMap::new(),
+            rooms: BTreeMap::new(),
+            queues: BTreeMap::new(),
+            caps,
+            next_wr: 1,
+            written: Vec::new(),
+        }
+    }
+
+    pub fn rank(&self) -> RankId {
+        self.rank
+    }
+
+    /// Writes confirmed so far (the fabric's log, not the plan's claims).
+    pub fn written(&self) -> &[Written] {
+        &self.written
+    }
+
+    /// `prefill_unique_rank` of domain.md §6.1 (CP 1).
+    fn unique_rank(&self) -> u32 {
+        self.rank.tp * self.topology.pp + self.rank.pp
+    }
+
+    fn local(&self) -> Local<'_> {
+        Local { model: &self.model, topology: &self.topology, layout: &self.layout }
+    }
+
+    /// A message from `from`.
+    pub fn on_message(&mut self, now: u64, from: NodeId, frames: &[Vec<u8>], nic: Nic<'_>, out: &mut Outbox) {
+        match classify(frames) {
+            Kind::Registration => self.on_registration(from, frames, nic, out),
+            Kind::RequestMeta => match RequestMeta::decode(frames) {
+                Ok(meta) => self.on_meta(now, from, meta, out),
+                Err(error) => out.note(format!("dropped metadata from {from}: {error}")),
+            },
+            _ => out.note(format!("dropped an unexpected message of {} frames from {from}", frames.len())),
+        }
+    }
+
+    fn on_registration(&mut self, from: NodeId, frames: &[Vec<u8>], nic: Nic<'_>, out: &mut Outbox) {
+        let qp = match nic.create_qp() {
+            Ok(qp) => qp,
+            Err(error) => return out.note(format!("cannot create a queue pair for {from}: {error}")),
+        };
+        let registration = Registration::decode(frames).map_err(|error| error.to_string());
+        let linked = registration.and_then(|registration| {
+            let remote = remote_qp(&registration.engine.key)
+                .ok_or_else(|| format!("engine key `{}` carries no queue pair", registration.engine.key))?;
+            nic.connect_qp(qp.qpn, remote).map_err(|error| error.to_string())?;
+            let (peer, descs) = peer::from_registration(self.local(), &registration).map_err(|e| e.to_string())?;
+            let link = plan::link(self.local(), &peer).map_err(|error| error.to_string())?;
+            Ok((link, descs))
+        });
+        let rank = peer::rank_of_key(&key_of(frames)).unwrap_or(RankId { pp: u32::MAX, tp: u32::MAX });
+        match &linked {
+            Ok(_) => out.note(format!("linked decode {rank} ({from})")),
+            Err(error) => out.note(format!("cannot serve decode {rank} ({from}): {error}")),
+        }
+        let ack = LinkAck { qp, error: linked.as_ref().err().cloned() };
+        out.send(from, ack.encode());
+        self.peers.insert(from, PeerState { rank, qp: qp.qpn, link: linked });
+        self.queues.insert(qp.qpn, (from, SendQueue::default()));
+    }
+
+    fn on_meta(&mut self, now: u64, from: NodeId, meta: RequestMeta, out: &mut Outbox) {
+        let room_id = meta.room;
+        let required = meta.required_dst_info_num as usize;
+        let room = self.rooms.entry(room_id).or_default();
+        if room.poll.is_some() {
+            return out.note(format!("room {room_id}: late metadata from {from} ignored"));
+        }
+        room.infos.insert(from, meta);
+        if room.infos.len() < required {
+            return;
+        }
+        room.poll = Some(KvPoll::Transferring);
+        room.ready_at = now;
+        out.note(format!("room {room_id}: metadata from {} peers, planning", room.infos.len()));
+        if let Err(reason) = self.prepare(room_id) {
+            self.fail_room(room_id, &reason, out);
+        }
+    }
+
+    /// Plans every chunk of the room for every peer before anything is sent (a planning error moves no byte).
+    fn prepare(&mut self, room_id: u64) -> Result<(), String> {
+        let Some(request) = self.requests.get(&room_id) else {
+            return Err(format!("room {room_id} is unknown to prefill {}", self.rank));
+        };
+        let room = &self.rooms[&room_id];
+        let mut chunks = vec![BTreeMap::new(); request.chunks.len()];
+        for (node, meta) in &room.infos {
+            let peer = self.peers.get(node).ok_or_else(|| format!("no registration from peer {node}"))?;
+            let (link, descs) = peer.link.as_ref().map_err(Clone::clone)?;
+            if meta.is_dummy() || !link.sends_anything() {
+                continue;
+            }
+            let view = view(request, meta, &self.model);
+            for (index, chunk) in chunks.iter_mut().enumerate() {
+                let groups = link.chunk_groups(&view, index as u32).map_err(|error| error.to_string())?;
+                let writes = self.writes(room_id, *node, peer.rank, &Plan { groups, explain: Vec::new() }, descs)?;
+                chunk.insert(*node, writes);
+            }
+        }
+        let room = self.rooms.get_mut(&room_id).expect("room exists");
+        room.chunks = chunks;
+        Ok(())
+    }
+
+    /// The plan's copies as writes between registered addresses, split to the fabric's largest message.
+    fn writes(
+        &self,
+        room: u64,
+        peer: NodeId,
+        target: RankId,
+        plan: &Plan,
+        descs: &[MemoryDesc],
+    ) -> Result<Vec<Pending>, String> {
+        let mut res = Vec::new();
+        for copy in plan.copies() {
+            let source = self.regions.get(copy.source_region as usize).ok_or("a copy names no local region")?;
+            let desc = descs.get(copy.target_region as usize).ok_or("a copy names no peer region")?;
+            let mut done = 0;
+            while done < copy.length {
+                let length = (copy.length - done).min(self.caps.max_message.max(1));
+                res.push(Pending {
+                    room,
+                    peer,
+                    sge: Sge { addr: source.addr + copy.source_offset + done, len: length, lkey: source.lkey },
+                    remote: RemoteAddr { addr: desc.address + copy.target_offset + done, rkey: desc.rkey },
+                    written: Written { target, region: copy.target_region, offset: copy.target_offset + done, length },
+                });
+                done += length;
+            }
+        }
+        Ok(res)
+    }
+
+    /// The earliest time a chunk becomes ready, if any is still to send.
+    pub fn next_timer(&self) -> Option<u64> {
+        self.rooms
+            .values()
+            .filter(|room| room.poll == Some(KvPoll::Transferring) && room.next_chunk < room.chunks.len())
+            .map(|room| room.ready_at + CHUNK_COMPUTE_NS * (room.next_chunk as u64 + 1))
+            .min()
+    }
+
+    /// Sends every chunk that is ready by `now`.
+    pub fn on_tick(&mut self, now: u64, nic: Nic<'_>, out: &mut Outbox) {
+        let ids: Vec<u64> = self.rooms.keys().copied().collect();
+        for room_id in ids {
+            loop {
+                let room = self.rooms.get_mut(&room_id).expect("listed");
+                let due = room.ready_at + CHUNK_COMPUTE_NS * (room.next_chunk as u64 + 1);
+                if room.poll != Some(KvPoll::Transferring) || room.next_chunk >= room.chunks.len() || due > now {
+                    break;
+                }
+                let chunk = std::mem::take(&mut room.chunks[room.next_chunk]);
+                room.next_chunk += 1;
+                let count: usize = chunk.values().map(Vec::len).sum();
+                out.note(format!("room {room_id}: chunk {} ready, {count} writes", room.next_chunk - 1));
+                for (node, writes) in chunk {
+                    *room.outstanding.entry(node).or_default() += writes.len();
+                    let qp = self.peers[&node].qp;
+                    self.queues.get_mut(&qp).expect("a queue per peer").1.waiting.extend(writes);
+                }
+            }
+            self.report_finished(room_id, out);
+        }
+        self.pump(nic, out);
+    }
+
+    /// Posts waiting writes on every queue pair as far as credits allow; the last of each batch is signalled.
+    fn pump(&mut self, nic: Nic<'_>, out: &mut Outbox) {
+        let depth = self.caps.sq_depth.max(1);
+        let mut failures = Vec::new();
+        for (qp, (_, queue)) in &mut self.queues {
+            while !queue.broken && !queue.waiting.is_empty() && queue.in_flight.len() < depth {
+                let room_in_batch = depth - queue.in_flight.len();
+                let batch: Vec<Pending> = queue.waiting.drain(..room_in_batch.min(queue.waiting.len())).collect();
+                let mut requests = Vec::with_capacity(batch.len());
+                for (index, pending) in batch.iter().enumerate() {
+                    let signaled = index + 1 == batch.len() || (self.next_wr as usize) % SIGNAL_INTERVAL == 0;
+                    requests.push(WorkRequest {
+                        wr_id: self.next_wr,
+                        sges: vec![pending.sge],
+                        remote: pending.remote,
+                        imm: None,
+                        signaled,
+                    });
+                    self.next_wr += 1;
+                }
+                if let Err(error) = nic.post_send(*qp, &requests) {
+                    failures.extend(batch.iter().map(|pending| (pending.room, format!("posting failed: {error}"))));
+                    queue.broken = true;
+                    break;
+                }
+                queue.in_flight.extend(requests.iter().map(|request| request.wr_id).zip(batch));
+            }
+        }
+        for (room, reason) in failures {
+            self.fail_room(room, &reason, out);
+        }
+    }
+
+    /// A work completion from this rank's completion queue.
+    pub fn on_completion(&mut self, completion: WorkCompletion, nic: Nic<'_>, out: &mut Outbox) {
+        let Some((_, queue)) = self.queues.get_mut(&completion.qp) else {
+            return out.note(format!("completion for unknown {}", completion.qp));
+        };
+        if !queue.in_flight.iter().any(|(wr_id, _)| *wr_id == completion.wr_id) {
+            return out.note(format!("completion for unknown work request {} ignored", completion.wr_id));
+        }
+        // Completions arrive in order per queue pair: this one settles every unsignalled write before it.
+        let mut settled = Vec::new();
+        while let Some((wr_id, pending)) = queue.in_flight.pop_front() {
+            settled.push(pending);
+            if wr_id == completion.wr_id {
+                break;
+            }
+        }
+        let ok = completion.status == WcStatus::Success;
+        if !ok {
+            queue.broken = true;
+            let stranded: Vec<Pending> = queue.waiting.drain(..).collect();
+            settled.extend(stranded);
+        }
+        let reason = format!("work request {} completed with {:?}", completion.wr_id, completion.status);
+        for pending in settled {
+            if ok {
+                self.written.push(pending.written);
+                if let Some(count) =
+                    self.rooms.get_mut(&pending.room).and_then(|room| room.outstanding.get_mut(&pending.peer))
+                {
+                    *count -= 1;
+                }
+            } else {
+                self.fail_room(pending.room, &reason, out);
+            }
+            self.report_finished(pending.room, out);
+        }
+        self.pump(nic, out);
+    }
+
+    /// Sends Success to every peer whose writes for the room all completed after the last chunk.
+    fn report_finished(&mut self, room_id: u64, out: &mut Outbox) {
+        let unique = self.unique_rank();
+        let Some(room) = self.rooms.get_mut(&room_id) else { return };
+        if room.poll != Some(KvPoll::Transferring) || room.next_chunk < room.chunks.len() {
+            return;
+        }
+        let peers: Vec<NodeId> = room.infos.keys().copied().collect();
+        for node in peers {
+            if room.reported.contains(&node) || room.outstanding.get(&node).is_some_and(|count| *count > 0) {
+                continue;
+            }
+            room.reported.push(node);
+            let status =
+                Status { room: room_id, status: KvPoll::Success, prefill_unique_rank: unique, reason: String::new() };
+            out.send(node, status.encode());
+        }
+        if room.reported.len() == room.infos.len() {
+            room.poll = Some(KvPoll::Success);
+            out.note(format!("room {room_id}: Success"));
+        }
+    }
+
+    /// Marks the room Failed and tells every peer of it, once (domain.md §6.4).
+    fn fail_room(&mut self, room_id: u64, reason: &str, out: &mut Outbox) {
+        let unique = self.unique_rank();
+        let Some(room) = self.rooms.get_mut(&room_id) else { return };
+        if matches!(room.poll, Some(KvPoll::Failed)) {
+            return;
+        }
+        room.poll = Some(KvPoll::Failed);
+        room.chunks.clear();
+        out.note(format!("room {room_id}: Failed: {reason}"));
+        for node in room.infos.keys() {
+            if !room.reported.contains(node) {
+                let status = Status {
+                    room: room_id,
+                    status: KvPoll::Failed,
+                    prefill_unique_rank: unique,
+                    reason: reason.to_owned(),
+                };
+                out.send(*node, status.encode());
+            }
+        }
+        room.reported = room.infos.keys().copied().collect();
+        for (_, queue) in self.queues.values_mut() {
+            queue.waiting.retain(|pending| pending.room != room_id);
+        }
+    }
+}
+
+/// The request as this prefill rank plans it for one peer: its own pages and chunks, the peer's pages, indices and
+/// prefix from the metadata (domain.md §6.1 step 4).
+fn view(local: &Request, meta: &RequestMeta, model: &ModelGeometry) -> Request {
+    let mut view = local.clone();
+    view.decode_prefix = meta.decode_prefix_len;
+    view.decode_pages = meta.kv_indices.clone();
+    let slot = model
+        .state
+        .iter()
+        .zip(&meta.state_indices)
+        .find(|(component, _)| component.kind == StateKind::Mamba)
+        .and_then(|(_, indices)| indices.first().copied())
+        .unwrap_or(0);
+    let pages = model
+        .state
+        .iter()
+        .enumerate()
+        .map(|(index, component)| match component.kind {
+            StateKind::Mamba => Vec::new(),
+            _ => meta.state_indices.get(index).cloned().unwrap_or_default(),
+        })
+        .collect();
+    view.decode_state = StateIndices { slot, aux: meta.aux_index.unwrap_or(0), pages };
+    view
+}
+
+/// The engine key's queue pair suffix: `...-node<N>-qp<Q>`.
+fn remote_qp(key: &str) -> Option<QpInfo> {
+    let (rest, qpn) = key.rsplit_once("-qp")?;
+    let (_, node) = rest.rsplit_once("-node")?;
+    Some(QpInfo { node: NodeId(node.parse().ok()?), qpn: QpNum(qpn.parse().ok()?) })
+}
+
+/// The engine key of a registration's frames, best effort (for notes about undecodable registrations).
+fn key_of(frames: &[Vec<u8>]) -> String {
+    Registration::decode(frames).map(|registration| registration.engine.key).unwrap_or_default()
+}

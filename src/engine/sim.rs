@@ -1,0 +1,358 @@
+//! The simulated deployment: every rank of a problem as an engine on its own `SimWorld` endpoint, a control
+//! network with a fixed latency and per-pair FIFO order, and one deterministic event loop.
+//!
+//! There is no tokio here: nothing waits on IO, and a plain loop over (messages, fabric deliveries, timers) in
+//! simulated time is deterministic by construction (same problem, same trace). The engines themselves do not know
+//! they are simulated; a process driver with real sockets and verbs is the next step (ARCHITECTURE.md).
+
+use std::collections::BTreeMap;
+
+use super::decode::RoomState;
+use super::handshake::{classify, Kind};
+use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
+use crate::fabric::verbs::{Caps, Endpoint, FabricError, MemoryRegion, NodeId, WorkCompletion};
+use crate::fabric::world::{SimEndpoint, SimWorld};
+use crate::model::{Problem, RankId, Side, Topology};
+use crate::plan::peer;
+use crate::verify::{pattern, Observation, RegionKey, Sources, Verdicts, WriteRecord};
+use crate::wire::{KvPoll, MemoryDesc, PrefillInfo, RequestMeta, Status};
+
+/// One-way latency of a control message (ZMQ over TCP), in nanoseconds.
+pub const CONTROL_LATENCY_NS: u64 = 20_000;
+
+/// How a simulated run is set up.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// What every endpoint's NIC offers.
+    pub caps: Caps,
+    /// Record the message sequence and engine events.
+    pub trace: bool,
+    /// Simulated time after which the run stops whatever its state (a hang is reported, never waited out).
+    pub time_limit_ns: u64,
+}
+
+impl Default for SimOptions {
+    fn default() -> SimOptions {
+        SimOptions {
+            caps: Caps { max_sge: 1, max_message: 1 << 30, sq_depth: 1024 },
+            trace: false,
+            time_limit_ns: 10 * super::WAITING_TIMEOUT_NS,
+        }
+    }
+}
+
+/// What a simulated run left behind.
+#[derive(Debug)]
+pub struct SimRun {
+    /// Every decode region's final bytes and every confirmed write.
+    pub observation: Observation,
+    /// How each request ended on each decode rank.
+    pub rooms: BTreeMap<RankId, BTreeMap<u64, RoomState>>,
+    /// Message and event log (when asked for).
+    pub trace: Vec<String>,
+    /// Simulated time at the end.
+    pub end_ns: u64,
+    /// Control messages delivered.
+    pub messages: u64,
+}
+
+impl SimRun {
+    /// The oracle's verdicts for decode rank `rank`: its failed rooms.
+    pub fn verdicts(&self, rank: RankId) -> Verdicts {
+        let failed = self.rooms.get(&rank).into_iter().flatten();
+        let failed = failed.filter(|(_, room)| room.poll != KvPoll::Success).map(|(id, _)| *id as u32).collect();
+        Verdicts { failed, nothing_sent: false }
+    }
+
+    /// Every (decode rank, request) that did not end in Success, with its reason.
+    pub fn failures(&self) -> Vec<(RankId, u64, String)> {
+        let mut res = Vec::new();
+        for (rank, rooms) in &self.rooms {
+            for (id, room) in rooms.iter().filter(|(_, room)| room.poll != KvPoll::Success) {
+                let reason = room.reason.clone().unwrap_or_else(|| format!("ended {:?}", room.poll));
+                res.push((*rank, *id, reason));
+            }
+        }
+        res
+    }
+}
+
+/// A rank of the simulation: its engine and its endpoint.
+struct Node<E> {
+    engine: E,
+    nic: SimEndpoint,
+    regions: Vec<MemoryRegion>,
+}
+
+/// The simulated deployment being run.
+struct Sim {
+    world: SimWorld,
+    prefill: Vec<Node<PrefillEngine>>,
+    decode: Vec<Node<DecodeEngine>>,
+    names: BTreeMap<NodeId, String>,
+    network: BTreeMap<(u64, u64), (NodeId, Envelope)>,
+    sequence: u64,
+    now: u64,
+    trace: Option<Vec<String>>,
+    messages: u64,
+}
+
+/// Runs `problem` through the engines on a fresh in-memory fabric.
+pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
+    let mut sim = Sim::build(problem, options)?;
+    sim.start(problem);
+    sim.run_loop(options.time_limit_ns);
+    sim.finish(problem)
+}
+
+impl Sim {
+    fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, FabricError> {
+        let world = SimWorld::new(options.caps);
+        let sources = Sources::new(problem);
+        let mut names = BTreeMap::new();
+        let mut prefill = Vec::new();
+        for layout in &problem.prefill.ranks {
+            let node = NodeId(names.len() as u32);
+            names.insert(node, format!("prefill {}", layout.rank));
+            let mut nic = world.endpoint(node);
+            let mut regions = Vec::new();
+            for (index, region) in layout.regions.iter().enumerate() {
+                let mut bytes = vec![0u8; region.len_bytes() as usize];
+                pattern::fill_source(sources.number(layout.rank, index as u32), &mut bytes);
+                regions.push(nic.register(bytes)?);
+            }
+            let engine = PrefillEngine::new(
+                layout.rank,
+                problem.model.clone(),
+                problem.prefill.topology,
+                layout.clone(),
+                regions.clone(),
+                &problem.requests,
+                options.caps,
+            );
+            prefill.push(Node { engine, nic, regions });
+        }
+        let mut decode = Vec::new();
+        for layout in &problem.decode.ranks {
+            let node = NodeId(names.len() as u32);
+            names.insert(node, format!("decode {}", layout.rank));
+            let mut nic = world.endpoint(node);
+            let mut regions = Vec::new();
+            for region in &layout.regions {
+                let mut bytes = vec![0u8; region.len_bytes() as usize];
+                pattern::fill_sentinel(&mut bytes);
+                regions.push(nic.register(bytes)?);
+            }
+            let descs: Vec<MemoryDesc> = regions
+                .iter()
+                .map(|region| MemoryDesc { address: region.addr, length_bytes: region.len, rkey: region.rkey })
+                .collect();
+            let registration = peer::advertise(problem, layout.rank, &descs);
+            let engine = DecodeEngine::new(
+                layout.rank,
+                problem.model.clone(),
+                problem.decode.topology,
+                registration,
+                &problem.requests,
+            );
+            decode.push(Node { engine, nic, regions });
+        }
+        let trace = options.trace.then(Vec::new);
+        Ok(Sim { world, prefill, decode, names, network: BTreeMap::new(), sequence: 0, now: 0, trace, messages: 0 })
+    }
+
+    /// Bootstrap: prefill rank 0's published topology (through the wire) and the directory of prefill ranks.
+    fn start(&mut self, problem: &Problem) {
+        let topology = &problem.prefill.topology;
+        let info = PrefillInfo {
+            ip: "127.0.0.1".to_owned(),
+            port: 17000,
+            attn_tp_size: topology.tp,
+            attn_tp_rank: 0,
+            dcp_size: topology.dcp,
+            dcp_rank: 0,
+            pp_size: topology.pp,
+            pp_rank: 0,
+            page_size: topology.page_size,
+            kv_cache_dtype: format!("{}-byte", problem.model.dtype_bytes),
+        };
+        let published = PrefillInfo::decode(&info.encode()).ok().map(|info| Topology {
+            tp: info.attn_tp_size,
+            pp: info.pp_size,
+            dcp: info.dcp_size,
+            page_size: info.page_size,
+        });
+        let published = published.unwrap_or(*topology);
+        let directory: BTreeMap<RankId, NodeId> =
+            self.prefill.iter().map(|node| (node.engine.rank(), node.nic.node())).collect();
+        for index in 0..self.decode.len() {
+            let mut out = Outbox::default();
+            let node = &mut self.decode[index];
+            node.engine.start(0, &published, &directory, &mut node.nic, &mut out);
+            let from = node.nic.node();
+            self.dispatch(from, out);
+        }
+    }
+
+    fn dispatch(&mut self, from: NodeId, out: Outbox) {
+        if let Some(trace) = &mut self.trace {
+            for note in &out.notes {
+                trace.push(format!("{:>12.3} us  {}: {note}", self.now as f64 / 1e3, self.names[&from]));
+            }
+        }
+        for envelope in out.messages {
+            self.sequence += 1;
+            self.network.insert((self.now + CONTROL_LATENCY_NS, self.sequence), (from, envelope));
+        }
+    }
+
+    fn next_time(&self) -> Option<u64> {
+        let timers = self.prefill.iter().filter_map(|node| node.engine.next_timer());
+        let timers = timers.chain(self.decode.iter().filter_map(|node| node.engine.next_timer()));
+        let message = self.network.keys().next().map(|(time, _)| *time);
+        timers.chain(message).chain(self.world.next_event()).min()
+    }
+
+    fn run_loop(&mut self, limit: u64) {
+        while !self.decode.iter().all(|node| node.engine.done()) {
+            let Some(next) = self.next_time() else { break };
+            if next > limit {
+                break;
+            }
+            self.now = self.now.max(next);
+            self.world.advance_to(self.now);
+            self.poll_completions();
+            self.deliver_messages();
+            self.fire_timers();
+        }
+    }
+
+    fn poll_completions(&mut self) {
+        let mut completions: Vec<WorkCompletion> = Vec::new();
+        for index in 0..self.prefill.len() {
+            let node = &mut self.prefill[index];
+            while node.nic.poll_cq(&mut completions, 4096) > 0 {}
+            let mut out = Outbox::default();
+            for completion in completions.drain(..) {
+                node.engine.on_completion(completion, &mut node.nic, &mut out);
+            }
+            let from = node.nic.node();
+            self.dispatch(from, out);
+        }
+        for node in &mut self.decode {
+            while node.nic.poll_cq(&mut completions, 4096) > 0 {}
+            completions.clear();
+        }
+    }
+
+    fn deliver_messages(&mut self) {
+        while let Some(entry) = self.network.first_entry() {
+            if entry.key().0 > self.now {
+                break;
+            }
+            let (from, envelope) = entry.remove();
+            self.messages += 1;
+            self.trace_message(from, &envelope);
+            let to = envelope.to;
+            let mut out = Outbox::default();
+            let prefill_count = self.prefill.len() as u32;
+            if to.0 < prefill_count {
+                let node = &mut self.prefill[to.0 as usize];
+                node.engine.on_message(self.now, from, &envelope.frames, &mut node.nic, &mut out);
+            } else if let Some(node) = self.decode.get_mut((to.0 - prefill_count) as usize) {
+                node.engine.on_message(from, &envelope.frames, &mut node.nic, &mut out);
+            }
+            self.dispatch(to, out);
+        }
+    }
+
+    fn fire_timers(&mut self) {
+        let now = self.now;
+        for index in 0..self.prefill.len() {
+            let node = &mut self.prefill[index];
+            if node.engine.next_timer().is_some_and(|time| time <= now) {
+                let mut out = Outbox::default();
+                node.engine.on_tick(now, &mut node.nic, &mut out);
+                let from = node.nic.node();
+                self.dispatch(from, out);
+            }
+        }
+        for index in 0..self.decode.len() {
+            let node = &mut self.decode[index];
+            if node.engine.next_timer().is_some_and(|time| time <= now) {
+                let mut out = Outbox::default();
+                node.engine.on_tick(now, &mut out);
+                let from = node.nic.node();
+                self.dispatch(from, out);
+            }
+        }
+    }
+
+    fn trace_message(&mut self, from: NodeId, envelope: &Envelope) {
+        let Some(trace) = &mut self.trace else { return };
+        let what = describe(&envelope.frames);
+        let line = format!(
+            "{:>12.3} us  {} -> {}: {what}",
+            self.now as f64 / 1e3,
+            self.names[&from],
+            self.names.get(&envelope.to).map_or("?", String::as_str)
+        );
+        trace.push(line);
+    }
+
+    /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
+    fn finish(mut self, problem: &Problem) -> Result<SimRun, FabricError> {
+        let mut observation = Observation::default();
+        for node in &self.prefill {
+            for written in node.engine.written() {
+                let target = RegionKey { side: Side::Decode, rank: written.target, region: written.region };
+                observation.writes.push(WriteRecord { target, offset: written.offset, length: written.length });
+            }
+        }
+        let mut rooms = BTreeMap::new();
+        for (node, layout) in self.decode.iter_mut().zip(&problem.decode.ranks) {
+            for (index, region) in node.regions.iter().enumerate() {
+                let key = RegionKey { side: Side::Decode, rank: layout.rank, region: index as u32 };
+                observation.images.insert(key, node.nic.deregister(region)?);
+            }
+            rooms.insert(layout.rank, node.engine.rooms().clone());
+        }
+        Ok(SimRun {
+            observation,
+            rooms,
+            trace: self.trace.unwrap_or_default(),
+            end_ns: self.now,
+            messages: self.messages,
+        })
+    }
+}
+
+/// One line naming a message by its decoded content.
+fn describe(frames: &[Vec<u8>]) -> String {
+    match classify(frames) {
+        Kind::Registration => format!("registration ({} frames)", frames.len()),
+        Kind::Link => match super::handshake::LinkAck::decode(frames) {
+            Some(ack) => match ack.error {
+                None => format!("linked, queue pair {}", ack.qp.qpn),
+                Some(error) => format!("link refused: {error}"),
+            },
+            None => "malformed link answer".to_owned(),
+        },
+        Kind::RequestMeta => match RequestMeta::decode(frames) {
+            Ok(meta) if meta.is_dummy() => format!("metadata room {} (dummy)", meta.room),
+            Ok(meta) => format!(
+                "metadata room {} ({} pages, prefix {})",
+                meta.room,
+                meta.kv_indices.len(),
+                meta.decode_prefix_len
+            ),
+            Err(error) => format!("malformed metadata: {error}"),
+        },
+        Kind::Status => match Status::decode(frames) {
+            Ok(status) if status.reason.is_empty() => format!("status room {} {:?}", status.room, status.status),
+            Ok(status) => format!("status room {} {:?}: {}", status.room, status.status, status.reason),
+            Err(error) => format!("malformed status: {error}"),
+        },
+        Kind::Unknown => format!("unknown message of {} frames", frames.len()),
+    }
+}
