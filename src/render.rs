@@ -16,6 +16,9 @@ const VIOLATIONS_SHOWN: usize = 40;
 /// The golden text of a scenario run: [`golden_header`] then the decode layout.
 pub fn golden(scenario: &Scenario, outcome: &Outcome) -> String {
     let mut out = golden_header(scenario, outcome);
+    if scenario.events {
+        out.push_str(&events(outcome));
+    }
     out.push_str(&layout(&scenario.problem, &outcome.observation, None));
     out
 }
@@ -42,11 +45,33 @@ pub fn golden_header(scenario: &Scenario, outcome: &Outcome) -> String {
     }
     match &outcome.plan {
         Ok(plan) => out.push_str(&plan_summary(plan)),
+        Err(error) if matches!(scenario.expect, Expectation::Partial { .. }) => {
+            let _ = writeln!(out, "plan: rejected in part, the engines serve the rest: {error}");
+        }
         Err(error) => {
             let _ = writeln!(out, "plan: rejected before any write: {error}");
         }
     }
     out.push_str(&violations(&outcome.violations));
+    out
+}
+
+/// The engines' story of a run: control messages by kind, and how each request ended on each decode rank, with
+/// its simulated time (deterministic).
+pub fn events(outcome: &Outcome) -> String {
+    let Some(run) = &outcome.engine else { return "events: none, the simulated fabric failed\n".to_owned() };
+    let counts: Vec<String> = run.messages.iter().map(|(kind, count)| format!("{count} {kind}")).collect();
+    let mut out = format!("events: {} control messages ({})\n", run.messages.values().sum::<u64>(), counts.join(", "));
+    for (rank, rooms) in &run.rooms {
+        for (id, room) in rooms {
+            let ended = match (&room.reason, room.poll) {
+                (Some(reason), _) => format!("Failed: {reason}"),
+                (None, poll) => format!("{poll:?}"),
+            };
+            let at = room.ended_ns.map_or(String::new(), |ns| format!(" at {:.3} us", ns as f64 / 1e3));
+            let _ = writeln!(out, "  decode {rank}: request {id} {ended}{at}");
+        }
+    }
     out
 }
 

@@ -29,6 +29,8 @@ struct Target {
 pub struct RoomState {
     pub poll: KvPoll,
     pub reason: Option<String>,
+    /// Simulated time at which the room ended (Success or Failed).
+    pub ended_ns: Option<u64>,
     successes: BTreeSet<u32>,
 }
 
@@ -60,7 +62,8 @@ impl DecodeEngine {
         let rooms = requests
             .iter()
             .map(|request| {
-                let state = RoomState { poll: KvPoll::Bootstrapping, reason: None, successes: BTreeSet::new() };
+                let state =
+                    RoomState { poll: KvPoll::Bootstrapping, reason: None, ended_ns: None, successes: BTreeSet::new() };
                 (u64::from(request.id), state)
             })
             .collect();
@@ -105,44 +108,43 @@ impl DecodeEngine {
         self.deadline = now + WAITING_TIMEOUT_NS;
         self.prefill = *prefill;
         if let Err(error) = plan::decode_gates(&self.model, prefill, &self.topology) {
-            return self.fail_all(&error.to_string(), out);
+            return self.fail_all(now, &error.to_string(), out);
         }
         self.expected = plan::expected_responses(&self.model, prefill, &self.topology);
         let ratio = (prefill.tp / self.topology.tp).max(1);
         for rank in plan::prefill_targets(prefill, &self.topology, self.rank) {
             let Some(node) = directory.get(&rank).copied() else {
-                return self.fail_all(&format!("prefill {rank} is not in the bootstrap directory"), out);
+                return self.fail_all(now, &format!("prefill {rank} is not in the bootstrap directory"), out);
             };
             let qp = match nic.create_qp() {
                 Ok(qp) => qp,
-                Err(error) => return self.fail_all(&error.to_string(), out),
+                Err(error) => return self.fail_all(now, &error.to_string(), out),
             };
             let offset = rank.tp.saturating_sub(self.rank.tp * ratio);
             let dummy = self.model.pool_kind() == PoolKind::Mla && self.topology.tp < prefill.tp && offset > 0;
             let mut registration = self.registration.clone();
             registration.engine.key = format!("{}-node{}-qp{}", registration.engine.key, qp.node.0, qp.qpn.0);
             out.send(node, registration.encode());
-            out.note(format!("register with prefill {rank} ({node}){}", if dummy { " as a dummy target" } else { "" }));
             self.targets.push(Target { rank, node, qp: qp.qpn, dummy, linked: None });
         }
     }
 
     /// A message from `from`.
-    pub fn on_message(&mut self, from: NodeId, frames: &[Vec<u8>], nic: Nic<'_>, out: &mut Outbox) {
+    pub fn on_message(&mut self, now: u64, from: NodeId, frames: &[Vec<u8>], nic: Nic<'_>, out: &mut Outbox) {
         match classify(frames) {
             Kind::Link => match LinkAck::decode(frames) {
-                Some(ack) => self.on_link(from, ack, nic, out),
+                Some(ack) => self.on_link(now, from, ack, nic, out),
                 None => out.note(format!("dropped a malformed link answer from {from}")),
             },
             Kind::Status => match Status::decode(frames) {
-                Ok(status) => self.on_status(from, status, out),
+                Ok(status) => self.on_status(now, from, status, out),
                 Err(error) => out.note(format!("dropped a status from {from}: {error}")),
             },
             _ => out.note(format!("dropped an unexpected message of {} frames from {from}", frames.len())),
         }
     }
 
-    fn on_link(&mut self, from: NodeId, ack: LinkAck, nic: Nic<'_>, out: &mut Outbox) {
+    fn on_link(&mut self, now: u64, from: NodeId, ack: LinkAck, nic: Nic<'_>, out: &mut Outbox) {
         let Some(target) = self.targets.iter_mut().find(|target| target.node == from && target.linked.is_none()) else {
             return out.note(format!("unexpected link answer from {from}"));
         };
@@ -157,20 +159,23 @@ impl DecodeEngine {
         if self.targets.iter().any(|target| target.linked.is_none()) {
             return;
         }
-        // Every target answered: a registration error fails every request before any metadata, so no byte moves.
-        if let Some(Err(error)) = self.targets.iter().find_map(|target| target.linked.clone().filter(Result::is_err)) {
-            return self.fail_all(&error, out);
+        // Every target answered. A registration error fails this rank's requests with its text; the targets still
+        // get metadata, as dummies (nothing to write here), so the prefill ranks' rooms reach their
+        // `required_dst_info_num` and the other decode ranks are served (domain.md §6.4).
+        let refused = self.targets.iter().find_map(|target| target.linked.clone().filter(Result::is_err));
+        if let Some(Err(error)) = &refused {
+            self.fail_all(now, error, out);
         }
-        self.send_metadata(out);
+        self.send_metadata(refused.is_some(), out);
     }
 
-    /// Per request, metadata to every target prefill rank (domain.md §6.1 step 4).
-    fn send_metadata(&mut self, out: &mut Outbox) {
+    /// Per request, metadata to every target prefill rank (domain.md §6.1 step 4); all dummies when `withdrawn`.
+    fn send_metadata(&mut self, withdrawn: bool, out: &mut Outbox) {
         let required = plan::required_dst_info_num(&self.prefill, &self.topology);
         for request in &self.requests {
             let room = u64::from(request.id);
             for target in &self.targets {
-                let meta = self.metadata(request, required, target.dummy);
+                let meta = self.metadata(request, required, target.dummy || withdrawn);
                 out.send(target.node, meta.encode());
             }
             if let Some(state) = self.rooms.get_mut(&room) {
@@ -207,7 +212,7 @@ impl DecodeEngine {
         }
     }
 
-    fn on_status(&mut self, from: NodeId, status: Status, out: &mut Outbox) {
+    fn on_status(&mut self, now: u64, from: NodeId, status: Status, out: &mut Outbox) {
         let dummy = self.targets.iter().any(|target| target.node == from && target.dummy);
         let expected = self.expected as usize;
         let Some(room) = self.rooms.get_mut(&status.room) else {
@@ -218,6 +223,7 @@ impl DecodeEngine {
                 if room.poll != KvPoll::Failed {
                     out.note(format!("room {}: Failed: {}", status.room, status.reason));
                     room.reason = Some(status.reason);
+                    room.ended_ns = Some(now);
                 }
                 room.poll = room.poll.update(KvPoll::Failed);
             }
@@ -225,6 +231,7 @@ impl DecodeEngine {
                 room.successes.insert(status.prefill_unique_rank);
                 if room.successes.len() >= expected && room.poll != KvPoll::Failed {
                     room.poll = room.poll.update(KvPoll::Success);
+                    room.ended_ns.get_or_insert(now);
                     out.note(format!("room {}: Success ({} prefill ranks)", status.room, room.successes.len()));
                 }
             }
@@ -240,16 +247,17 @@ impl DecodeEngine {
     /// Fails every room still waiting at the deadline (domain.md §6.4 waiting timeout).
     pub fn on_tick(&mut self, now: u64, out: &mut Outbox) {
         if now >= self.deadline && !self.done() {
-            self.fail_all(&format!("timed out after {} ns waiting for the prefill side", WAITING_TIMEOUT_NS), out);
+            self.fail_all(now, &format!("timed out after {} ns waiting for the prefill side", WAITING_TIMEOUT_NS), out);
         }
     }
 
-    fn fail_all(&mut self, reason: &str, out: &mut Outbox) {
+    fn fail_all(&mut self, now: u64, reason: &str, out: &mut Outbox) {
         for (room, state) in &mut self.rooms {
             if !matches!(state.poll, KvPoll::Success | KvPoll::Failed) {
                 out.note(format!("room {room}: Failed: {reason}"));
                 state.poll = KvPoll::Failed;
                 state.reason = Some(reason.to_owned());
+                state.ended_ns = Some(now);
             }
         }
     }

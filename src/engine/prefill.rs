@@ -189,9 +189,12 @@ impl PrefillEngine {
         let room = &self.rooms[&room_id];
         let mut chunks = vec![BTreeMap::new(); request.chunks.len()];
         for (node, meta) in &room.infos {
+            if meta.is_dummy() {
+                continue;
+            }
             let peer = self.peers.get(node).ok_or_else(|| format!("no registration from peer {node}"))?;
             let (link, descs) = peer.link.as_ref().map_err(Clone::clone)?;
-            if meta.is_dummy() || !link.sends_anything() {
+            if !link.sends_anything() {
                 continue;
             }
             let view = view(request, meta, &self.model);

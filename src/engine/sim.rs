@@ -52,8 +52,8 @@ pub struct SimRun {
     pub trace: Vec<String>,
     /// Simulated time at the end.
     pub end_ns: u64,
-    /// Control messages delivered.
-    pub messages: u64,
+    /// Control messages delivered, by kind.
+    pub messages: BTreeMap<&'static str, u64>,
 }
 
 impl SimRun {
@@ -94,7 +94,7 @@ struct Sim {
     sequence: u64,
     now: u64,
     trace: Option<Vec<String>>,
-    messages: u64,
+    messages: BTreeMap<&'static str, u64>,
 }
 
 /// Runs `problem` through the engines on a fresh in-memory fabric.
@@ -158,7 +158,17 @@ impl Sim {
             decode.push(Node { engine, nic, regions });
         }
         let trace = options.trace.then(Vec::new);
-        Ok(Sim { world, prefill, decode, names, network: BTreeMap::new(), sequence: 0, now: 0, trace, messages: 0 })
+        Ok(Sim {
+            world,
+            prefill,
+            decode,
+            names,
+            network: BTreeMap::new(),
+            sequence: 0,
+            now: 0,
+            trace,
+            messages: BTreeMap::new(),
+        })
     }
 
     /// Bootstrap: prefill rank 0's published topology (through the wire) and the directory of prefill ranks.
@@ -251,7 +261,7 @@ impl Sim {
                 break;
             }
             let (from, envelope) = entry.remove();
-            self.messages += 1;
+            *self.messages.entry(kind_name(&envelope.frames)).or_default() += 1;
             self.trace_message(from, &envelope);
             let to = envelope.to;
             let mut out = Outbox::default();
@@ -260,7 +270,7 @@ impl Sim {
                 let node = &mut self.prefill[to.0 as usize];
                 node.engine.on_message(self.now, from, &envelope.frames, &mut node.nic, &mut out);
             } else if let Some(node) = self.decode.get_mut((to.0 - prefill_count) as usize) {
-                node.engine.on_message(from, &envelope.frames, &mut node.nic, &mut out);
+                node.engine.on_message(self.now, from, &envelope.frames, &mut node.nic, &mut out);
             }
             self.dispatch(to, out);
         }
@@ -324,6 +334,17 @@ impl Sim {
             end_ns: self.now,
             messages: self.messages,
         })
+    }
+}
+
+/// The kind of a message, for counting.
+fn kind_name(frames: &[Vec<u8>]) -> &'static str {
+    match classify(frames) {
+        Kind::Registration => "registration",
+        Kind::Link => "link",
+        Kind::RequestMeta => "metadata",
+        Kind::Status => "status",
+        Kind::Unknown => "unknown",
     }
 }
 

@@ -49,6 +49,8 @@ pub struct Scenario {
     pub seed: u64,
     pub problem: Problem,
     pub expect: Expectation,
+    /// Golden files record the engines' event summary too.
+    pub events: bool,
 }
 
 /// One problem found in a scenario file.
@@ -147,6 +149,7 @@ pub fn parse_bytes(bytes: &[u8], file: &str, default_name: &str, seed: Option<u6
     let mut raw = yaml::parse(text).map_err(|diagnostic| ScenarioError::one(file, diagnostic))?;
     raw.seed = seed.or(raw.seed);
     let seed = raw.seed.unwrap_or(1);
+    let events = raw.events;
     let (problem, expect) = lower::lower(raw, default_name).map_err(|(mut diagnostics, omitted)| {
         for diagnostic in &mut diagnostics {
             diagnostic.line = lower::locate(text, &diagnostic.path);
@@ -154,5 +157,5 @@ pub fn parse_bytes(bytes: &[u8], file: &str, default_name: &str, seed: Option<u6
         }
         ScenarioError { file: file.to_owned(), diagnostics, omitted }
     })?;
-    Ok(Scenario { name: problem.name.clone(), file: file.to_owned(), seed, problem, expect })
+    Ok(Scenario { name: problem.name.clone(), file: file.to_owned(), seed, problem, expect, events })
 }

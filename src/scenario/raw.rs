@@ -40,6 +40,7 @@
 //! | `requests[].decode_pages` | [u32] | seeded allocator | allocator pages of the send range |
 //! | `requests[].decode_page_count` | u32 | enough | how many decode pages the allocator hands out |
 //! | `requests[].state_pages[]` | list | window / all pages | `{component, prefill, decode}`: state page counts of a paged component |
+//! | `events` | bool | false | the golden file also records the engines' events: messages by kind, and how each request ended on each decode rank |
 //! | `expect` | `ok` or `{error: msg}` | required | the verdict: a clean transfer, or this exact planner error |
 //! | `expect.ranks`, `expect.requests` | [u32] | all | only these decode ranks (stage-major) and requests fail, with `error`; every other request succeeds byte-exact |
 
@@ -55,6 +56,8 @@ pub struct RawScenario {
     pub decode: RawSide,
     pub requests: Vec<RawRequest>,
     pub expect: RawExpect,
+    #[serde(default)]
+    pub events: bool,
 }
 
 #[derive(Debug, Deserialize)]

@@ -21,10 +21,6 @@ expect: ok
 ";
 
 #[rstest]
-#[case::dcp_ranks_must_match(
-    "prefill: {tp: 2, dcp: 2, page_size: 4}\ndecode: {tp: 4, dcp: 2, page_size: 4}",
-    PlanError::MismatchedDcpRanks { prefill: 0, decode: 1 }
-)]
 #[case::decode_dcp_into_prefill_dcp(
     "prefill: {tp: 4, dcp: 4, page_size: 4}\ndecode: {tp: 4, dcp: 1, page_size: 4}",
     PlanError::UnsupportedDcpTopology { prefill: 4, decode: 1 }
@@ -46,9 +42,30 @@ fn planner_rejects_before_any_write(#[case] sides: &str, #[case] expected: PlanE
         "model: {{layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}}\n{sides}\nrequests: [{{tokens: 20}}]\nexpect: {{error: \"{expected}\"}}\n"
     );
     assert_eq!(plan::plan(&scenario(&yaml).problem), Err(expected));
-    // The harness runs the oracle's untouched check: no write happened and every decode byte is sentinel.
+    // Every decode rank fails its requests and no byte moves: every decode byte is still the sentinel.
     let outcome = check_run(&yaml);
     assert_all_sentinel(&outcome);
+}
+
+/// domain.md §2.5 case 1 is a per-peer rule: prefill TP2/DCP2 -> decode TP4/DCP2 maps decode ranks 1 and 2 onto
+/// prefill ranks of the other DCP rank, so exactly those fail (their bytes stay sentinel) and ranks 0 and 3 pass.
+#[test]
+fn mismatched_dcp_ranks_fail_only_their_peers() {
+    let expected = PlanError::MismatchedDcpRanks { prefill: 0, decode: 1 };
+    let yaml = format!(
+        "model: {{layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}}\nprefill: {{tp: 2, dcp: 2, page_size: 4}}\ndecode: {{tp: 4, dcp: 2, page_size: 4}}\nrequests: [{{tokens: 20}}]\nexpect: {{error: \"{expected}\", ranks: [1]}}\n"
+    );
+    assert_eq!(plan::plan(&scenario(&yaml).problem), Err(expected));
+    let outcome = kvrelay::harness::run(&scenario(&yaml)).unwrap();
+    let failed: Vec<String> =
+        outcome.engine.unwrap().failures().into_iter().map(|(rank, _, reason)| format!("{rank}: {reason}")).collect();
+    assert_eq!(
+        failed,
+        [
+            "pp0/tp1: PD peers must connect matching DCP ranks, got prefill=0, decode=1",
+            "pp0/tp2: PD peers must connect matching DCP ranks, got prefill=1, decode=0"
+        ]
+    );
 }
 
 /// Every decode byte still holds the sentinel: read from the bytes, not from the (empty) write log.
