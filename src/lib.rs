@@ -10,6 +10,7 @@
 //! - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows YAML.
 //! - [`plan`]: the pure planner, `plan(&Problem) -> Result<Plan, PlanError>` (domain.md §2–§4).
 //! - [`verify`]: the independent oracle; the source byte pattern, row decoding and `check`. Never calls `plan`.
+//! - [`wire`]: the Mori control messages as bytes (registration, request metadata, status; domain.md §6.2).
 //! - [`fabric`]: the [`fabric::Transport`] trait (verbs-shaped one-sided writes) and the in-memory [`fabric::SimFabric`].
 //! - [`exec`]: drives a plan over any transport and reads back an [`verify::Observation`].
 //! - [`harness`]: one scenario end to end and its pass/fail judgement.
@@ -27,3 +28,4 @@ pub mod render;
 pub mod scenario;
 pub mod seed;
 pub mod verify;
+pub mod wire;

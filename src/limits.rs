@@ -57,3 +57,18 @@ pub const DEFAULT_MEMORY_SHARE: (u64, u64) = (1, 2);
 pub const FALLBACK_MEMORY_BUDGET: u64 = 4 << 30;
 /// Environment variable that overrides the simulated-memory budget (bytes).
 pub const MEMORY_BUDGET_ENV: &str = "KVRELAY_MAX_FABRIC_BYTES";
+
+/// Bytes of one wire frame (domain.md §6.2, `src/wire/README.md`); a larger frame is refused before it is parsed.
+pub const MAX_FRAME_BYTES: u64 = 1 << 26;
+/// Items of one list inside a frame (page or slot indices, layer ids, memory descs): as many as a pool has items.
+pub const MAX_LIST_ITEMS: u64 = MAX_POOL_ITEMS;
+/// Lists in one `pack_int_lists` frame (one per state component; models have at most [`MAX_COMPONENTS`]).
+pub const MAX_PACKED_LISTS: u64 = 1024;
+/// Bytes of an ASCII text field of a message (ip, engine key, kv-cache dtype); a DNS name has at most 253.
+pub const MAX_TEXT_BYTES: usize = 255;
+/// Bytes of a status message's failure reason (UTF-8).
+pub const MAX_REASON_BYTES: usize = 1 << 16;
+/// Bytes of an ASCII integer frame: a `u64` has 20 digits; a sign and leading zeros may use the rest.
+pub const MAX_INT_TEXT_BYTES: usize = 32;
+/// Largest GPU id a registration or engine descriptor names.
+pub const MAX_GPU_ID: u32 = 1023;

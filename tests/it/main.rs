@@ -17,3 +17,5 @@ mod props;
 mod support;
 /// Repository hygiene: module docs, purity of pure modules, scenario headers, golden coverage.
 mod tidy;
+/// Wire messages (domain.md §6.2): golden bytes, legacy defaults, malformed-input errors, round trips, no panics.
+mod wire;
