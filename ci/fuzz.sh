@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Fuzz smoke for the scenario loader (tests/fuzz): libFuzzer for a bounded time, seeded with every scenario, every
-# kept hostile file and one structure-aware seed per corpus scenario. A crash fails CI; keep its input as
-# tests/hostile/fuzz-<name>.yaml (with a `#` comment saying what it found) and accept the snapshot it adds.
-# Usage: bash ci/fuzz.sh [SECONDS]   (default 120)
+# Fuzz smoke for kvrelay's decoders of untrusted input (tests/fuzz), libFuzzer for a bounded time split evenly
+# between two targets:
+# - scenario: the scenario loader, planner and oracle, seeded with every scenario, every kept hostile file and one
+#   structure-aware seed per corpus scenario. Keep a crash as tests/hostile/fuzz-<name>.yaml (with a `#` comment
+#   saying what it found) and accept the snapshot it adds.
+# - wire: every wire message decoder (src/wire/README.md) with a round trip of each accepted message, seeded with
+#   one structure-aware seed per golden message. Keep a crash's frame list in tests/it/wire.rs::FUZZ_CRASHES.
+# A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120, shared by both targets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-120}"
+half=$(( seconds / 2 > 0 ? seconds / 2 : 1 ))
 if ! cargo +nightly --version >/dev/null 2>&1; then
     echo "fuzz: no nightly toolchain on this machine; the fuzz smoke needs one (cargo-fuzz uses -Zsanitizer)" >&2
     exit 1
@@ -13,6 +18,7 @@ fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked --version 0.13.2
 fi
+
 corpus=tests/fuzz/corpus/scenario
 mkdir -p "$corpus"
 find scenarios tests/hostile -name '*.yaml' -size -64k -exec cp {} "$corpus"/ \;
@@ -20,4 +26,13 @@ for index in $(seq 0 14); do
     printf "\xff\x$(printf %02x "$index")\x05\x03\x11\x0e" > "$corpus/seed-structured-$index"
 done
 cargo +nightly fuzz run --fuzz-dir tests/fuzz scenario "$corpus" -- \
-    -dict=tests/fuzz/scenario.dict -max_total_time="$seconds" -rss_limit_mb=4096 -timeout=10 -print_final_stats=1
+    -dict=tests/fuzz/scenario.dict -max_total_time="$half" -rss_limit_mb=4096 -timeout=10 -print_final_stats=1
+
+# Mode byte 0x80 + k starts from golden message k unchanged (tests/fuzz/fuzz_targets/wire.rs); 7 goldens.
+corpus=tests/fuzz/corpus/wire
+mkdir -p "$corpus"
+for index in $(seq 0 6); do
+    printf "\x$(printf %02x $(( 0x80 + index )))" > "$corpus/seed-golden-$index"
+done
+cargo +nightly fuzz run --fuzz-dir tests/fuzz wire "$corpus" -- \
+    -dict=tests/fuzz/wire.dict -max_total_time="$half" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1

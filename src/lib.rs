@@ -10,6 +10,7 @@
 //! - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows YAML.
 //! - [`plan`]: the pure planner, `plan(&Problem) -> Result<Plan, PlanError>` (domain.md §2–§4).
 //! - [`verify`]: the independent oracle; the source byte pattern, row decoding and `check`. Never calls `plan`.
+//! - [`wire`]: the Mori control messages as bytes (registration, request metadata, status; domain.md §6.2).
 //! - [`fabric`]: the verbs-shaped seam [`fabric::verbs::Endpoint`] and its in-memory, simulated-time
 //!   [`fabric::world::SimWorld`]; the older [`fabric::Transport`] and [`fabric::SimFabric`], which `exec` still uses.
 //! - [`exec`]: drives a plan over any transport and reads back an [`verify::Observation`].

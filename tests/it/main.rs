@@ -21,3 +21,5 @@ mod support;
 mod tidy;
 /// Verdicts: failed requests are judged too, and one decode rank can be judged alone.
 mod verdicts;
+/// Wire messages (domain.md §6.2): golden bytes, legacy defaults, malformed-input errors, round trips, no panics.
+mod wire;

@@ -47,7 +47,7 @@ fn every_source_file_starts_with_module_docs() {
     }
 }
 
-/// ARCHITECTURE.md invariant: model, plan, verify and render do no IO, read no clock and draw no randomness.
+/// ARCHITECTURE.md invariant: model, plan, verify, wire and render do no IO, read no clock and draw no randomness.
 #[test]
 fn pure_modules_do_no_io_time_or_randomness() {
     let forbidden = [
@@ -66,8 +66,10 @@ fn pure_modules_do_no_io_time_or_randomness() {
         "eprintln!",
         "SimRng",
     ];
-    let mut pure: Vec<PathBuf> =
-        ["src/model", "src/plan", "src/verify"].iter().flat_map(|dir| files(&root().join(dir), "rs")).collect();
+    let mut pure: Vec<PathBuf> = ["src/model", "src/plan", "src/verify", "src/wire"]
+        .iter()
+        .flat_map(|dir| files(&root().join(dir), "rs"))
+        .collect();
     pure.push(root().join("src/render.rs"));
     for path in pure {
         let text = read(&path);
@@ -105,6 +107,21 @@ fn fabric_seam_knows_no_plan() {
             assert!(
                 !text.contains(word),
                 "{path} uses `{word}`: the seam takes only std, thiserror and fabric items (domain types go in exec)"
+            );
+        }
+    }
+}
+
+/// The wire codec is the bottom of the control plane: it may not depend on the planner or the oracle.
+#[test]
+fn wire_imports_nothing_from_plan_or_verify() {
+    for path in files(&root().join("src/wire"), "rs") {
+        let text = read(&path);
+        for word in ["crate::plan", "crate::verify", "plan::", "verify::"] {
+            assert!(
+                !text.contains(word),
+                "{} uses `{word}`: wire/ may import only limits and std (move the logic to plan/ or verify/)",
+                path.display()
             );
         }
     }
