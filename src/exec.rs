@@ -1,5 +1,6 @@
-//! Drives a [`Plan`] over any [`Transport`]: register and fill regions, post copies in batches, collect
-//! completions, and read back an [`Observation`].
+//! The direct execution kept as the benchmark's baseline (`kvrelay bench`) and for planted-fault cases: one
+//! [`Transport`] holding every rank's memory, the plan's copies posted in batches, completions collected, an
+//! [`Observation`] read back. `kvrelay run` and `check` go through the per-rank engines instead (`engine`).
 
 use crate::fabric::{CompletionStatus, Transport, TransportError, WriteRequest};
 use crate::model::{Problem, Side};
@@ -59,10 +60,12 @@ pub fn execute(plan: &Plan, transport: &mut impl Transport) -> Result<Vec<WriteR
             });
         }
         for completion in completions.drain(..) {
-            let index = (completion.id - posted[0].id) as usize;
-            match completion.status {
-                CompletionStatus::Success => records.push(targets[index]),
-                status => {
+            // An id this batch never posted is reported, never indexed with.
+            let index =
+                completion.id.checked_sub(posted[0].id).map(|index| index as usize).filter(|i| *i < posted.len());
+            match (completion.status, index) {
+                (CompletionStatus::Success, Some(index)) => records.push(targets[index]),
+                (status, _) => {
                     failure.get_or_insert(ExecError::Completion { id: completion.id, status });
                 }
             }

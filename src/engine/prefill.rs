@@ -77,6 +77,8 @@ pub struct PrefillEngine {
     caps: Caps,
     next_wr: u64,
     written: Vec<Written>,
+    /// Send cached prefixes early (domain.md §7).
+    early_send: bool,
 }
 
 impl PrefillEngine {
@@ -104,7 +106,14 @@ impl PrefillEngine {
             caps,
             next_wr: 1,
             written: Vec::new(),
+            early_send: false,
         }
+    }
+
+    /// Enables the cached-prefix early send (domain.md §7).
+    pub fn with_early_send(mut self, enabled: bool) -> PrefillEngine {
+        self.early_send = enabled;
+        self
     }
 
     pub fn rank(&self) -> RankId {
@@ -176,17 +185,21 @@ impl PrefillEngine {
         room.poll = Some(KvPoll::Transferring);
         room.ready_at = now;
         out.note(format!("room {room_id}: metadata from {} peers, planning", room.infos.len()));
-        if let Err(reason) = self.prepare(room_id) {
-            self.fail_room(room_id, &reason, out);
+        match self.prepare(room_id) {
+            Ok(Some(note)) => out.note(format!("room {room_id}: {note}")),
+            Ok(None) => {}
+            Err(reason) => self.fail_room(room_id, &reason, out),
         }
     }
 
     /// Plans every chunk of the room for every peer before anything is sent (a planning error moves no byte).
-    fn prepare(&mut self, room_id: u64) -> Result<(), String> {
+    fn prepare(&mut self, room_id: u64) -> Result<Option<String>, String> {
         let Some(request) = self.requests.get(&room_id) else {
             return Err(format!("room {room_id} is unknown to prefill {}", self.rank));
         };
         let room = &self.rooms[&room_id];
+        let (request, note) = self.with_early_chunk(request, room);
+        let request = &request;
         let mut chunks = vec![BTreeMap::new(); request.chunks.len()];
         for (node, meta) in &room.infos {
             if meta.is_dummy() {
@@ -206,7 +219,38 @@ impl PrefillEngine {
         }
         let room = self.rooms.get_mut(&room_id).expect("room exists");
         room.chunks = chunks;
-        Ok(())
+        Ok(note)
+    }
+
+    /// The request with its cached prefix as an early first chunk (domain.md §7), when early send is on, the cached
+    /// end (rounded down to the allocator page) lies inside the send range, and no peer of the room needs DCP
+    /// relayout (PR #37358 skips it then: the relayout plan covers the compute chunks).
+    fn with_early_chunk(&self, request: &Request, room: &Room) -> (Request, Option<String>) {
+        let page = self.topology.virtual_page_size();
+        let start =
+            room.infos.values().find(|meta| !meta.is_dummy()).map_or(request.decode_prefix, |m| m.decode_prefix_len);
+        let cached_end = request.cached_prefix / page * page;
+        if !self.early_send || cached_end <= start || cached_end >= request.tokens {
+            return (request.clone(), None);
+        }
+        for node in room.infos.keys() {
+            if let Some(PeerState { link: Ok((link, _)), .. }) = self.peers.get(node) {
+                if link.requires_relayout() {
+                    return (request.clone(), Some("early send skipped: a peer needs DCP relayout".to_owned()));
+                }
+            }
+        }
+        let mut chunks = vec![cached_end - start];
+        let mut boundary = start;
+        for tokens in &request.chunks {
+            let end = boundary + tokens;
+            if end > cached_end {
+                chunks.push(end - boundary.max(cached_end));
+            }
+            boundary = end;
+        }
+        let note = format!("early send of cached positions {start}..{cached_end}, chunks {chunks:?}");
+        (Request { chunks, ..request.clone() }, Some(note))
     }
 
     /// The plan's copies as writes between registered addresses, split to the fabric's largest message.

@@ -129,7 +129,8 @@ impl Sim {
                 regions.clone(),
                 &problem.requests,
                 options.caps,
-            );
+            )
+            .with_early_send(problem.early_send);
             prefill.push(Node { engine, nic, regions });
         }
         let mut decode = Vec::new();

@@ -399,6 +399,9 @@ pub struct Request {
     pub decode_pages: Vec<u32>,
     pub prefill_state: StateIndices,
     pub decode_state: StateIndices,
+    /// Tokens of the prompt resident in prefill's device cache (a radix hit): with early send enabled, prefill sends
+    /// the page-aligned cached part of the send range before computing the rest (domain.md §7).
+    pub cached_prefix: u32,
 }
 
 impl Request {
@@ -441,4 +444,6 @@ pub struct Problem {
     pub requests: Vec<Request>,
     /// What decode ranks put in their registrations.
     pub advertise: Advertise,
+    /// Prefill sends cached prefixes early (`SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX`, domain.md §7).
+    pub early_send: bool,
 }

@@ -284,6 +284,11 @@ impl Link {
         self.target
     }
 
+    /// Whether the peer needs token relayout (`requires_dcp_relayout`, domain.md §2.5): early send is skipped then.
+    pub fn requires_relayout(&self) -> bool {
+        matches!(self.mode, Mode::Relayout { .. })
+    }
+
     /// Whether this prefill rank sends the peer anything at all (a pure-MLA dummy does not).
     pub fn sends_anything(&self) -> bool {
         self.kv.is_some() || self.draft.is_some() || !self.state.is_empty() || self.aux.is_some()

@@ -184,6 +184,7 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         model,
         requests,
         advertise,
+        early_send: raw.prefill.early_send,
     };
     Ok((problem, expect))
 }
@@ -265,6 +266,9 @@ fn region_count(model: &ModelGeometry, topology: &Topology) -> u64 {
 
 /// `decode.registration`: what decode ranks advertise; prefill ranks do not register.
 fn lower_advertise(prefill: &RawSide, decode: &RawSide, diagnostics: &mut Diagnostics) -> Advertise {
+    if decode.early_send {
+        diagnostics.push("decode.early_send", "early send is a prefill option (fix: move it to prefill)");
+    }
     if prefill.registration.is_some() {
         diagnostics.push("prefill.registration", "prefill ranks do not register with decode (fix: move it to decode)");
     }
@@ -862,6 +866,7 @@ fn lower_requests(
             decode_pages: request.decode_pages.clone().unwrap_or_else(|| vec![0; decode_count]),
             prefill_state: state(0),
             decode_state: state(1),
+            cached_prefix: request.cached_prefix.min(request.tokens),
         });
     }
     requests

@@ -39,6 +39,8 @@
 //! | `requests[].prefill_pages` | [u32] | seeded allocator | allocator pages of the whole sequence |
 //! | `requests[].decode_pages` | [u32] | seeded allocator | allocator pages of the send range |
 //! | `requests[].decode_page_count` | u32 | enough | how many decode pages the allocator hands out |
+//! | `prefill.early_send` | bool | false | send each request's page-aligned cached prefix as an early chunk, unless a peer needs DCP relayout (domain.md §7) |
+//! | `requests[].cached_prefix` | u32 | 0 | tokens of the prompt cached on the prefill device (the early chunk ends at it, rounded down to the page) |
 //! | `requests[].state_pages[]` | list | window / all pages | `{component, prefill, decode}`: state page counts of a paged component |
 //! | `events` | bool | false | the golden file also records the engines' events: messages by kind, and how each request ended on each decode rank |
 //! | `expect` | `ok` or `{error: msg}` | required | the verdict: a clean transfer, or this exact planner error |
@@ -128,6 +130,8 @@ pub struct RawSide {
     pub draft_paged_physically: bool,
     pub kv_token_len: Option<u64>,
     pub registration: Option<RawRegistration>,
+    #[serde(default)]
+    pub early_send: bool,
 }
 
 /// `decode.registration`: what decode ranks advertise (domain.md §6.2); default: the truth, per-entry item lengths.
@@ -173,6 +177,8 @@ pub struct RawRequest {
     pub decode_page_count: Option<u32>,
     #[serde(default)]
     pub state_pages: Vec<RawStatePages>,
+    #[serde(default)]
+    pub cached_prefix: u32,
 }
 
 #[derive(Debug, Deserialize)]

@@ -285,3 +285,20 @@ fn dcp_relayout_rejects_one_sided_layer_ids() {
     let outcome = check_run(yaml);
     assert_eq!(outcome.plan.unwrap_err(), PlanError::OneSidedLayerMetadata);
 }
+
+/// domain.md §7 and PR #37358: with early send on, prefill sends the page-aligned cached prefix as an early chunk
+/// to a peer with the same layout, and skips it when a peer needs DCP relayout; both transfers stay byte-exact.
+#[rstest]
+#[case::same_layout("decode: {tp: 2, page_size: 16}", "early send of cached positions 32..64, chunks [32, 16, 22]")]
+#[case::dcp_relayout("decode: {tp: 2, dcp: 2, page_size: 16}", "early send skipped: a peer needs DCP relayout")]
+fn early_send_follows_the_peers_layout(#[case] decode: &str, #[case] note: &str) {
+    let yaml = format!(
+        "model: {{preset: deepseek-v2-lite, layers: 2}}\nprefill: {{early_send: true, page_size: 16}}\n{decode}\nrequests:\n  - {{tokens: 102, decode_prefix: 32, cached_prefix: 70, chunks: [48, 22]}}\nexpect: ok\n"
+    );
+    let options = kvrelay::engine::sim::SimOptions { trace: true, ..Default::default() };
+    let outcome =
+        kvrelay::harness::run_with(&scenario(&yaml), &kvrelay::harness::Budget::bytes(1 << 30), &options).unwrap();
+    assert!(outcome.passed(), "{}", outcome.failures.join("; "));
+    let trace = outcome.engine.unwrap().trace.join("\n");
+    assert!(trace.contains(note), "{trace}");
+}

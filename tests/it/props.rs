@@ -481,6 +481,38 @@ proptest! {
     fn rechunking_every_kind_yields_the_same_decode_image(shape in shapes_of(true), other_cuts in prop::collection::vec(any::<u32>(), 0..5)) {
         rechunking_keeps_the_image(&shape, &other_cuts)?;
     }
+
+    /// The cached-prefix early send of domain.md §7 (an early chunk up to the page-aligned cached end, skipped when
+    /// a peer needs DCP relayout) leaves the final decode image unchanged, whatever part of the prompt is cached.
+    #[test]
+    fn early_send_yields_the_same_decode_image(shape in shapes_of(true), cached in prop::collection::vec(0u32..=100, 1..4)) {
+        let plain = shape.yaml();
+        let early = with_early_send(&plain, &cached);
+        let first = harness::run(&scenario(&plain)).expect("within the memory budget");
+        let second = harness::run(&scenario(&early)).expect("within the memory budget");
+        prop_assert!(first.passed() && second.passed(), "{early}\n{}", second.failures.join("; "));
+        prop_assert!(first.observation.images == second.observation.images, "decode images differ with early send:\n{early}");
+    }
+}
+
+/// `yaml` with early send on and request `i` caching `percent[i % len]` % of its prompt.
+fn with_early_send(yaml: &str, percent: &[u32]) -> String {
+    let mut out = String::new();
+    let mut index = 0;
+    for line in yaml.lines() {
+        if let Some(rest) = line.strip_prefix("prefill: {") {
+            out.push_str(&format!("prefill: {{early_send: true, {rest}\n"));
+        } else if let Some(rest) = line.strip_prefix("  - {tokens: ") {
+            let tokens: u32 = rest.split(',').next().and_then(|it| it.trim().parse().ok()).unwrap_or(0);
+            let cached = tokens * percent[index % percent.len()] / 100;
+            out.push_str(&format!("  - {{cached_prefix: {cached}, tokens: {rest}\n"));
+            index += 1;
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 proptest! {

@@ -81,3 +81,21 @@ fn one_decode_rank_is_judged_from_its_own_memory_alone() {
         assert_eq!(alone.is_empty(), layout.rank != broken);
     }
 }
+
+/// domain.md §6.4: a request that fails (here request 1's decode prefix is not a whole DCP8 virtual page) does not
+/// hold up an unrelated one on the same connections: request 0 ends exactly when it ends with request 1 absent.
+#[test]
+fn a_failing_request_does_not_delay_an_unrelated_one() {
+    let base = "model: {preset: kimi-k3, state: []}\nprefill: {pp: 2, page_size: 64}\ndecode: {tp: 8, dcp: 8, page_size: 64}\nrequests:\n  - {tokens: 1200, chunks: [512, 512, 176]}\n";
+    let alone = format!("{base}expect: ok\n");
+    let beside = format!(
+        "{base}  - {{tokens: 900, decode_prefix: 100}}\nexpect: {{error: \"PD DCP transfer requires decode_prefix_len to align to the virtual DCP page size (V=512), got 100\", requests: [1]}}\n"
+    );
+    let ended = |yaml: &str| {
+        let outcome = check_run(yaml);
+        let run = outcome.engine.expect("the engines ran");
+        run.rooms.values().map(|rooms| rooms[&0].ended_ns.expect("request 0 ended")).max().unwrap()
+    };
+    let (alone, beside) = (ended(&alone), ended(&beside));
+    assert!(beside <= alone, "request 0 ended at {beside} ns beside a failing request, {alone} ns alone");
+}
