@@ -1,6 +1,7 @@
 //! kvrelay: byte-exact simulation and conformance harness for prefill → decode KV-cache transfer.
 //!
-//! The pipeline is scenario → problem → plan → execution on a transport → observation → verdict.
+//! The pipeline is scenario → problem → per-rank engines over the wire and the verbs seam → observation → verdict
+//! per decode rank.
 //! ARCHITECTURE.md has the full map; the modules, in dependency order:
 //!
 //! - [`model`]: pure vocabulary (ranks, topologies, model geometry, registered regions, requests).
@@ -8,13 +9,16 @@
 //! - [`limits`]: every size, count and depth limit, in one place (README.md lists them).
 //! - [`seed`]: the one seeded generator ([`seed::SimRng`], Xoshiro256++) and its named sub-streams.
 //! - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows YAML.
-//! - [`plan`]: the pure planner, `plan(&Problem) -> Result<Plan, PlanError>` (domain.md §2–§4).
+//! - [`plan`]: the pure planner: `link(Local, &Peer)` per connection from a decoded registration, `Link::chunk_groups`
+//!   per chunk, and `plan(&Problem)` composing them (domain.md §2–§4, §6.3).
 //! - [`verify`]: the independent oracle; the source byte pattern, row decoding and `check`. Never calls `plan`.
 //! - [`wire`]: the Mori control messages as bytes (registration, request metadata, status; domain.md §6.2).
 //! - [`fabric`]: the verbs-shaped seam [`fabric::verbs::Endpoint`] and its in-memory, simulated-time
 //!   [`fabric::world::SimWorld`]; the older [`fabric::Transport`] and [`fabric::SimFabric`], which `exec` still uses.
-//! - [`exec`]: drives a plan over any transport and reads back an [`verify::Observation`].
-//! - [`harness`]: one scenario end to end and its pass/fail judgement.
+//! - [`engine`]: prefill and decode ranks as sans-IO engines (domain.md §6) and the deterministic simulation that
+//!   drives them over [`fabric::world::SimWorld`].
+//! - [`exec`]: the direct execution of a composed plan on one transport (the benchmark's baseline).
+//! - [`harness`]: one scenario end to end through the engines and its pass/fail judgement.
 //! - [`render`]: stable text for golden files and the CLI.
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
 

@@ -12,7 +12,7 @@ use super::handshake::{classify, Kind};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
 use crate::fabric::verbs::{Caps, Endpoint, FabricError, MemoryRegion, NodeId, WorkCompletion};
 use crate::fabric::world::{SimEndpoint, SimWorld};
-use crate::model::{Problem, RankId, Side, Topology};
+use crate::model::{Problem, RankId, RankLayout, Side, Topology};
 use crate::plan::peer;
 use crate::verify::{pattern, Observation, RegionKey, Sources, Verdicts, WriteRecord};
 use crate::wire::{KvPoll, MemoryDesc, PrefillInfo, RequestMeta, Status};
@@ -112,15 +112,9 @@ impl Sim {
         let mut names = BTreeMap::new();
         let mut prefill = Vec::new();
         for layout in &problem.prefill.ranks {
-            let node = NodeId(names.len() as u32);
-            names.insert(node, format!("prefill {}", layout.rank));
-            let mut nic = world.endpoint(node);
-            let mut regions = Vec::new();
-            for (index, region) in layout.regions.iter().enumerate() {
-                let mut bytes = vec![0u8; region.len_bytes() as usize];
-                pattern::fill_source(sources.number(layout.rank, index as u32), &mut bytes);
-                regions.push(nic.register(bytes)?);
-            }
+            let (nic, regions) = rank_node(&world, &mut names, "prefill", layout, |index, bytes| {
+                pattern::fill_source(sources.number(layout.rank, index), bytes);
+            })?;
             let engine = PrefillEngine::new(
                 layout.rank,
                 problem.model.clone(),
@@ -135,15 +129,8 @@ impl Sim {
         }
         let mut decode = Vec::new();
         for layout in &problem.decode.ranks {
-            let node = NodeId(names.len() as u32);
-            names.insert(node, format!("decode {}", layout.rank));
-            let mut nic = world.endpoint(node);
-            let mut regions = Vec::new();
-            for region in &layout.regions {
-                let mut bytes = vec![0u8; region.len_bytes() as usize];
-                pattern::fill_sentinel(&mut bytes);
-                regions.push(nic.register(bytes)?);
-            }
+            let (nic, regions) =
+                rank_node(&world, &mut names, "decode", layout, |_, bytes| pattern::fill_sentinel(bytes))?;
             let descs: Vec<MemoryDesc> = regions
                 .iter()
                 .map(|region| MemoryDesc { address: region.addr, length_bytes: region.len, rkey: region.rkey })
@@ -336,6 +323,26 @@ impl Sim {
             messages: self.messages,
         })
     }
+}
+
+/// A new node for one rank with every region of `layout` registered, each filled by `fill(region index, bytes)`.
+fn rank_node(
+    world: &SimWorld,
+    names: &mut BTreeMap<NodeId, String>,
+    side: &str,
+    layout: &RankLayout,
+    mut fill: impl FnMut(u32, &mut [u8]),
+) -> Result<(SimEndpoint, Vec<MemoryRegion>), FabricError> {
+    let node = NodeId(names.len() as u32);
+    names.insert(node, format!("{side} {}", layout.rank));
+    let mut nic = world.endpoint(node);
+    let mut regions = Vec::new();
+    for (index, region) in layout.regions.iter().enumerate() {
+        let mut bytes = vec![0u8; region.len_bytes() as usize];
+        fill(index as u32, &mut bytes);
+        regions.push(nic.register(bytes)?);
+    }
+    Ok((nic, regions))
 }
 
 /// The kind of a message, for counting.

@@ -112,6 +112,20 @@ fn fabric_seam_knows_no_plan() {
     }
 }
 
+/// Engines see the decode side only through the wire and the planner, and never judge themselves: no oracle.
+#[test]
+fn engines_never_call_the_oracle() {
+    for path in files(&root().join("src/engine"), "rs") {
+        if path.ends_with("sim.rs") {
+            continue; // the driver fills memory with the oracle's pattern before the engines start
+        }
+        let text = read(&path);
+        for word in ["crate::verify", "verify::", "fabric::world", "std::time", "tokio"] {
+            assert!(!text.contains(word), "{} uses `{word}`: engines are sans-IO and never judge", path.display());
+        }
+    }
+}
+
 /// The wire codec is the bottom of the control plane: it may not depend on the planner or the oracle.
 #[test]
 fn wire_imports_nothing_from_plan_or_verify() {
