@@ -9,6 +9,7 @@ use crate::model::{Problem, RankId, Side};
 use crate::plan::{Plan, TransferKind};
 use crate::scenario::{Expectation, Scenario};
 use crate::verify::{item_noun, tensor_name, Described, Observation, Origin, RegionKey, Run, Sources, Violation};
+use crate::wire::KvPoll;
 
 /// Violations shown in a rendering; the rest are counted.
 const VIOLATIONS_SHOWN: usize = 40;
@@ -70,6 +71,16 @@ pub fn events(outcome: &Outcome) -> String {
             };
             let at = room.ended_ns.map_or(String::new(), |ns| format!(" at {:.3} us", ns as f64 / 1e3));
             let _ = writeln!(out, "  decode {rank}: request {id} {ended}{at}");
+        }
+    }
+    for (rank, rooms) in &run.prefill_rooms {
+        for (id, (poll, reason)) in rooms.iter().filter(|(_, (poll, _))| *poll != Some(KvPoll::Success)) {
+            let ended = match (reason, poll) {
+                (Some(reason), _) => format!("Failed: {reason}"),
+                (None, Some(poll)) => format!("{poll:?}"),
+                (None, None) => "never ready".to_owned(),
+            };
+            let _ = writeln!(out, "  prefill {rank}: request {id} {ended}");
         }
     }
     out

@@ -52,6 +52,10 @@ struct Room {
     /// Per peer, writes queued or in flight.
     outstanding: BTreeMap<NodeId, usize>,
     reported: Vec<NodeId>,
+    /// Peers this rank refused at registration, with the reason: their statuses are Failed.
+    refused: BTreeMap<NodeId, String>,
+    /// Why the room failed on this rank, if it did.
+    reason: Option<String>,
 }
 
 /// The send queue of one queue pair: writes waiting for credits and writes posted but not yet confirmed.
@@ -123,6 +127,11 @@ impl PrefillEngine {
     /// Writes confirmed so far (the fabric's log, not the plan's claims).
     pub fn written(&self) -> &[Written] {
         &self.written
+    }
+
+    /// How each room ended on this rank (`None`: still going, or never became ready), and why it failed.
+    pub fn rooms(&self) -> BTreeMap<u64, (Option<KvPoll>, Option<String>)> {
+        self.rooms.iter().map(|(id, room)| (*id, (room.poll, room.reason.clone()))).collect()
     }
 
     /// `prefill_unique_rank` of domain.md §6.1 (CP 1).
@@ -201,12 +210,19 @@ impl PrefillEngine {
         let (request, note) = self.with_early_chunk(request, room);
         let request = &request;
         let mut chunks = vec![BTreeMap::new(); request.chunks.len()];
+        let mut refused = BTreeMap::new();
         for (node, meta) in &room.infos {
-            if meta.is_dummy() {
-                continue;
-            }
             let peer = self.peers.get(node).ok_or_else(|| format!("no registration from peer {node}"))?;
-            let (link, descs) = peer.link.as_ref().map_err(Clone::clone)?;
+            let (link, descs) = match (&peer.link, meta.is_dummy()) {
+                // A peer whose registration this rank refused fails on both sides with the refusal's text; the
+                // room goes on for the other peers (domain.md §6.4).
+                (Err(reason), _) => {
+                    refused.insert(*node, reason.clone());
+                    continue;
+                }
+                (Ok(_), true) => continue,
+                (Ok((link, descs)), false) => (link, descs),
+            };
             if !link.sends_anything() {
                 continue;
             }
@@ -219,6 +235,7 @@ impl PrefillEngine {
         }
         let room = self.rooms.get_mut(&room_id).expect("room exists");
         room.chunks = chunks;
+        room.refused = refused;
         Ok(note)
     }
 
@@ -401,13 +418,22 @@ impl PrefillEngine {
                 continue;
             }
             room.reported.push(node);
-            let status =
-                Status { room: room_id, status: KvPoll::Success, prefill_unique_rank: unique, reason: String::new() };
-            out.send(node, status.encode());
+            let (status, reason) = match room.refused.get(&node) {
+                Some(reason) => (KvPoll::Failed, reason.clone()),
+                None => (KvPoll::Success, String::new()),
+            };
+            out.send(node, Status { room: room_id, status, prefill_unique_rank: unique, reason }.encode());
         }
         if room.reported.len() == room.infos.len() {
-            room.poll = Some(KvPoll::Success);
-            out.note(format!("room {room_id}: Success"));
+            let failed = room.refused.values().next().cloned();
+            room.poll = Some(if failed.is_some() { KvPoll::Failed } else { KvPoll::Success });
+            match &failed {
+                Some(reason) => {
+                    out.note(format!("room {room_id}: Failed for {} refused peers: {reason}", room.refused.len()))
+                }
+                None => out.note(format!("room {room_id}: Success")),
+            }
+            room.reason = failed;
         }
     }
 
@@ -419,6 +445,7 @@ impl PrefillEngine {
             return;
         }
         room.poll = Some(KvPoll::Failed);
+        room.reason = Some(reason.to_owned());
         room.chunks.clear();
         out.note(format!("room {room_id}: Failed: {reason}"));
         for node in room.infos.keys() {

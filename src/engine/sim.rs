@@ -48,6 +48,8 @@ pub struct SimRun {
     pub observation: Observation,
     /// How each request ended on each decode rank.
     pub rooms: BTreeMap<RankId, BTreeMap<u64, RoomState>>,
+    /// How each request ended on each prefill rank (`None`: it never became ready there).
+    pub prefill_rooms: BTreeMap<RankId, BTreeMap<u64, (Option<KvPoll>, Option<String>)>>,
     /// Message and event log (when asked for).
     pub trace: Vec<String>,
     /// Simulated time at the end.
@@ -231,6 +233,9 @@ impl Sim {
             let node = &mut self.prefill[index];
             while node.nic.poll_cq(&mut completions, 4096) > 0 {}
             let mut out = Outbox::default();
+            if self.trace.is_some() && !completions.is_empty() {
+                out.note(completion_summary(&completions));
+            }
             for completion in completions.drain(..) {
                 node.engine.on_completion(completion, &mut node.nic, &mut out);
             }
@@ -307,6 +312,7 @@ impl Sim {
                 observation.writes.push(WriteRecord { target, offset: written.offset, length: written.length });
             }
         }
+        let prefill_rooms = self.prefill.iter().map(|node| (node.engine.rank(), node.engine.rooms())).collect();
         let mut rooms = BTreeMap::new();
         for (node, layout) in self.decode.iter_mut().zip(&problem.decode.ranks) {
             for (index, region) in node.regions.iter().enumerate() {
@@ -318,6 +324,7 @@ impl Sim {
         Ok(SimRun {
             observation,
             rooms,
+            prefill_rooms,
             trace: self.trace.unwrap_or_default(),
             end_ns: self.now,
             messages: self.messages,
@@ -343,6 +350,25 @@ fn rank_node(
         regions.push(nic.register(bytes)?);
     }
     Ok((nic, regions))
+}
+
+/// One trace line for a batch of polled completions: how many, on which queue pairs, with which statuses.
+fn completion_summary(completions: &[WorkCompletion]) -> String {
+    let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
+    let mut qps: Vec<u32> = completions.iter().map(|completion| completion.qp.0).collect();
+    qps.sort_unstable();
+    qps.dedup();
+    for completion in completions {
+        *statuses.entry(format!("{:?}", completion.status)).or_default() += 1;
+    }
+    let statuses: Vec<String> = statuses.iter().map(|(status, count)| format!("{count} {status}")).collect();
+    let last = completions.last().map_or(0, |completion| completion.wr_id);
+    format!(
+        "{} completions on {} queue pairs ({}), up to work request {last}",
+        completions.len(),
+        qps.len(),
+        statuses.join(", ")
+    )
 }
 
 /// The kind of a message, for counting.
