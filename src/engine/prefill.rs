@@ -130,7 +130,7 @@ impl PrefillEngine {
     }
 
     /// How each room ended on this rank (`None`: still going, or never became ready), and why it failed.
-    pub fn rooms(&self) -> BTreeMap<u64, (Option<KvPoll>, Option<String>)> {
+    pub fn rooms(&self) -> BTreeMap<u64, super::sim::PrefillRoom> {
         self.rooms.iter().map(|(id, room)| (*id, (room.poll, room.reason.clone()))).collect()
     }
 

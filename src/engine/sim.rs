@@ -41,6 +41,9 @@ impl Default for SimOptions {
     }
 }
 
+/// How a request ended on a prefill rank (`None`: it never became ready there), and why it failed.
+pub type PrefillRoom = (Option<KvPoll>, Option<String>);
+
 /// What a simulated run left behind.
 #[derive(Debug)]
 pub struct SimRun {
@@ -49,7 +52,7 @@ pub struct SimRun {
     /// How each request ended on each decode rank.
     pub rooms: BTreeMap<RankId, BTreeMap<u64, RoomState>>,
     /// How each request ended on each prefill rank (`None`: it never became ready there).
-    pub prefill_rooms: BTreeMap<RankId, BTreeMap<u64, (Option<KvPoll>, Option<String>)>>,
+    pub prefill_rooms: BTreeMap<RankId, BTreeMap<u64, PrefillRoom>>,
     /// Message and event log (when asked for).
     pub trace: Vec<String>,
     /// Simulated time at the end.

@@ -108,7 +108,7 @@ fuzz_target!(|data: &[u8]| {
             return;
         }
     };
-    if let Ok(outcome) = harness::run_with(&scenario, &Budget::bytes(BUDGET)) {
+    if let Ok(outcome) = harness::run_with(&scenario, &Budget::bytes(BUDGET), &Default::default()) {
         let _ = kvrelay::render::golden(&scenario, &outcome);
     }
 });
