@@ -18,6 +18,7 @@ mod decode;
 mod handshake;
 mod prefill;
 pub mod sim;
+mod tasks;
 
 pub use decode::DecodeEngine;
 pub use prefill::PrefillEngine;

@@ -83,27 +83,33 @@ impl SimRun {
 }
 
 /// A rank of the simulation: its engine and its endpoint.
-struct Node<E> {
-    engine: E,
-    nic: SimEndpoint,
-    regions: Vec<MemoryRegion>,
+pub(super) struct Node<E> {
+    pub(super) engine: E,
+    pub(super) nic: SimEndpoint,
+    pub(super) regions: Vec<MemoryRegion>,
 }
 
 /// The simulated deployment being run.
-struct Sim {
-    world: SimWorld,
-    prefill: Vec<Node<PrefillEngine>>,
-    decode: Vec<Node<DecodeEngine>>,
-    names: BTreeMap<NodeId, String>,
+pub(super) struct Sim {
+    pub(super) world: SimWorld,
+    pub(super) prefill: Vec<Node<PrefillEngine>>,
+    pub(super) decode: Vec<Node<DecodeEngine>>,
+    pub(super) names: BTreeMap<NodeId, String>,
     network: BTreeMap<(u64, u64), (NodeId, Envelope)>,
     sequence: u64,
-    now: u64,
-    trace: Option<Vec<String>>,
-    messages: BTreeMap<&'static str, u64>,
+    pub(super) now: u64,
+    pub(super) trace: Option<Vec<String>>,
+    pub(super) messages: BTreeMap<&'static str, u64>,
 }
 
-/// Runs `problem` through the engines on a fresh in-memory fabric.
+/// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
 pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
+    let sim = Sim::build(problem, options)?;
+    super::tasks::drive(sim, problem, options.time_limit_ns)?.finish(problem)
+}
+
+/// [`run`] with the single-threaded event loop instead of tasks (the same engines, stepped by hand).
+pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
     let mut sim = Sim::build(problem, options)?;
     sim.start(problem);
     sim.run_loop(options.time_limit_ns);
@@ -111,7 +117,7 @@ pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricErro
 }
 
 impl Sim {
-    fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, FabricError> {
+    pub(super) fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, FabricError> {
         let world = SimWorld::new(options.caps);
         let sources = Sources::new(problem);
         let mut names = BTreeMap::new();
@@ -164,8 +170,9 @@ impl Sim {
         })
     }
 
-    /// Bootstrap: prefill rank 0's published topology (through the wire) and the directory of prefill ranks.
-    fn start(&mut self, problem: &Problem) {
+    /// Bootstrap (domain.md §6.1 steps 1-2): prefill rank 0's published topology, through the wire, and the
+    /// directory of prefill ranks.
+    pub(super) fn bootstrap(&self, problem: &Problem) -> (Topology, BTreeMap<RankId, NodeId>) {
         let topology = &problem.prefill.topology;
         let info = PrefillInfo {
             ip: "127.0.0.1".to_owned(),
@@ -185,9 +192,12 @@ impl Sim {
             dcp: info.dcp_size,
             page_size: info.page_size,
         });
-        let published = published.unwrap_or(*topology);
-        let directory: BTreeMap<RankId, NodeId> =
-            self.prefill.iter().map(|node| (node.engine.rank(), node.nic.node())).collect();
+        let directory = self.prefill.iter().map(|node| (node.engine.rank(), node.nic.node())).collect();
+        (published.unwrap_or(*topology), directory)
+    }
+
+    pub(super) fn start(&mut self, problem: &Problem) {
+        let (published, directory) = self.bootstrap(problem);
         for index in 0..self.decode.len() {
             let mut out = Outbox::default();
             let node = &mut self.decode[index];
@@ -197,7 +207,7 @@ impl Sim {
         }
     }
 
-    fn dispatch(&mut self, from: NodeId, out: Outbox) {
+    pub(super) fn dispatch(&mut self, from: NodeId, out: Outbox) {
         if let Some(trace) = &mut self.trace {
             for note in &out.notes {
                 trace.push(format!("{:>12.3} us  {}: {note}", self.now as f64 / 1e3, self.names[&from]));
@@ -294,7 +304,7 @@ impl Sim {
         }
     }
 
-    fn trace_message(&mut self, from: NodeId, envelope: &Envelope) {
+    pub(super) fn trace_message(&mut self, from: NodeId, envelope: &Envelope) {
         let Some(trace) = &mut self.trace else { return };
         let what = describe(&envelope.frames);
         let line = format!(
@@ -307,7 +317,7 @@ impl Sim {
     }
 
     /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
-    fn finish(mut self, problem: &Problem) -> Result<SimRun, FabricError> {
+    pub(super) fn finish(mut self, problem: &Problem) -> Result<SimRun, FabricError> {
         let mut observation = Observation::default();
         for node in &self.prefill {
             for written in node.engine.written() {
@@ -356,7 +366,7 @@ fn rank_node(
 }
 
 /// One trace line for a batch of polled completions: how many, on which queue pairs, with which statuses.
-fn completion_summary(completions: &[WorkCompletion]) -> String {
+pub(super) fn completion_summary(completions: &[WorkCompletion]) -> String {
     let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
     let mut qps: Vec<u32> = completions.iter().map(|completion| completion.qp.0).collect();
     qps.sort_unstable();
@@ -375,7 +385,7 @@ fn completion_summary(completions: &[WorkCompletion]) -> String {
 }
 
 /// The kind of a message, for counting.
-fn kind_name(frames: &[Vec<u8>]) -> &'static str {
+pub(super) fn kind_name(frames: &[Vec<u8>]) -> &'static str {
     match classify(frames) {
         Kind::Registration => "registration",
         Kind::Link => "link",
@@ -386,7 +396,7 @@ fn kind_name(frames: &[Vec<u8>]) -> &'static str {
 }
 
 /// One line naming a message by its decoded content.
-fn describe(frames: &[Vec<u8>]) -> String {
+pub(super) fn describe(frames: &[Vec<u8>]) -> String {
     match classify(frames) {
         Kind::Registration => format!("registration ({} frames)", frames.len()),
         Kind::Link => match super::handshake::LinkAck::decode(frames) {

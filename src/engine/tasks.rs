@@ -1,0 +1,298 @@
+//! The tokio driver: every rank as its own task on a current-thread runtime with a paused clock, as it would be
+//! one process per rank, with the control network and the fabric as tasks too.
+//!
+//! Time is tokio's: the paused clock jumps to the next sleeping deadline whenever every task waits, so a run takes
+//! no wall time beyond its work and is reproducible (no IO, no randomness: every `select!` is `biased`, delivery is
+//! FIFO per destination). Tokio's timers have millisecond resolution, so one simulated nanosecond is one virtual
+//! millisecond of the paused clock (exact, and free: nothing really waits). The `SimWorld` is advanced to the
+//! clock before any engine posts or polls, so posts start at the engine's own instant.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch, Notify};
+use tokio::time::{sleep_until, Instant};
+
+use super::sim::{completion_summary, kind_name, Node, Sim, CONTROL_LATENCY_NS};
+use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
+use crate::fabric::verbs::{Endpoint, FabricError, NodeId, WorkCompletion};
+use crate::fabric::world::SimWorld;
+use crate::model::{Problem, RankId, Topology};
+
+/// A message on its way: when it arrives, who sent it, what it is.
+type InFlight = (u64, NodeId, Envelope);
+
+/// What every task shares: the clock's origin, the network's queues, the fabric's doorbell and the log.
+struct Context {
+    start: std::cell::Cell<Instant>,
+    world: SimWorld,
+    /// One queue per destination node, FIFO in send order.
+    links: Vec<mpsc::UnboundedSender<InFlight>>,
+    /// Rung after every post, so the fabric task looks at its next delivery again.
+    doorbell: Rc<Notify>,
+    /// Rung (per node) after every delivery, so the node polls its completion queue.
+    completions: Vec<Rc<Notify>>,
+    log: RefCell<Log>,
+}
+
+/// The trace and the message counts, kept as `Sim` keeps them.
+struct Log {
+    names: BTreeMap<NodeId, String>,
+    trace: Option<Vec<String>>,
+    messages: BTreeMap<&'static str, u64>,
+}
+
+impl Context {
+    /// Simulated nanoseconds since the start (virtual milliseconds of the paused clock).
+    fn now(&self) -> u64 {
+        (Instant::now() - self.start.get()).as_millis() as u64
+    }
+
+    fn at(&self, ns: u64) -> Instant {
+        self.start.get() + Duration::from_millis(ns)
+    }
+
+    /// Brings the fabric up to the task's instant and tells every node to look at its completion queue.
+    fn sync_fabric(&self) {
+        let now = self.now();
+        if self.world.next_event().is_some_and(|next| next <= now) {
+            self.world.advance_to(now);
+            self.completions.iter().for_each(|notify| notify.notify_one());
+        } else if self.world.now() < now {
+            self.world.advance_to(now);
+        }
+    }
+
+    /// Sends an engine's messages with the control latency and logs its notes.
+    fn dispatch(&self, from: NodeId, out: Outbox) {
+        let now = self.now();
+        let mut log = self.log.borrow_mut();
+        let name = log.names[&from].clone();
+        if let Some(trace) = &mut log.trace {
+            trace.extend(out.notes.iter().map(|note| format!("{:>12.3} us  {name}: {note}", now as f64 / 1e3)));
+        }
+        for envelope in out.messages {
+            if let Some(link) = self.links.get(envelope.to.0 as usize) {
+                let _ = link.send((now + CONTROL_LATENCY_NS, from, envelope));
+            }
+        }
+        self.doorbell.notify_one();
+    }
+
+    fn delivered(&self, from: NodeId, envelope: &Envelope) {
+        let now = self.now();
+        let mut log = self.log.borrow_mut();
+        *log.messages.entry(kind_name(&envelope.frames)).or_default() += 1;
+        let line = format!(
+            "{:>12.3} us  {} -> {}: {}",
+            now as f64 / 1e3,
+            log.names[&from],
+            log.names.get(&envelope.to).map_or("?", String::as_str),
+            super::sim::describe(&envelope.frames)
+        );
+        if let Some(trace) = &mut log.trace {
+            trace.push(line);
+        }
+    }
+}
+
+/// Runs the built simulation on a paused current-thread runtime; returns it with its log for `Sim::finish`.
+pub(super) fn drive(mut sim: Sim, problem: &Problem, limit_ns: u64) -> Result<Sim, FabricError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|_| FabricError::Exhausted("a tokio runtime"))?;
+    let local = tokio::task::LocalSet::new();
+    let bootstrap = sim.bootstrap(problem);
+    let nodes = sim.prefill.len() + sim.decode.len();
+    let (links, inboxes): (Vec<_>, Vec<_>) = (0..nodes).map(|_| mpsc::unbounded_channel()).unzip();
+    let context = Rc::new(Context {
+        start: std::cell::Cell::new(Instant::now()),
+        world: sim.world.clone(),
+        links,
+        doorbell: Rc::new(Notify::new()),
+        completions: (0..nodes).map(|_| Rc::new(Notify::new())).collect(),
+        log: RefCell::new(Log { names: sim.names.clone(), trace: sim.trace.take(), messages: BTreeMap::new() }),
+    });
+    let prefill = std::mem::take(&mut sim.prefill);
+    let decode = std::mem::take(&mut sim.decode);
+    let (prefill, decode) =
+        local.block_on(&runtime, run_tasks(context.clone(), prefill, decode, inboxes, bootstrap, limit_ns));
+    sim.prefill = prefill;
+    sim.decode = decode;
+    sim.now = context.now();
+    let log = context.log.replace(Log { names: BTreeMap::new(), trace: None, messages: BTreeMap::new() });
+    sim.trace = log.trace;
+    sim.messages = log.messages;
+    Ok(sim)
+}
+
+/// Spawns the network, the fabric and one task per rank; returns every rank's node once the decode ranks are done
+/// (or the time limit passed).
+async fn run_tasks(
+    context: Rc<Context>,
+    prefill: Vec<Node<PrefillEngine>>,
+    decode: Vec<Node<DecodeEngine>>,
+    inboxes: Vec<mpsc::UnboundedReceiver<InFlight>>,
+    bootstrap: (Topology, BTreeMap<RankId, NodeId>),
+    limit_ns: u64,
+) -> (Vec<Node<PrefillEngine>>, Vec<Node<DecodeEngine>>) {
+    // The paused clock starts with the runtime: measure simulated time from here.
+    context.start.set(Instant::now());
+    let (stop, stopped) = watch::channel(false);
+    let mut queues = Vec::new();
+    for mut inbox in inboxes {
+        let (deliver, queue) = mpsc::unbounded_channel();
+        queues.push(queue);
+        let context = context.clone();
+        tokio::task::spawn_local(async move {
+            while let Some((at, from, envelope)) = inbox.recv().await {
+                sleep_until(context.at(at)).await;
+                let _ = deliver.send((from, envelope));
+            }
+        });
+    }
+    tokio::task::spawn_local(fabric(context.clone(), stopped.clone()));
+    let mut queues = queues.into_iter();
+    let prefill: Vec<_> = prefill
+        .into_iter()
+        .map(|node| {
+            let queue = queues.next().expect("a queue per node");
+            tokio::task::spawn_local(prefill_rank(context.clone(), node, queue, stopped.clone()))
+        })
+        .collect();
+    let finished = Rc::new(Finished { count: std::cell::Cell::new(0), notify: Notify::new() });
+    let decode_count = decode.len();
+    let decode: Vec<_> = decode
+        .into_iter()
+        .map(|node| {
+            let queue = queues.next().expect("a queue per node");
+            let rank = DecodeRank { bootstrap: bootstrap.clone(), limit_ns, finished: finished.clone() };
+            tokio::task::spawn_local(decode_rank(context.clone(), node, queue, rank, stopped.clone()))
+        })
+        .collect();
+    // Every rank keeps serving (a finished decode rank still takes late statuses) until all decode ranks are done.
+    while finished.count.get() < decode_count {
+        finished.notify.notified().await;
+    }
+    let _ = stop.send(true);
+    let mut decoded = Vec::new();
+    for handle in decode {
+        decoded.push(handle.await.expect("a decode task never panics"));
+    }
+    let mut prefilled = Vec::new();
+    for handle in prefill {
+        prefilled.push(handle.await.expect("a prefill task never panics"));
+    }
+    (prefilled, decoded)
+}
+
+/// The fabric: sleeps until the next delivery, executes it, and rings the nodes.
+async fn fabric(context: Rc<Context>, mut stopped: watch::Receiver<bool>) {
+    loop {
+        let next = context.world.next_event();
+        tokio::select! {
+            biased;
+            _ = stopped.changed() => return,
+            _ = context.doorbell.notified() => {}
+            _ = sleep_until(context.at(next.unwrap_or(0))), if next.is_some() => context.sync_fabric(),
+        }
+    }
+}
+
+async fn prefill_rank(
+    context: Rc<Context>,
+    mut node: Node<PrefillEngine>,
+    mut inbox: mpsc::UnboundedReceiver<(NodeId, Envelope)>,
+    mut stopped: watch::Receiver<bool>,
+) -> Node<PrefillEngine> {
+    let me = node.nic.node();
+    let ring = context.completions[me.0 as usize].clone();
+    let mut completions: Vec<WorkCompletion> = Vec::new();
+    loop {
+        let timer = node.engine.next_timer();
+        let mut out = Outbox::default();
+        tokio::select! {
+            biased;
+            _ = stopped.changed() => return node,
+            _ = ring.notified() => {
+                context.sync_fabric();
+                while node.nic.poll_cq(&mut completions, 4096) > 0 {}
+                if context.log.borrow().trace.is_some() && !completions.is_empty() {
+                    out.note(completion_summary(&completions));
+                }
+                for completion in completions.drain(..) {
+                    node.engine.on_completion(completion, &mut node.nic, &mut out);
+                }
+            }
+            Some((from, envelope)) = inbox.recv() => {
+                context.sync_fabric();
+                context.delivered(from, &envelope);
+                node.engine.on_message(context.now(), from, &envelope.frames, &mut node.nic, &mut out);
+            }
+            _ = sleep_until(context.at(timer.unwrap_or(0))), if timer.is_some() => {
+                context.sync_fabric();
+                node.engine.on_tick(context.now(), &mut node.nic, &mut out);
+            }
+        }
+        context.dispatch(me, out);
+    }
+}
+
+/// What a decode task needs besides its node: the bootstrap, the time limit, and where to say it is done.
+struct DecodeRank {
+    bootstrap: (Topology, BTreeMap<RankId, NodeId>),
+    limit_ns: u64,
+    finished: Rc<Finished>,
+}
+
+/// How many decode ranks are done (every room ended, or the time limit passed).
+struct Finished {
+    count: std::cell::Cell<usize>,
+    notify: Notify,
+}
+
+async fn decode_rank(
+    context: Rc<Context>,
+    mut node: Node<DecodeEngine>,
+    mut inbox: mpsc::UnboundedReceiver<(NodeId, Envelope)>,
+    rank: DecodeRank,
+    mut stopped: watch::Receiver<bool>,
+) -> Node<DecodeEngine> {
+    let me = node.nic.node();
+    let mut out = Outbox::default();
+    node.engine.start(context.now(), &rank.bootstrap.0, &rank.bootstrap.1, &mut node.nic, &mut out);
+    context.dispatch(me, out);
+    let ring = context.completions[me.0 as usize].clone();
+    let mut completions: Vec<WorkCompletion> = Vec::new();
+    let mut reported = false;
+    loop {
+        if !reported && (node.engine.done() || context.now() > rank.limit_ns) {
+            reported = true;
+            rank.finished.count.set(rank.finished.count.get() + 1);
+            rank.finished.notify.notify_one();
+        }
+        let timer = node.engine.next_timer().filter(|_| !reported).map(|timer| timer.min(rank.limit_ns + 1));
+        let mut out = Outbox::default();
+        tokio::select! {
+            biased;
+            _ = stopped.changed() => return node,
+            _ = ring.notified() => {
+                while node.nic.poll_cq(&mut completions, 4096) > 0 {}
+                completions.clear();
+            }
+            Some((from, envelope)) = inbox.recv() => {
+                context.sync_fabric();
+                context.delivered(from, &envelope);
+                node.engine.on_message(context.now(), from, &envelope.frames, &mut node.nic, &mut out);
+            }
+            _ = sleep_until(context.at(timer.unwrap_or(0))), if timer.is_some() => {
+                node.engine.on_tick(context.now(), &mut out);
+            }
+        }
+        context.dispatch(me, out);
+    }
+}
