@@ -2,8 +2,7 @@
 //! decode rank, and the judgement against the scenario's expectation.
 
 use crate::engine::sim::{self, SimOptions, SimRun};
-use crate::exec;
-use crate::fabric::SimFabric;
+use crate::exec::{self, SimFabric};
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
 use crate::model::{Problem, RankId};
 use crate::plan::{self, Plan, PlanError};

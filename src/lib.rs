@@ -14,10 +14,11 @@
 //! - [`verify`]: the independent oracle; the source byte pattern, row decoding and `check`. Never calls `plan`.
 //! - [`wire`]: the Mori control messages as bytes (registration, request metadata, status; domain.md §6.2).
 //! - [`fabric`]: the verbs-shaped seam [`fabric::verbs::Endpoint`] and its in-memory, simulated-time
-//!   [`fabric::world::SimWorld`]; the older [`fabric::Transport`] and [`fabric::SimFabric`], which `exec` still uses.
+//!   [`fabric::world::SimWorld`]; nothing here knows plans, models or the oracle.
 //! - [`engine`]: prefill and decode ranks as sans-IO engines (domain.md §6) and the deterministic simulation that
 //!   drives them over [`fabric::world::SimWorld`].
-//! - [`exec`]: the direct execution of a composed plan on one transport (the benchmark's baseline).
+//! - [`exec`]: the direct execution of a composed plan on one all-ranks [`exec::Transport`] (the benchmark's
+//!   baseline).
 //! - [`harness`]: one scenario end to end through the engines and its pass/fail judgement.
 //! - [`render`]: stable text for golden files and the CLI.
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.

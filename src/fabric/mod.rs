@@ -1,75 +1,7 @@
-//! `Transport`: the one-sided-write interface every fabric implements, modelled on RDMA verbs.
+//! The fabric seam, shaped like RDMA verbs ([`verbs`]), and the in-memory fabric behind it ([`world`]).
 //!
-//! A transport registers memory regions, accepts posted writes (each with a caller-chosen `id`), and reports one
-//! [`Completion`] per posted write through [`Transport::poll`]. The in-memory [`SimFabric`] is the default; a real
-//! verbs backend implements the same trait (registered MRs, `ibv_post_send` of RDMA WRITEs, CQ polling).
-//!
-//! The new seam is [`verbs::Endpoint`]: one endpoint per rank's process, shaped like verbs (registration with
-//! lkey/rkey, connected QPs, WRITE and WRITE_WITH_IMM work requests with SGE lists, selective signalling, a CQ
-//! polled per endpoint), with [`world::SimWorld`] as its deterministic in-memory fabric in simulated time and
-//! `tests/it/conformance.rs` as its contract. `Transport` stays until `exec` moves over to `Endpoint`.
+//! Nothing here knows plans, models or the oracle: a fabric moves bytes between addresses it was given keys for.
+//! The RDMA fabric (feature `rdma`) implements the same [`verbs::Endpoint`] and passes the same conformance suite.
 
-mod sim;
 pub mod verbs;
 pub mod world;
-
-pub use sim::SimFabric;
-
-use crate::verify::RegionKey;
-
-/// A one-sided write: `length` bytes from a source region to a target region (RDMA WRITE semantics).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WriteRequest {
-    /// Returned in the completion; the caller's correlation id (`wr_id`).
-    pub id: u64,
-    pub source: RegionKey,
-    pub source_offset: u64,
-    pub target: RegionKey,
-    pub target_offset: u64,
-    pub length: u64,
-}
-
-/// Outcome of one write, named after `ibv_wc_status`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CompletionStatus {
-    /// `IBV_WC_SUCCESS`: every byte landed.
-    Success,
-    /// `IBV_WC_LOC_PROT_ERR`: the source range is not inside a registered region; nothing was written.
-    LocalProtection,
-    /// `IBV_WC_REM_ACCESS_ERR`: the target range is not inside a registered region; nothing was written.
-    RemoteAccess,
-}
-
-/// One completion queue entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Completion {
-    pub id: u64,
-    pub status: CompletionStatus,
-}
-
-/// Why a transport call itself failed (as opposed to a write completing in error).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum TransportError {
-    #[error("region {0:?} is already registered")]
-    AlreadyRegistered(RegionKey),
-    #[error("region {0:?} is not registered")]
-    NotRegistered(RegionKey),
-}
-
-/// A fabric that executes one-sided writes between registered regions.
-///
-/// Semantics every implementation keeps: each posted write yields exactly one completion; a write whose
-/// source or target range leaves its registered region completes in error and writes nothing; writes posted
-/// to one target complete in post order.
-pub trait Transport {
-    /// Registers `bytes` as region `key` (an MR on the owning rank).
-    fn register(&mut self, key: RegionKey, bytes: Vec<u8>) -> Result<(), TransportError>;
-    /// Posts a batch of writes (one doorbell).
-    fn post_writes(&mut self, writes: &[WriteRequest]) -> Result<(), TransportError>;
-    /// Moves every available completion into `completions`.
-    fn poll(&mut self, completions: &mut Vec<Completion>);
-    /// A copy of a registered region's current bytes.
-    fn read(&self, key: RegionKey) -> Result<Vec<u8>, TransportError>;
-    /// Deregisters a region and hands back its bytes (what `read` returns, without keeping a second copy).
-    fn release(&mut self, key: RegionKey) -> Result<Vec<u8>, TransportError>;
-}

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use kvrelay::exec::{self, ExecError};
-use kvrelay::fabric::{CompletionStatus, SimFabric, Transport as _};
+use kvrelay::exec::{CompletionStatus, SimFabric, Transport as _};
 use kvrelay::model::{RankId, Side};
 use kvrelay::plan::{self, PlanError, RowRun};
 use kvrelay::verify::{self, RegionKey};

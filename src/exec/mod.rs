@@ -2,10 +2,14 @@
 //! [`Transport`] holding every rank's memory, the plan's copies posted in batches, completions collected, an
 //! [`Observation`] read back. `kvrelay run` and `check` go through the per-rank engines instead (`engine`).
 
-use crate::fabric::{CompletionStatus, Transport, TransportError, WriteRequest};
+mod sim_fabric;
+mod transport;
+
 use crate::model::{Problem, Side};
 use crate::plan::Plan;
 use crate::verify::{pattern, Observation, RegionKey, Sources, WriteRecord};
+pub use sim_fabric::SimFabric;
+pub use transport::{Completion, CompletionStatus, Transport, TransportError, WriteRequest};
 
 /// Writes posted per doorbell.
 const BATCH: usize = 1024;

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{Completion, CompletionStatus, Transport, TransportError, WriteRequest};
+use super::transport::{Completion, CompletionStatus, Transport, TransportError, WriteRequest};
 use crate::verify::RegionKey;
 
 /// In-memory fabric. A write outside a registered region completes in error and never touches memory.
