@@ -326,6 +326,12 @@ impl Sim {
             }
         }
         let prefill_rooms = self.prefill.iter().map(|node| (node.engine.rank(), node.engine.rooms())).collect();
+        // Prefill memory is not observed (the oracle recomputes its pattern): hand it back before verification.
+        for node in &mut self.prefill {
+            for region in &node.regions {
+                drop(node.nic.deregister(region)?);
+            }
+        }
         let mut rooms = BTreeMap::new();
         for (node, layout) in self.decode.iter_mut().zip(&problem.decode.ranks) {
             for (index, region) in node.regions.iter().enumerate() {

@@ -251,6 +251,9 @@ impl World {
         if !self.connected_back(peer, QpInfo { node: delivery.node, qpn: delivery.qp }) {
             return WcStatus::RetryExceeded;
         }
+        if let ([sge], None, true) = (delivery.wr.sges.as_slice(), delivery.wr.imm, peer.node != delivery.node) {
+            return self.copy_across(delivery.node, sge, peer.node, delivery.wr.remote);
+        }
         let Some(bytes) = self.node(delivery.node).gather(&delivery.wr.sges) else {
             return WcStatus::LocalProtection;
         };
@@ -270,6 +273,26 @@ impl World {
             target.cq.push_back(Cqe { wc, frees_through: None });
         }
         WcStatus::Success
+    }
+
+    /// The common case of one SGE between two nodes, without a staging copy: the source region's bytes are lent out
+    /// of their node for the copy and put back. Same checks, same order, same statuses as gather then scatter.
+    fn copy_across(&mut self, from: NodeId, sge: &Sge, to: NodeId, remote: RemoteAddr) -> WcStatus {
+        let source = self.node_mut(from);
+        let Some(region) = source.by_lkey.get(&sge.lkey).copied().and_then(|addr| source.regions.get_mut(&addr)) else {
+            return WcStatus::LocalProtection;
+        };
+        let Some(range) = region.range(sge.addr, sge.len) else {
+            return WcStatus::LocalProtection;
+        };
+        let (addr, bytes) = (region.addr, std::mem::take(&mut region.bytes));
+        let landed = self.node_mut(to).scatter(remote, &bytes[range]);
+        self.node_mut(from).regions.get_mut(&addr).expect("lent above").bytes = bytes;
+        if landed {
+            WcStatus::Success
+        } else {
+            WcStatus::RemoteAccess
+        }
     }
 
     /// Whether `peer` exists and is connected to `local` (an RC QP answers only its own peer).
