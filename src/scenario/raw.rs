@@ -29,6 +29,7 @@
 //! | `*.state_item_lens[]` | list | [] | `{component, tensor, item_len}`: register a state tensor with another item length |
 //! | `*.draft_paged_physically` | bool | false | register the draft pool paged by `P` rather than `V` (version-1 layout) |
 //! | `*.kv_token_len` | u64 | model | register KV token rows of this many bytes (a peer with another KV layout) |
+//! | `decode.registration` | `legacy` or a mapping | faithful | what decode ranks advertise; the word `legacy` is `{legacy: true}` |
 //! | `decode.registration.legacy` | bool | false | omit PR #37358's DCP size/rank and layer-id frames (prefill applies the defaults) |
 //! | `decode.registration.item_lens` | `per_entry` or `entry0` | `per_entry` | advertise every KV entry's item length, or only entry 0's (the PR #37358 Mori wire) |
 //! | `decode.registration.kv_item_len` | u64 | truth | advertise this entry-0 item length (a lying peer) |
@@ -135,17 +136,57 @@ pub struct RawSide {
 }
 
 /// `decode.registration`: what decode ranks advertise (domain.md §6.2); default: the truth, per-entry item lengths.
-#[derive(Debug, Default, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "a mapping such as {legacy: true, item_lens: entry0, kv_item_len: 1152, ranks: [3]}"
-)]
+/// The word `legacy` is short for `{legacy: true}`.
+#[derive(Debug, Default)]
 pub struct RawRegistration {
-    #[serde(default)]
     pub legacy: bool,
     pub item_lens: Option<String>,
     pub kv_item_len: Option<u64>,
     pub ranks: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "`legacy` or a mapping such as {legacy: true, item_lens: entry0, kv_item_len: 1152, ranks: [3]}"
+)]
+struct RawRegistrationFields {
+    #[serde(default)]
+    legacy: bool,
+    item_lens: Option<String>,
+    kv_item_len: Option<u64>,
+    ranks: Option<Vec<u32>>,
+}
+
+impl<'de> Deserialize<'de> for RawRegistration {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<RawRegistration, D::Error> {
+        struct RegistrationVisitor;
+        impl<'de> serde::de::Visitor<'de> for RegistrationVisitor {
+            type Value = RawRegistration;
+
+            fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                formatter.write_str("`legacy` or a mapping such as {legacy: true, item_lens: entry0, ranks: [3]}")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, word: &str) -> Result<RawRegistration, E> {
+                match word {
+                    "legacy" => Ok(RawRegistration { legacy: true, ..RawRegistration::default() }),
+                    other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
+                }
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<RawRegistration, A::Error> {
+                let fields = RawRegistrationFields::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(RawRegistration {
+                    legacy: fields.legacy,
+                    item_lens: fields.item_lens,
+                    kv_item_len: fields.kv_item_len,
+                    ranks: fields.ranks,
+                })
+            }
+        }
+        deserializer.deserialize_any(RegistrationVisitor)
+    }
 }
 
 #[derive(Debug, Deserialize)]

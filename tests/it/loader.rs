@@ -89,3 +89,29 @@ fn oversized_pools_are_refused_not_allocated() {
         "{res}"
     );
 }
+
+/// `decode.registration` takes the word `legacy` or a mapping; anything else names the field and the choices.
+#[test]
+fn registration_shorthand_and_its_errors() {
+    let base = "model: {preset: deepseek-v2-lite, layers: 2}\nprefill: {page_size: 16}\n";
+    let legacy = scenario::parse(
+        &format!("{base}decode: {{page_size: 16, registration: legacy}}\nrequests: [{{tokens: 20}}]\nexpect: ok\n"),
+        "x.yaml",
+        "x",
+    )
+    .unwrap();
+    assert!(legacy.problem.advertise.legacy);
+    let res = error(&format!(
+        "{base}decode: {{page_size: 16, registration: modern}}\nrequests: [{{tokens: 20}}]\nexpect: ok\n"
+    ));
+    assert!(
+        res.contains("decode.registration: invalid value: string \"modern\", expected `legacy` or a mapping"),
+        "{res}"
+    );
+    let res = error(&format!("{base}prefill_extra: 1\ndecode: {{page_size: 16, registration: {{ranks: [9]}}}}\nrequests: [{{tokens: 20}}]\nexpect: ok\n"));
+    assert!(res.contains("prefill_extra"), "{res}");
+    let res = error(&format!(
+        "{base}decode: {{page_size: 16, registration: {{ranks: [9]}}}}\nrequests: [{{tokens: 20}}]\nexpect: ok\n"
+    ));
+    assert!(res.contains("decode.registration.ranks: decode rank 9 does not exist: decode has 1 ranks"), "{res}");
+}
