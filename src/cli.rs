@@ -361,7 +361,8 @@ fn bench_engines(runs: u32) -> anyhow::Result<ExitCode> {
     let (mut passed, mut clean) = (0, 0);
     for _ in 0..runs.max(1) {
         let (time, verdict) = median(1, &mut || {
-            harness::run_direct(&scenario.problem, &budget).map_or(0, |violations| u64::from(violations.is_empty()))
+            let violations = harness::run_direct(&scenario.problem, &budget).ok().flatten();
+            u64::from(violations.is_some_and(|violations| violations.is_empty()))
         });
         direct_times.push(time);
         clean = verdict;

@@ -4,10 +4,10 @@
 use crate::engine::sim::{self, SimOptions, SimRun};
 use crate::exec::{self, SimFabric};
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
-use crate::model::{Problem, RankId};
+use crate::model::Problem;
 use crate::plan::{self, Plan, PlanError};
 use crate::scenario::{Expectation, Scenario};
-use crate::verify::{self, Observation, Violation};
+use crate::verify::{self, Observation, Verdicts, Violation};
 use crate::wire::KvPoll;
 
 /// Everything a run produced, for rendering and judging.
@@ -129,7 +129,12 @@ pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> R
     let mut violations = Vec::new();
     if let Some(run) = &engine {
         for layout in &problem.decode.ranks {
-            violations.extend(verify::check_rank(problem, layout.rank, &observation, &run.verdicts(layout.rank)));
+            // A rejected scenario promises more than failed rooms: no byte may have moved at all.
+            let verdicts = match scenario.expect {
+                Expectation::Error(_) => Verdicts::rejected(),
+                _ => run.verdicts(layout.rank),
+            };
+            violations.extend(verify::check_rank(problem, layout.rank, &observation, &verdicts));
         }
     }
     let mut failures = expectation_failures(&scenario.expect, &plan, engine.as_ref());
@@ -164,7 +169,6 @@ fn expectation_failures(expect: &Expectation, plan: &Result<Plan, PlanError>, en
 /// listed rooms fail, each with exactly the message (`error` with `ranks` or `requests`).
 fn room_failures(expect: &Expectation, engine: &SimRun) -> Vec<String> {
     let mut failures = Vec::new();
-    let ranks: Vec<RankId> = engine.rooms.keys().copied().collect();
     for (index, (rank, rooms)) in engine.rooms.iter().enumerate() {
         for (room, state) in rooms {
             let should_fail = match expect {
@@ -185,8 +189,9 @@ fn room_failures(expect: &Expectation, engine: &SimRun) -> Vec<String> {
         }
     }
     if let Expectation::Error(message) = expect {
-        let reasons = engine.rooms.values().flat_map(|rooms| rooms.values()).filter_map(|room| room.reason.as_ref());
-        if failures.is_empty() && !ranks.is_empty() && !reasons.clone().any(|reason| reason == message) {
+        let mut reasons =
+            engine.rooms.values().flat_map(|rooms| rooms.values()).filter_map(|room| room.reason.as_ref());
+        if failures.is_empty() && !engine.rooms.is_empty() && !reasons.any(|reason| reason == message) {
             failures.push(format!("no decode rank failed with `{message}`"));
         }
     }
@@ -199,13 +204,14 @@ fn room_failures(expect: &Expectation, engine: &SimRun) -> Vec<String> {
 }
 
 /// Today's direct execution, kept as the benchmark's baseline: the composed plan's copies posted on one
-/// transport holding every rank's memory, without engines or messages.
-pub fn run_direct(problem: &Problem, budget: &Budget) -> Result<Vec<Violation>, RunError> {
+/// transport holding every rank's memory, without engines or messages. The oracle's violations, or `None` when
+/// the plan was rejected or the execution failed (nothing to judge as a clean transfer).
+pub fn run_direct(problem: &Problem, budget: &Budget) -> Result<Option<Vec<Violation>>, RunError> {
     check_budget(problem, budget)?;
-    let Ok(plan) = plan::plan(problem) else { return Ok(Vec::new()) };
+    let Ok(plan) = plan::plan(problem) else { return Ok(None) };
     let mut transport = SimFabric::new();
     let direct = exec::stage(problem, &mut transport)
         .and_then(|()| exec::execute(&plan, &mut transport))
         .and_then(|writes| exec::observe(problem, &mut transport, writes));
-    Ok(direct.map_or_else(|_| Vec::new(), |observation| verify::check(problem, &observation)))
+    Ok(direct.ok().map(|observation| verify::check(problem, &observation)))
 }

@@ -161,6 +161,8 @@ impl PrefillEngine {
             Err(error) => return out.note(format!("cannot create a queue pair for {from}: {error}")),
         };
         let registration = Registration::decode(frames).map_err(|error| error.to_string());
+        let rank = registration.as_ref().ok().and_then(|registration| peer::rank_of_key(&registration.engine.key));
+        let rank = rank.unwrap_or(RankId { pp: u32::MAX, tp: u32::MAX });
         let linked = registration.and_then(|registration| {
             let remote = remote_qp(&registration.engine.key)
                 .ok_or_else(|| format!("engine key `{}` carries no queue pair", registration.engine.key))?;
@@ -169,7 +171,6 @@ impl PrefillEngine {
             let link = plan::link(self.local(), &peer).map_err(|error| error.to_string())?;
             Ok((link, descs))
         });
-        let rank = peer::rank_of_key(&key_of(frames)).unwrap_or(RankId { pp: u32::MAX, tp: u32::MAX });
         match &linked {
             Ok(_) => out.note(format!("linked decode {rank} ({from})")),
             Err(error) => out.note(format!("cannot serve decode {rank} ({from}): {error}")),
@@ -283,15 +284,26 @@ impl PrefillEngine {
         for copy in plan.copies() {
             let source = self.regions.get(copy.source_region as usize).ok_or("a copy names no local region")?;
             let desc = descs.get(copy.target_region as usize).ok_or("a copy names no peer region")?;
+            // The peer's address and the planned offset come from the wire: add them without wrapping.
+            let (Some(source_addr), Some(target_addr)) =
+                (source.addr.checked_add(copy.source_offset), desc.address.checked_add(copy.target_offset))
+            else {
+                return Err(format!("a copy to peer region {} leaves the address space", copy.target_region));
+            };
             let mut done = 0;
             while done < copy.length {
                 let length = (copy.length - done).min(self.caps.max_message.max(1));
                 res.push(Pending {
                     room,
                     peer,
-                    sge: Sge { addr: source.addr + copy.source_offset + done, len: length, lkey: source.lkey },
-                    remote: RemoteAddr { addr: desc.address + copy.target_offset + done, rkey: desc.rkey },
-                    written: Written { target, region: copy.target_region, offset: copy.target_offset + done, length },
+                    sge: Sge { addr: source_addr.saturating_add(done), len: length, lkey: source.lkey },
+                    remote: RemoteAddr { addr: target_addr.saturating_add(done), rkey: desc.rkey },
+                    written: Written {
+                        target,
+                        region: copy.target_region,
+                        offset: copy.target_offset.saturating_add(done),
+                        length,
+                    },
                 });
                 done += length;
             }
@@ -497,9 +509,4 @@ fn remote_qp(key: &str) -> Option<QpInfo> {
     let (rest, qpn) = key.rsplit_once("-qp")?;
     let (_, node) = rest.rsplit_once("-node")?;
     Some(QpInfo { node: NodeId(node.parse().ok()?), qpn: QpNum(qpn.parse().ok()?) })
-}
-
-/// The engine key of a registration's frames, best effort (for notes about undecodable registrations).
-fn key_of(frames: &[Vec<u8>]) -> String {
-    Registration::decode(frames).map(|registration| registration.engine.key).unwrap_or_default()
 }

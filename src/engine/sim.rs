@@ -55,8 +55,6 @@ pub struct SimRun {
     pub prefill_rooms: BTreeMap<RankId, BTreeMap<u64, PrefillRoom>>,
     /// Message and event log (when asked for).
     pub trace: Vec<String>,
-    /// Simulated time at the end.
-    pub end_ns: u64,
     /// Control messages delivered, by kind.
     pub messages: BTreeMap<&'static str, u64>,
 }
@@ -340,14 +338,7 @@ impl Sim {
             }
             rooms.insert(layout.rank, node.engine.rooms().clone());
         }
-        Ok(SimRun {
-            observation,
-            rooms,
-            prefill_rooms,
-            trace: self.trace.unwrap_or_default(),
-            end_ns: self.now,
-            messages: self.messages,
-        })
+        Ok(SimRun { observation, rooms, prefill_rooms, trace: self.trace.unwrap_or_default(), messages: self.messages })
     }
 }
 

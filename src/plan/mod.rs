@@ -274,16 +274,6 @@ fn check_prefix(request: &Request, virtual_page: u32) -> Result<(), PlanError> {
 }
 
 impl Link {
-    /// The prefill rank that sends on this connection.
-    pub fn source(&self) -> RankId {
-        self.source
-    }
-
-    /// The decode rank that receives on this connection.
-    pub fn target(&self) -> RankId {
-        self.target
-    }
-
     /// Whether the peer needs token relayout (`requires_dcp_relayout`, domain.md §2.5): early send is skipped then.
     pub fn requires_relayout(&self) -> bool {
         matches!(self.mode, Mode::Relayout { .. })
@@ -491,20 +481,6 @@ pub struct Peer {
     pub layout: RankLayout,
 }
 
-impl Peer {
-    /// The peer exactly as the problem registers it (ground truth, advertised faithfully).
-    pub fn ground_truth(problem: &Problem, rank: RankId) -> Peer {
-        let decode = &problem.decode.topology;
-        Peer {
-            rank,
-            tp: decode.tp,
-            dcp: decode.dcp,
-            dcp_rank: decode.dcp_rank(rank.tp),
-            layout: problem.decode.rank(rank).clone(),
-        }
-    }
-}
-
 /// Both ends of one connection as the prefill rank sees them at registration.
 struct Ends<'a> {
     model: &'a ModelGeometry,
@@ -517,20 +493,34 @@ struct Ends<'a> {
 }
 
 impl<'a> Ends<'a> {
-    fn new(local: Local<'a>, peer: &'a Peer) -> Ends<'a> {
+    /// Both ends, or why this prefill rank does not serve the peer (a registration naming a decode rank that the
+    /// rank mapping of domain.md §3.1 does not send here).
+    fn new(local: Local<'a>, peer: &'a Peer) -> Result<Ends<'a>, PlanError> {
         let decode = Topology { tp: peer.tp, pp: 1, dcp: peer.dcp, page_size: local.topology.page_size };
         let (source, target) = (local.layout.rank, peer.rank);
-        // Position among the k prefill ranks a decode rank contacts when decode TP < prefill TP (domain.md §3.1).
-        let offset =
-            if peer.tp >= local.topology.tp { 0 } else { source.tp - target.tp * (local.topology.tp / peer.tp) };
-        Ends {
+        let prefill_tp = local.topology.tp;
+        // Position among the k prefill ranks a decode rank contacts when decode TP < prefill TP.
+        let offset = if peer.tp >= prefill_tp {
+            (target.tp / (peer.tp / prefill_tp) == source.tp).then_some(0)
+        } else {
+            let ratio = prefill_tp / peer.tp;
+            source.tp.checked_sub(target.tp * ratio).filter(|offset| *offset < ratio)
+        };
+        let Some(offset) = offset else {
+            let reason = format!(
+                "decode tp rank {} of TP{} is not a peer of prefill tp rank {} of TP{prefill_tp}",
+                target.tp, peer.tp, source.tp
+            );
+            return Err(PlanError::Registration { reason });
+        };
+        Ok(Ends {
             model: local.model,
             prefill: local.topology,
             decode,
             source_layout: local.layout,
             target_layout: &peer.layout,
             connection: Connection { prefill: source, decode: target, offset },
-        }
+        })
     }
 }
 
@@ -556,7 +546,7 @@ pub struct Link {
 /// Registration-time work for one connection (domain.md §6.3): the transfer mode, then which kinds this prefill
 /// rank sends the peer and how entries pair. Sees only the local layout and what the peer advertised.
 pub fn link(local: Local<'_>, peer: &Peer) -> Result<Link, PlanError> {
-    let ends = Ends::new(local, peer);
+    let ends = Ends::new(local, peer)?;
     let mode = ranks::transfer_mode(ends.prefill, ends.connection.prefill, &ends.decode, peer.dcp_rank)?;
     link_with(&ends, mode)
 }

@@ -281,7 +281,7 @@ impl RegionCheck<'_> {
 
     fn check_sentinel(&self, start: u64, end: u64, violations: &mut Vec<Violation>) {
         let row_len = self.region().row_len();
-        check_gap(self.bytes, start, end, row_len, &mut |offset, length, expected| {
+        check_sentinel_rows(self.bytes, start, end, row_len, &mut |offset, length, expected| {
             self.report(offset, length, expected, violations);
         });
     }
@@ -293,7 +293,7 @@ impl RegionCheck<'_> {
 }
 
 /// Bytes `[start, end)` must be sentinel; mismatches are reported one row at a time.
-fn check_gap(bytes: &[u8], start: u64, end: u64, row_len: u64, report: &mut impl FnMut(u64, u64, Content)) {
+fn check_sentinel_rows(bytes: &[u8], start: u64, end: u64, row_len: u64, report: &mut impl FnMut(u64, u64, Content)) {
     let mut offset = start;
     while offset < end {
         let row_end = ((offset / row_len + 1) * row_len).min(end);

@@ -100,8 +100,9 @@ fn a_failing_request_does_not_delay_an_unrelated_one() {
     assert!(beside <= alone, "request 0 ended at {beside} ns beside a failing request, {alone} ns alone");
 }
 
-/// The engines run as tokio tasks on a paused clock; the same engines stepped by a plain event loop give the same
-/// message sequence, the same room outcomes and the same decode bytes, so the schedule is not an accident of tokio.
+/// The engines run as tokio tasks on a paused clock: two runs give the identical trace, and the same engines
+/// stepped by a plain event loop give the same timed events (in any order within one instant), the same room
+/// outcomes and the same decode bytes, so the outcome is not an accident of tokio's schedule.
 #[rstest::rstest]
 #[case::registration_error("scenarios/engines/k3-registration-error-on-one-rank.yaml")]
 #[case::legacy_peer("scenarios/engines/legacy-registration.yaml")]
@@ -113,14 +114,123 @@ fn task_driver_and_stepped_loop_agree(#[case] path: &str) {
     let tasks = kvrelay::engine::sim::run(&scenario.problem, &options).unwrap();
     let again = kvrelay::engine::sim::run(&scenario.problem, &options).unwrap();
     let stepped = kvrelay::engine::sim::run_stepped(&scenario.problem, &options).unwrap();
-    let lines = |run: &kvrelay::engine::sim::SimRun| {
+    // Engines acting at one instant may be logged in either order by the two drivers; every line carries its time.
+    let sorted = |run: &kvrelay::engine::sim::SimRun| {
         let mut lines = run.trace.clone();
-        lines.sort(); // engines acting at one instant may be logged in either order
+        lines.sort();
         lines
     };
     assert_eq!(tasks.trace, again.trace, "two task runs differ");
-    assert_eq!(lines(&tasks), lines(&stepped));
+    assert!(sorted(&tasks) == sorted(&stepped), "the drivers log different events or times");
     assert_eq!(tasks.rooms, stepped.rooms);
     assert_eq!(tasks.messages, stepped.messages);
     assert!(tasks.observation.images == stepped.observation.images, "decode bytes differ between drivers");
+}
+
+/// A registration is untrusted input: whatever a (buggy or lying) decode peer puts in the fields the wire accepts,
+/// the prefill side's boundary, link and per-chunk planning answer with a plan or an error, never a panic.
+mod lying_peers {
+    use kvrelay::model::Problem;
+    use kvrelay::plan::{self, peer, Local, Plan};
+    use kvrelay::wire::{MemoryDesc, Registration};
+    use proptest::prelude::*;
+
+    const EDGES: &[u64] = &[0, 1, 7, 8, 64, 1152, 1 << 16, (1 << 31) - 1, 1 << 32, u64::MAX];
+
+    fn problems() -> &'static [Problem] {
+        static PROBLEMS: std::sync::OnceLock<Vec<Problem>> = std::sync::OnceLock::new();
+        PROBLEMS.get_or_init(|| {
+            [
+                "state/qwen3-next-tp4-to-tp2",
+                "basic/deepseek-v2-lite-dcp1-to-dcp2",
+                "draft/kimi-k3-draft-dcp8",
+                "basic/mla-tp4-to-tp2",
+            ]
+            .iter()
+            .map(|name| {
+                let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("scenarios/{name}.yaml"));
+                kvrelay::scenario::load(&path).unwrap().problem
+            })
+            .collect()
+        })
+    }
+
+    /// Sets field `field` (by number) of the registration to `value`, as far as the wire allows it.
+    fn lie(registration: &mut Registration, field: usize, value: u64, index: usize) {
+        let small = u32::try_from(value).unwrap_or(u32::MAX);
+        match field % 8 {
+            0 => registration.kv_item_len = value.min(1 << 32),
+            1 => registration.kv_item_lens = vec![value; index % 4],
+            2 => registration.tp_rank = small % 4096,
+            3 => registration.attn_tp_size = small.clamp(1, 1024),
+            4 => {
+                if let Some(dcp) = &mut registration.dcp {
+                    dcp.dcp_size = small.clamp(1, 1024);
+                    dcp.dcp_rank = (index as u32) % dcp.dcp_size;
+                }
+            }
+            5 => registration.state_item_lens.iter_mut().flatten().for_each(|len| *len = small),
+            6 => registration.state_dims.iter_mut().flatten().for_each(|dim| *dim = small),
+            _ => {
+                if let Some(dcp) = &mut registration.dcp {
+                    dcp.kv_layer_ids.iter_mut().skip(index % 3).for_each(|id| *id = small);
+                }
+            }
+        }
+    }
+
+    /// Each decode rank's registration (with `lies` applied) through the prefill boundary, link and every chunk;
+    /// returns how many chunks were planned without an error.
+    fn exercise(problem: &Problem, lies: &[(usize, usize, usize)]) -> usize {
+        let mut planned = 0;
+        for decode in &problem.decode.ranks {
+            let source = plan::prefill_targets(&problem.prefill.topology, &problem.decode.topology, decode.rank)[0];
+            let local = Local {
+                model: &problem.model,
+                topology: &problem.prefill.topology,
+                layout: problem.prefill.rank(source),
+            };
+            let descs: Vec<MemoryDesc> = decode
+                .regions
+                .iter()
+                .map(|region| MemoryDesc { address: 1 << 40, length_bytes: region.len_bytes(), rkey: 1 })
+                .collect();
+            let mut registration = peer::advertise(problem, decode.rank, &descs);
+            for (field, value, index) in lies {
+                lie(&mut registration, *field, EDGES[*value], *index);
+            }
+            // Only what survives the wire reaches the planner.
+            let Ok(registration) = Registration::decode(&registration.encode()) else { continue };
+            let Ok((peer, _)) = peer::from_registration(local, &registration) else { continue };
+            let Ok(link) = plan::link(local, &peer) else { continue };
+            for request in &problem.requests {
+                for chunk in 0..request.chunks.len() as u32 {
+                    if let Ok(groups) = link.chunk_groups(request, chunk) {
+                        let _ = Plan { groups, explain: Vec::new() }.copies().count();
+                        planned += 1;
+                    }
+                }
+            }
+        }
+        planned
+    }
+
+    /// Without lies every decode rank links and every chunk plans, so the property below reaches the planner.
+    #[test]
+    fn truthful_registrations_plan_every_chunk() {
+        for problem in problems() {
+            let chunks: usize = problem.requests.iter().map(|request| request.chunks.len()).sum();
+            assert_eq!(exercise(problem, &[]), chunks * problem.decode.ranks.len(), "{}", problem.name);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn lying_registrations_never_panic_the_prefill_side(
+            problem in any::<usize>(),
+            lies in prop::collection::vec((any::<usize>(), 0..EDGES.len(), any::<usize>()), 1..4),
+        ) {
+            exercise(&problems()[problem % problems().len()], &lies);
+        }
+    }
 }
