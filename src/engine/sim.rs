@@ -1,9 +1,9 @@
 //! The simulated deployment: every rank of a problem as an engine on its own `SimWorld` endpoint, a control
-//! network with a fixed latency and per-pair FIFO order, and one deterministic event loop.
+//! network with a fixed latency and per-pair FIFO order, and the outcome read back.
 //!
-//! There is no tokio here: nothing waits on IO, and a plain loop over (messages, fabric deliveries, timers) in
-//! simulated time is deterministic by construction (same problem, same trace). The engines themselves do not know
-//! they are simulated; a process driver with real sockets and verbs is the next step (ARCHITECTURE.md).
+//! [`run`] drives it with one tokio task per rank (`tasks.rs`); [`run_stepped`] drives the same engines with a
+//! plain loop over (messages, fabric deliveries, timers) in simulated time, as a cross-check. The engines do not
+//! know they are simulated; a process driver with real sockets and verbs is the next step (ARCHITECTURE.md).
 
 use std::collections::BTreeMap;
 
@@ -207,9 +207,7 @@ impl Sim {
 
     pub(super) fn dispatch(&mut self, from: NodeId, out: Outbox) {
         if let Some(trace) = &mut self.trace {
-            for note in &out.notes {
-                trace.push(format!("{:>12.3} us  {}: {note}", self.now as f64 / 1e3, self.names[&from]));
-            }
+            trace.extend(out.notes.iter().map(|note| note_line(self.now, &self.names, from, note)));
         }
         for envelope in out.messages {
             self.sequence += 1;
@@ -303,15 +301,9 @@ impl Sim {
     }
 
     pub(super) fn trace_message(&mut self, from: NodeId, envelope: &Envelope) {
-        let Some(trace) = &mut self.trace else { return };
-        let what = describe(&envelope.frames);
-        let line = format!(
-            "{:>12.3} us  {} -> {}: {what}",
-            self.now as f64 / 1e3,
-            self.names[&from],
-            self.names.get(&envelope.to).map_or("?", String::as_str)
-        );
-        trace.push(line);
+        if let Some(trace) = &mut self.trace {
+            trace.push(message_line(self.now, &self.names, from, envelope));
+        }
     }
 
     /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
@@ -362,6 +354,17 @@ fn rank_node(
     Ok((nic, regions))
 }
 
+/// The trace line of an engine's note at `now`.
+pub(super) fn note_line(now: u64, names: &BTreeMap<NodeId, String>, from: NodeId, note: &str) -> String {
+    format!("{:>12.3} us  {}: {note}", now as f64 / 1e3, names[&from])
+}
+
+/// The trace line of a message delivered at `now`.
+pub(super) fn message_line(now: u64, names: &BTreeMap<NodeId, String>, from: NodeId, envelope: &Envelope) -> String {
+    let to = names.get(&envelope.to).map_or("?", String::as_str);
+    format!("{:>12.3} us  {} -> {to}: {}", now as f64 / 1e3, names[&from], describe(&envelope.frames))
+}
+
 /// One trace line for a batch of polled completions: how many, on which queue pairs, with which statuses.
 pub(super) fn completion_summary(completions: &[WorkCompletion]) -> String {
     let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
@@ -393,7 +396,7 @@ pub(super) fn kind_name(frames: &[Vec<u8>]) -> &'static str {
 }
 
 /// One line naming a message by its decoded content.
-pub(super) fn describe(frames: &[Vec<u8>]) -> String {
+fn describe(frames: &[Vec<u8>]) -> String {
     match classify(frames) {
         Kind::Registration => format!("registration ({} frames)", frames.len()),
         Kind::Link => match super::handshake::LinkAck::decode(frames) {

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::{sleep_until, Instant};
 
-use super::sim::{completion_summary, kind_name, Node, Sim, CONTROL_LATENCY_NS};
+use super::sim::{completion_summary, kind_name, message_line, note_line, Node, Sim, CONTROL_LATENCY_NS};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
 use crate::fabric::verbs::{Endpoint, FabricError, NodeId, WorkCompletion};
 use crate::fabric::world::SimWorld;
@@ -69,9 +69,9 @@ impl Context {
     fn dispatch(&self, from: NodeId, out: Outbox) {
         let now = self.now();
         let mut log = self.log.borrow_mut();
-        let name = log.names[&from].clone();
+        let log = &mut *log;
         if let Some(trace) = &mut log.trace {
-            trace.extend(out.notes.iter().map(|note| format!("{:>12.3} us  {name}: {note}", now as f64 / 1e3)));
+            trace.extend(out.notes.iter().map(|note| note_line(now, &log.names, from, note)));
         }
         for envelope in out.messages {
             if let Some(link) = self.links.get(envelope.to.0 as usize) {
@@ -84,16 +84,10 @@ impl Context {
     fn delivered(&self, from: NodeId, envelope: &Envelope) {
         let now = self.now();
         let mut log = self.log.borrow_mut();
+        let log = &mut *log;
         *log.messages.entry(kind_name(&envelope.frames)).or_default() += 1;
-        let line = format!(
-            "{:>12.3} us  {} -> {}: {}",
-            now as f64 / 1e3,
-            log.names[&from],
-            log.names.get(&envelope.to).map_or("?", String::as_str),
-            super::sim::describe(&envelope.frames)
-        );
         if let Some(trace) = &mut log.trace {
-            trace.push(line);
+            trace.push(message_line(now, &log.names, from, envelope));
         }
     }
 }
