@@ -160,32 +160,16 @@ struct RawRegistrationFields {
 
 impl<'de> Deserialize<'de> for RawRegistration {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<RawRegistration, D::Error> {
-        struct RegistrationVisitor;
-        impl<'de> serde::de::Visitor<'de> for RegistrationVisitor {
-            type Value = RawRegistration;
-
-            fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                formatter.write_str("`legacy` or a mapping such as {legacy: true, item_lens: entry0, ranks: [3]}")
-            }
-
-            fn visit_str<E: serde::de::Error>(self, word: &str) -> Result<RawRegistration, E> {
-                match word {
-                    "legacy" => Ok(RawRegistration { legacy: true, ..RawRegistration::default() }),
-                    other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
-                }
-            }
-
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<RawRegistration, A::Error> {
-                let fields = RawRegistrationFields::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
-                Ok(RawRegistration {
-                    legacy: fields.legacy,
-                    item_lens: fields.item_lens,
-                    kv_item_len: fields.kv_item_len,
-                    ranks: fields.ranks,
-                })
-            }
-        }
-        deserializer.deserialize_any(RegistrationVisitor)
+        let expecting = "`legacy` or a mapping such as {legacy: true, item_lens: entry0, ranks: [3]}";
+        let word =
+            |word: &str| (word == "legacy").then(|| RawRegistration { legacy: true, ..RawRegistration::default() });
+        let map = |fields: RawRegistrationFields| RawRegistration {
+            legacy: fields.legacy,
+            item_lens: fields.item_lens,
+            kv_item_len: fields.kv_item_len,
+            ranks: fields.ranks,
+        };
+        word_or_map(deserializer, expecting, word, map)
     }
 }
 
@@ -241,25 +225,50 @@ pub enum RawExpect {
 
 impl<'de> Deserialize<'de> for RawExpect {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<RawExpect, D::Error> {
-        struct ExpectVisitor;
-        impl<'de> serde::de::Visitor<'de> for ExpectVisitor {
-            type Value = RawExpect;
-
-            fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                formatter.write_str("`ok` or {error: \"the planner's message\"}")
-            }
-
-            fn visit_str<E: serde::de::Error>(self, word: &str) -> Result<RawExpect, E> {
-                Ok(RawExpect::Word(word.to_owned()))
-            }
-
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<RawExpect, A::Error> {
-                let error = RawError::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
-                Ok(RawExpect::Error { error: error.error, ranks: error.ranks, requests: error.requests })
-            }
-        }
-        deserializer.deserialize_any(ExpectVisitor)
+        let expecting = "`ok` or {error: \"the planner's message\"}";
+        let word = |word: &str| Some(RawExpect::Word(word.to_owned()));
+        let map =
+            |error: RawError| RawExpect::Error { error: error.error, ranks: error.ranks, requests: error.requests };
+        word_or_map(deserializer, expecting, word, map)
     }
+}
+
+/// A field written either as a word or as a mapping `M` (`expect: ok`, `registration: legacy`); `word` returns
+/// `None` for a word it does not know, which is reported with `expecting`.
+fn word_or_map<'de, D, M, T>(
+    deserializer: D,
+    expecting: &'static str,
+    word: impl Fn(&str) -> Option<T>,
+    map: impl Fn(M) -> T,
+) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    M: Deserialize<'de>,
+{
+    struct WordOrMap<W, F, M> {
+        expecting: &'static str,
+        word: W,
+        map: F,
+        fields: std::marker::PhantomData<M>,
+    }
+    impl<'de, T, W: Fn(&str) -> Option<T>, F: Fn(M) -> T, M: Deserialize<'de>> serde::de::Visitor<'de>
+        for WordOrMap<W, F, M>
+    {
+        type Value = T;
+
+        fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            formatter.write_str(self.expecting)
+        }
+
+        fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<T, E> {
+            (self.word)(text).ok_or_else(|| E::invalid_value(serde::de::Unexpected::Str(text), &self))
+        }
+
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, access: A) -> Result<T, A::Error> {
+            M::deserialize(serde::de::value::MapAccessDeserializer::new(access)).map(&self.map)
+        }
+    }
+    deserializer.deserialize_any(WordOrMap { expecting, word, map, fields: std::marker::PhantomData })
 }
 
 #[derive(Debug, Deserialize)]
