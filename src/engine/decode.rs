@@ -123,7 +123,7 @@ impl DecodeEngine {
             let offset = rank.tp.saturating_sub(self.rank.tp * ratio);
             let dummy = self.model.pool_kind() == PoolKind::Mla && self.topology.tp < prefill.tp && offset > 0;
             let mut registration = self.registration.clone();
-            registration.engine.key = format!("{}-node{}-qp{}", registration.engine.key, qp.node.0, qp.qpn.0);
+            registration.engine.key = format!("{}-{}", registration.engine.key, qp.to_text());
             out.send(node, registration.encode());
             self.targets.push(Target { rank, node, qp: qp.qpn, dummy, linked: None });
         }

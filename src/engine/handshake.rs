@@ -1,9 +1,10 @@
 //! kvrelay's own control messages beside Mori's (documented in `src/wire/README.md` terms): the prefill rank's
 //! answer to a registration, carrying its queue pair (an RC connection needs both ends) and the link's verdict.
 //!
-//! `[guard, "kvrelay-link", node, qpn, error]`: ASCII integers, and the error text (UTF-8, empty = linked).
+//! `[guard, "kvrelay-link", qp, error]`: the queue pair as [`QpInfo::to_text`] (ASCII), and the error text (UTF-8,
+//! empty = linked).
 
-use crate::fabric::verbs::{NodeId, QpInfo, QpNum};
+use crate::fabric::verbs::QpInfo;
 use crate::wire::GUARD;
 
 /// The tag in frame 1.
@@ -22,24 +23,22 @@ impl LinkAck {
         vec![
             GUARD.to_vec(),
             LINK_TAG.to_vec(),
-            self.qp.node.0.to_string().into_bytes(),
-            self.qp.qpn.0.to_string().into_bytes(),
+            self.qp.to_text().into_bytes(),
             self.error.clone().unwrap_or_default().into_bytes(),
         ]
     }
 
     /// `None` for anything that is not a well-formed link answer.
     pub(super) fn decode(frames: &[Vec<u8>]) -> Option<LinkAck> {
-        let [guard, tag, node, qpn, error] = frames else { return None };
+        let [guard, tag, qp, error] = frames else { return None };
         if guard.as_slice() != GUARD || tag.as_slice() != LINK_TAG {
             return None;
         }
-        let number = |bytes: &[u8]| std::str::from_utf8(bytes).ok()?.parse::<u32>().ok();
+        let text = std::str::from_utf8(qp).ok()?;
+        // The whole frame is the queue pair, in its canonical form.
+        let qp = QpInfo::from_text_suffix(text).filter(|qp| qp.to_text() == text)?;
         let error = String::from_utf8(error.clone()).ok()?;
-        Some(LinkAck {
-            qp: QpInfo { node: NodeId(number(node)?), qpn: QpNum(number(qpn)?) },
-            error: (!error.is_empty()).then_some(error),
-        })
+        Some(LinkAck { qp, error: (!error.is_empty()).then_some(error) })
     }
 }
 
@@ -69,7 +68,10 @@ mod tests {
 
     #[test]
     fn link_ack_round_trips_and_rejects_garbage() {
-        let ack = LinkAck { qp: QpInfo { node: NodeId(3), qpn: QpNum(17) }, error: Some("no".to_owned()) };
+        let mut gid = [0u8; 16];
+        gid[10..].copy_from_slice(&[0xff, 0xff, 10, 199, 0, 1]);
+        let qp = QpInfo { node: crate::fabric::verbs::NodeId(3), qpn: crate::fabric::verbs::QpNum(17), lid: 9, gid };
+        let ack = LinkAck { qp, error: Some("no".to_owned()) };
         assert_eq!(LinkAck::decode(&ack.encode()), Some(ack));
         assert_eq!(LinkAck::decode(&[GUARD.to_vec(), LINK_TAG.to_vec(), b"x".to_vec()]), None);
     }

@@ -504,9 +504,7 @@ fn view(local: &Request, meta: &RequestMeta, model: &ModelGeometry) -> Request {
     view
 }
 
-/// The engine key's queue pair suffix: `...-node<N>-qp<Q>`.
+/// The engine key's queue pair suffix (`...-` and [`QpInfo::to_text`]).
 fn remote_qp(key: &str) -> Option<QpInfo> {
-    let (rest, qpn) = key.rsplit_once("-qp")?;
-    let (_, node) = rest.rsplit_once("-node")?;
-    Some(QpInfo { node: NodeId(node.parse().ok()?), qpn: QpNum(qpn.parse().ok()?) })
+    QpInfo::from_text_suffix(key)
 }

@@ -28,11 +28,59 @@ impl fmt::Display for QpNum {
     }
 }
 
-/// What the bootstrap exchanges so that two QPs can be connected (node and QP number; GID/LID/PSN on hardware).
+/// What the bootstrap exchanges so that two QPs can be connected: node and QP number, and on a NIC the port's LID
+/// (InfiniBand) and GID (RoCE: the IPv4-mapped GID of the RoCE v2 index). The in-memory fabric leaves both zero.
+///
+/// Both ends start their packet sequence numbers at [`QpInfo::psn`], derived from the QP number, so the PSN needs
+/// no field of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct QpInfo {
     pub node: NodeId,
     pub qpn: QpNum,
+    pub lid: u16,
+    pub gid: [u8; 16],
+}
+
+impl QpInfo {
+    /// A QP with no LID or GID (the in-memory fabric's).
+    pub fn plain(node: NodeId, qpn: QpNum) -> QpInfo {
+        QpInfo { node, qpn, lid: 0, gid: [0; 16] }
+    }
+
+    /// The first packet sequence number of this QP's send queue (24 bits).
+    pub fn psn(&self) -> u32 {
+        self.qpn.0.wrapping_mul(0x9E37) & 0x00FF_FFFF
+    }
+
+    /// The text form carried in engine keys and link answers: `node<N>-qp<Q>-lid<L>-gid<32 hex digits>`.
+    pub fn to_text(&self) -> String {
+        let gid: String = self.gid.iter().map(|byte| format!("{byte:02x}")).collect();
+        format!("node{}-qp{}-lid{}-gid{gid}", self.node.0, self.qpn.0, self.lid)
+    }
+
+    /// The inverse of [`QpInfo::to_text`], found at the end of `text` (anything before `node` is ignored);
+    /// `None` if it is not there or malformed.
+    pub fn from_text_suffix(text: &str) -> Option<QpInfo> {
+        let (rest, gid) = text.rsplit_once("-gid")?;
+        let (rest, lid) = rest.rsplit_once("-lid")?;
+        let (rest, qpn) = rest.rsplit_once("-qp")?;
+        let node = rest.rsplit_once("node").map(|(_, node)| node)?;
+        let digits = gid.as_bytes();
+        if digits.len() != 32 || !gid.bytes().all(|digit| digit.is_ascii_hexdigit()) {
+            return None;
+        }
+        let mut bytes = [0u8; 16];
+        for (index, byte) in bytes.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&gid[index * 2..index * 2 + 2], 16).ok()?;
+        }
+        let number = |text: &str| text.parse::<u32>().ok().filter(|_| text.bytes().all(|b| b.is_ascii_digit()));
+        Some(QpInfo {
+            node: NodeId(number(node)?),
+            qpn: QpNum(number(qpn)?),
+            lid: u16::try_from(number(lid)?).ok()?,
+            gid: bytes,
+        })
+    }
 }
 
 /// A registered memory region, as `ibv_reg_mr` returns it.

@@ -248,7 +248,7 @@ impl World {
             return WcStatus::Flushed;
         }
         let peer = qp.peer.expect("posting requires a connected QP");
-        if !self.connected_back(peer, QpInfo { node: delivery.node, qpn: delivery.qp }) {
+        if !self.connected_back(peer, QpInfo::plain(delivery.node, delivery.qp)) {
             return WcStatus::RetryExceeded;
         }
         if let ([sge], None, true) = (delivery.wr.sges.as_slice(), delivery.wr.imm, peer.node != delivery.node) {
@@ -412,7 +412,7 @@ impl Node {
         let qpn = QpNum(self.next_qpn);
         self.next_qpn = self.next_qpn.checked_add(1).ok_or(FabricError::Exhausted("QP numbers"))?;
         self.qps.insert(qpn, Qp::default());
-        Ok(QpInfo { node, qpn })
+        Ok(QpInfo::plain(node, qpn))
     }
 
     fn connect(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
