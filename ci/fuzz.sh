@@ -6,11 +6,14 @@
 #   saying what it found) and accept the snapshot it adds.
 # - wire: every wire message decoder (src/wire/README.md) with a round trip of each accepted message, seeded with
 #   one structure-aware seed per golden message. Keep a crash's frame list in tests/it/wire.rs::FUZZ_CRASHES.
-# A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120, shared by both targets)
+# - control: the control-plane frame decoder of the bootstrap hub and rank processes (src/control/frame.rs), with a
+#   round trip of each accepted frame.
+# A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120: 45 % each to scenario and wire, 10 % to control)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-120}"
-half=$(( seconds / 2 > 0 ? seconds / 2 : 1 ))
+half=$(( seconds * 45 / 100 > 0 ? seconds * 45 / 100 : 1 ))
+tenth=$(( seconds / 10 > 0 ? seconds / 10 : 1 ))
 if ! cargo +nightly --version >/dev/null 2>&1; then
     echo "fuzz: no nightly toolchain on this machine; the fuzz smoke needs one (cargo-fuzz uses -Zsanitizer)" >&2
     exit 1
@@ -36,3 +39,12 @@ for index in $(seq 0 6); do
 done
 cargo +nightly fuzz run --fuzz-dir tests/fuzz wire "$corpus" -- \
     -dict=tests/fuzz/wire.dict -max_total_time="$half" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1
+
+# A hello, a message and a stop frame body (kind, from, to, parts) as seeds.
+corpus=tests/fuzz/corpus/control
+mkdir -p "$corpus"
+printf '\x01\x00\x00\x00\x00\xff\xff\xff\xff\x00\x00\x00\x00' > "$corpus/seed-hello"
+printf '\x03\x01\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x03\x00\x00\x00abc' > "$corpus/seed-message"
+printf '\x05\xff\xff\xff\xff\x02\x00\x00\x00\x00\x00\x00\x00' > "$corpus/seed-stop"
+cargo +nightly fuzz run --fuzz-dir tests/fuzz control "$corpus" -- \
+    -max_total_time="$tenth" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1

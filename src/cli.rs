@@ -7,7 +7,7 @@
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
@@ -48,9 +48,53 @@ pub enum Command {
     /// Plan a scenario, run it through the per-rank engines on the in-memory fabric, verify every decode byte.
     Run {
         scenario: PathBuf,
-        /// Print the message and engine event sequence (simulated time, sender -> receiver: message).
+        /// Print the message and engine event sequence (time, sender -> receiver: message).
         #[arg(long)]
         trace: bool,
+        #[command(flatten)]
+        fabric: FabricArgs,
+    },
+    /// Run scenarios on the in-memory fabric and on another (default: RDMA verbs) and compare every decode rank's
+    /// final image byte for byte; differences are decoded into coordinates.
+    Diff {
+        #[arg(required = true)]
+        scenarios: Vec<PathBuf>,
+        #[command(flatten)]
+        fabric: FabricArgs,
+    },
+    /// Run one rank of a scenario in this process over a real fabric; the others connect through the bootstrap
+    /// hub (`kvrelay hub`, or the one `kvrelay launch` starts). A decode rank prints its verdict.
+    Serve {
+        scenario: PathBuf,
+        #[arg(long, value_enum)]
+        role: crate::process::Role,
+        /// Index of the rank on its side, in stage-major order (as `kvrelay layout --rank`).
+        #[arg(long)]
+        rank: u32,
+        /// HOST:PORT of the bootstrap hub.
+        #[arg(long)]
+        bootstrap: String,
+        #[command(flatten)]
+        fabric: FabricArgs,
+        #[command(flatten)]
+        deadlines: Deadlines,
+    },
+    /// Run the bootstrap hub of a scenario on HOST:PORT until its run ends (for ranks on several hosts).
+    Hub {
+        scenario: PathBuf,
+        #[arg(long)]
+        bootstrap: String,
+        #[command(flatten)]
+        deadlines: Deadlines,
+    },
+    /// Start every rank of a scenario as its own `kvrelay serve` process on this host, with a hub, and gather the
+    /// decode ranks' verdicts.
+    Launch {
+        scenario: PathBuf,
+        #[command(flatten)]
+        fabric: FabricArgs,
+        #[command(flatten)]
+        deadlines: Deadlines,
     },
     /// Show what landed where on each decode rank (run-length encoded).
     Layout {
@@ -88,6 +132,46 @@ pub enum Command {
     },
 }
 
+/// Which fabric moves the bytes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FabricArgs {
+    /// `sim` (in-memory, simulated time), `live-sim` (in-memory, real clock) or `rdma` (verbs; needs the `rdma`
+    /// feature). `diff`, `serve` and `launch` default to `rdma`, `run` to `sim`.
+    #[arg(long)]
+    pub fabric: Option<String>,
+    /// RDMA device (default: the first device with an active port).
+    #[arg(long)]
+    pub device: Option<String>,
+}
+
+impl FabricArgs {
+    fn fabric(&self, default: &str) -> anyhow::Result<harness::Fabric> {
+        let name = self.fabric.as_deref().unwrap_or(default);
+        harness::Fabric::parse(name, self.device.clone()).map_err(anyhow::Error::msg)
+    }
+}
+
+/// Deadlines of a run across processes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Deadlines {
+    /// Seconds to wait for every rank to connect to the hub.
+    #[arg(long, default_value_t = 60)]
+    pub connect_timeout: u64,
+    /// Seconds a decode request may wait for the prefill side before it fails (domain.md §6.4).
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
+}
+
+impl Deadlines {
+    fn live(&self) -> crate::engine::live::LiveOptions {
+        crate::engine::live::LiveOptions {
+            waiting_timeout_ns: self.timeout.saturating_mul(1_000_000_000),
+            time_limit: Duration::from_secs(self.timeout.saturating_mul(2)),
+            trace: false,
+        }
+    }
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let args = Args::parse();
@@ -114,10 +198,19 @@ fn load(path: &Path, seed: Option<u64>) -> anyhow::Result<Scenario> {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let seed = args.seed;
     match args.command {
-        Command::Run { scenario, trace } => {
+        Command::Run { scenario, trace, fabric } => {
             let scenario = load(&scenario, seed)?;
-            let options = SimOptions { trace, ..SimOptions::default() };
-            let outcome = harness::run_with(&scenario, &Budget::from_env()?, &options)?;
+            let fabric = fabric.fabric("sim")?;
+            let outcome = match fabric {
+                harness::Fabric::Sim => {
+                    let options = SimOptions { trace, ..SimOptions::default() };
+                    harness::run_with(&scenario, &Budget::from_env()?, &options)?
+                }
+                other => {
+                    outln!("fabric: {}", other.name());
+                    harness::run_on(&scenario, &Budget::from_env()?, &other, trace)?
+                }
+            };
             if trace {
                 for line in outcome.engine.iter().flat_map(|run| &run.trace) {
                     outln!("{line}");
@@ -165,6 +258,33 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
             out.flush()?;
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Diff { scenarios, fabric } => diff(&scenarios, &fabric.fabric("rdma")?, seed),
+        Command::Serve { scenario, role, rank, bootstrap, fabric, deadlines } => {
+            let loaded = load(&scenario, seed)?;
+            let options = crate::process::ServeOptions {
+                role,
+                rank,
+                bootstrap,
+                fabric: fabric.fabric("rdma")?,
+                connect_timeout: Duration::from_secs(deadlines.connect_timeout),
+                live: deadlines.live(),
+            };
+            serve(&loaded, &options)
+        }
+        Command::Hub { scenario, bootstrap, deadlines } => {
+            let scenario = load(&scenario, seed)?;
+            hub(&scenario, &bootstrap, &deadlines)
+        }
+        Command::Launch { scenario, fabric, deadlines } => {
+            let loaded = load(&scenario, seed)?;
+            let options = crate::process::LaunchOptions {
+                fabric: fabric.fabric("rdma")?,
+                child_args: seed.map(|seed| vec!["--seed".to_owned(), seed.to_string()]).unwrap_or_default(),
+                connect_timeout: Duration::from_secs(deadlines.connect_timeout),
+                live: deadlines.live(),
+            };
+            launch(&scenario, &loaded, &options)
         }
         Command::Check { .. } | Command::Bench { .. } if seed.is_some() => {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
@@ -381,4 +501,138 @@ fn bench_engines(runs: u32) -> anyhow::Result<ExitCode> {
     outln!("{:<10} {:>10.3} {:>8}", "direct", direct.as_secs_f64(), if clean == 1 { "pass" } else { "FAIL" });
     outln!("ratio engines/direct: {:.2}", engines.as_secs_f64() / direct.as_secs_f64().max(1e-12));
     Ok(ExitCode::SUCCESS)
+}
+
+/// `kvrelay diff`: each scenario on the in-memory fabric and on `fabric`, compared byte for byte.
+fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64>) -> anyhow::Result<ExitCode> {
+    let budget = Budget::from_env()?;
+    let mut failed = 0;
+    for path in paths {
+        let scenario = load(path, seed)?;
+        let report = harness::diff(&scenario, &budget, fabric)?;
+        let regions = report.reference.observation.images.len();
+        let verdict = |outcome: &harness::Outcome| match outcome.passed() {
+            true => "pass".to_owned(),
+            false => format!("FAIL ({})", outcome.failures.join("; ")),
+        };
+        outln!("diff {}: sim vs {}", scenario.file, fabric.name());
+        outln!("  decode bytes compared: {} in {regions} regions", report.bytes);
+        outln!("  sim: {}; {}: {}", verdict(&report.reference), fabric.name(), verdict(&report.other));
+        if report.differences.is_empty() {
+            outln!("  identical");
+        } else {
+            outln!("  {} rows differ:", report.differences.len());
+            for difference in report.differences.iter().take(20) {
+                outln!("    {difference}");
+            }
+        }
+        if !report.differences.is_empty() || !report.reference.passed() || !report.other.passed() {
+            failed += 1;
+            let name = fabric_flag(fabric);
+            eprintln!("FAIL diff {}", scenario.file);
+            eprintln!("reproduce: {} diff {} {name} --seed {}", cargo_run(fabric), scenario.file, scenario.seed);
+        }
+    }
+    outln!("{} of {} scenarios identical on both fabrics", paths.len() - failed, paths.len());
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The `--fabric`/`--device` flags that select `fabric`.
+fn fabric_flag(fabric: &harness::Fabric) -> String {
+    fabric.flags().join(" ")
+}
+
+/// `cargo run` with the features `fabric` needs.
+fn cargo_run(fabric: &harness::Fabric) -> &'static str {
+    match fabric {
+        harness::Fabric::Rdma { .. } => "cargo run --release --features rdma --",
+        _ => "cargo run --release --",
+    }
+}
+
+/// `kvrelay serve`: one rank; a decode rank prints its verdict (human line and machine line).
+fn serve(scenario: &Scenario, options: &crate::process::ServeOptions) -> anyhow::Result<ExitCode> {
+    let Some(verdict) = crate::process::serve(scenario, options)? else {
+        outln!("prefill {} done", options.rank);
+        return Ok(ExitCode::SUCCESS);
+    };
+    let succeeded = verdict.rooms.iter().filter(|room| room.poll == crate::wire::KvPoll::Success as u8).count();
+    outln!(
+        "verdict decode {}: {} requests, {succeeded} succeeded, {} violations in {} bytes",
+        verdict.rank,
+        verdict.rooms.len(),
+        verdict.violation_count,
+        verdict.bytes
+    );
+    for violation in &verdict.violations {
+        outln!("  {violation}");
+    }
+    outln!("{}{}", crate::process::VERDICT_PREFIX, serde_json::to_string(&verdict)?);
+    Ok(if verdict.violation_count == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `kvrelay hub`: the bootstrap hub of one run, for ranks on several hosts.
+fn hub(scenario: &Scenario, bootstrap: &str, deadlines: &Deadlines) -> anyhow::Result<ExitCode> {
+    let hub = crate::control::Hub::bind(bootstrap)?;
+    outln!("hub listening on {}", hub.local_addr().map_or_else(|| bootstrap.to_owned(), |addr| addr.to_string()));
+    let options = crate::process::LaunchOptions {
+        fabric: harness::Fabric::Rdma { device: None },
+        child_args: Vec::new(),
+        connect_timeout: Duration::from_secs(deadlines.connect_timeout),
+        live: deadlines.live(),
+    };
+    let report = hub.run(&crate::process::hub_plan(&scenario.problem, &options));
+    print_hub(&report)?;
+    Ok(if report.missing.is_empty() && report.lost.is_empty() && !report.timed_out {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_hub(report: &crate::control::HubReport) -> anyhow::Result<()> {
+    for line in &report.log {
+        outln!("hub: {line}");
+    }
+    outln!("hub: {} messages routed, {} dropped", report.routed, report.dropped);
+    Ok(())
+}
+
+/// `kvrelay launch`: every rank as a process on this host; the gathered verdicts.
+fn launch(path: &Path, scenario: &Scenario, options: &crate::process::LaunchOptions) -> anyhow::Result<ExitCode> {
+    let launched = crate::process::launch(path, scenario, options)?;
+    print_hub(&launched.hub)?;
+    for exit in &launched.exits {
+        outln!("process {exit}");
+    }
+    for (index, verdict) in &launched.verdicts {
+        match verdict {
+            Ok(verdict) => {
+                let succeeded = verdict.rooms.iter().filter(|room| room.poll == crate::wire::KvPoll::Success as u8);
+                outln!(
+                    "decode {index} ({}): {} of {} requests succeeded, {} violations in {} bytes",
+                    verdict.rank,
+                    succeeded.count(),
+                    verdict.rooms.len(),
+                    verdict.violation_count,
+                    verdict.bytes
+                );
+            }
+            Err(why) => outln!("decode {index}: {why}"),
+        }
+    }
+    if launched.failures.is_empty() {
+        outln!("pass {} ({} processes, {})", scenario.name, launched.exits.len(), options.fabric.name());
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!("FAIL {}: {}", scenario.name, launched.failures.join("; "));
+        eprintln!(
+            "reproduce: {} launch {} {} --seed {}",
+            cargo_run(&options.fabric),
+            scenario.file,
+            fabric_flag(&options.fabric),
+            scenario.seed
+        );
+        Ok(ExitCode::FAILURE)
+    }
 }

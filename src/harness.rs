@@ -1,10 +1,15 @@
 //! One scenario end to end: budget, composed plan, the per-rank engines on the in-memory fabric, the oracle per
 //! decode rank, and the judgement against the scenario's expectation.
 
+use crate::engine::live::{self, LiveOptions};
 use crate::engine::sim::{self, SimOptions, SimRun};
 use crate::exec::{self, SimFabric};
+use crate::fabric::verbs::Caps;
+use crate::fabric::world::SimWorld;
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
-use crate::model::Problem;
+use std::collections::BTreeMap;
+
+use crate::model::{Problem, RankId};
 use crate::plan::{self, Plan, PlanError};
 use crate::scenario::{Expectation, Scenario};
 use crate::verify::{self, Observation, Verdicts, Violation};
@@ -119,36 +124,157 @@ fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> {
 /// the composed plan gives the decisions and the expected verdict, the engines move the bytes, and the oracle
 /// judges every decode rank with the rooms it saw fail.
 pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> Result<Outcome, RunError> {
+    check_budget(&scenario.problem, budget)?;
+    let engine = sim::run(&scenario.problem, options).map_err(|error| format!("the simulated fabric failed: {error}"));
+    Ok(judge(scenario, engine))
+}
+
+/// [`run_with`] on any [`Fabric`]: the same engines, plan and oracle.
+pub fn run_on(scenario: &Scenario, budget: &Budget, fabric: &Fabric, trace: bool) -> Result<Outcome, RunError> {
+    check_budget(&scenario.problem, budget)?;
+    Ok(judge(scenario, engine_run(&scenario.problem, fabric, trace)))
+}
+
+/// Where the engines run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fabric {
+    /// The in-memory fabric in simulated time (one tokio task per rank on a paused clock).
+    Sim,
+    /// The live driver (real clock, one thread) on the in-memory fabric delivering at once: the live driver's
+    /// cross-check where no NIC exists.
+    LiveSim,
+    /// The live driver on RDMA verbs (cargo feature `rdma`), one endpoint per rank on `device` (default: the
+    /// first device with an active port).
+    Rdma { device: Option<String> },
+}
+
+impl Fabric {
+    /// The fabric called `name` (`sim`, `live-sim`, `rdma`), on `device` where that applies.
+    pub fn parse(name: &str, device: Option<String>) -> Result<Fabric, String> {
+        match name {
+            "sim" => Ok(Fabric::Sim),
+            "live-sim" => Ok(Fabric::LiveSim),
+            "rdma" => Ok(Fabric::Rdma { device }),
+            other => Err(format!("unknown fabric `{other}` (fix: sim, live-sim or rdma)")),
+        }
+    }
+
+    /// The command-line flags that select this fabric.
+    pub fn flags(&self) -> Vec<String> {
+        let name = match self {
+            Fabric::Sim => "sim",
+            Fabric::LiveSim => "live-sim",
+            Fabric::Rdma { .. } => "rdma",
+        };
+        let mut flags = vec!["--fabric".to_owned(), name.to_owned()];
+        if let Fabric::Rdma { device: Some(device) } = self {
+            flags.extend(["--device".to_owned(), device.clone()]);
+        }
+        flags
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Fabric::Sim => "sim".to_owned(),
+            Fabric::LiveSim => "live-sim".to_owned(),
+            Fabric::Rdma { device: Some(device) } => format!("rdma ({device})"),
+            Fabric::Rdma { device: None } => "rdma".to_owned(),
+        }
+    }
+}
+
+/// Runs the engines of `problem` on `fabric`; an error is the fabric's, in words.
+pub fn engine_run(problem: &Problem, fabric: &Fabric, trace: bool) -> Result<SimRun, String> {
+    let options = SimOptions { trace, ..SimOptions::default() };
+    let live = LiveOptions { trace, ..LiveOptions::default() };
+    match fabric {
+        Fabric::Sim => sim::run(problem, &options).map_err(|error| format!("the simulated fabric failed: {error}")),
+        Fabric::LiveSim => {
+            let world = SimWorld::new(options.caps);
+            live::run_local(problem, &live, |node| Ok(world.eager_endpoint(node))).map_err(|error| error.to_string())
+        }
+        Fabric::Rdma { device } => rdma_run(problem, &live, device.as_deref(), options.caps),
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn rdma_run(problem: &Problem, live: &LiveOptions, device: Option<&str>, caps: Caps) -> Result<SimRun, String> {
+    use crate::fabric::rdma::RdmaEndpoint;
+    let run = live::run_local(problem, live, |node| {
+        RdmaEndpoint::open(node, device, caps).map_err(|error| error.to_string())
+    });
+    run.map_err(|error| format!("the RDMA fabric failed: {error}"))
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_run(_: &Problem, _: &LiveOptions, _: Option<&str>, _: Caps) -> Result<SimRun, String> {
+    Err(RDMA_MISSING.to_owned())
+}
+
+/// Why `--fabric rdma` cannot run in a build without the feature.
+pub const RDMA_MISSING: &str =
+    "this kvrelay was built without RDMA (fix: cargo build --release --features rdma; needs libibverbs-dev, librdmacm-dev, libclang-dev, pkg-config)";
+
+/// Judges one engine run of `scenario`: the composed plan's verdict, the oracle per decode rank, the rooms.
+fn judge(scenario: &Scenario, engine: Result<SimRun, String>) -> Outcome {
     let problem = &scenario.problem;
-    check_budget(problem, budget)?;
     let plan = plan::plan(problem);
-    let (observation, engine, run_error) = match sim::run(problem, options) {
+    let (observation, engine, run_error) = match engine {
         Ok(mut run) => (std::mem::take(&mut run.observation), Some(run), None),
-        Err(error) => (Observation::default(), None, Some(error.to_string())),
+        Err(error) => (Observation::default(), None, Some(error)),
     };
     let mut violations = Vec::new();
     if let Some(run) = &engine {
         for layout in &problem.decode.ranks {
-            // A rejected scenario promises more than failed rooms: no byte may have moved at all.
-            let verdicts = match scenario.expect {
-                Expectation::Error(_) => Verdicts::rejected(),
-                _ => run.verdicts(layout.rank),
-            };
+            let verdicts = verdicts(&scenario.expect, run, layout.rank);
             violations.extend(verify::check_rank(problem, layout.rank, &observation, &verdicts));
         }
     }
-    let mut failures = expectation_failures(&scenario.expect, &plan, engine.as_ref());
-    if let Some(error) = &run_error {
-        failures.push(format!("the simulated fabric failed: {error}"));
-    }
+    let mut failures = expectation_failures(&scenario.expect, &plan, engine.as_ref().map(room_ends).as_ref());
+    failures.extend(run_error);
     if !violations.is_empty() {
         failures.push(format!("{} oracle violations", violations.len()));
     }
-    Ok(Outcome { plan, engine, observation, violations, failures })
+    Outcome { plan, engine, observation, violations, failures }
+}
+
+/// The oracle's verdicts for `rank`: a rejected scenario promises more than failed rooms (no byte may have moved
+/// at all); otherwise the rooms the rank saw fail.
+pub fn verdicts(expect: &Expectation, run: &SimRun, rank: RankId) -> Verdicts {
+    match expect {
+        Expectation::Error(_) => Verdicts::rejected(),
+        _ => run.verdicts(rank),
+    }
+}
+
+/// Two fabrics' runs of one scenario, compared byte for byte.
+#[derive(Debug)]
+pub struct DiffReport {
+    /// What the reference (in-memory, simulated-time) run judged.
+    pub reference: Outcome,
+    /// What the other fabric's run judged.
+    pub other: Outcome,
+    /// Every decode row whose final bytes differ.
+    pub differences: Vec<verify::Difference>,
+    /// Decode bytes compared.
+    pub bytes: u64,
+}
+
+/// Runs `scenario` on the in-memory fabric and on `fabric`, and compares every decode rank's final image.
+pub fn diff(scenario: &Scenario, budget: &Budget, fabric: &Fabric) -> Result<DiffReport, RunError> {
+    let reference = run_on(scenario, budget, &Fabric::Sim, false)?;
+    let other = run_on(scenario, budget, fabric, false)?;
+    let differences = verify::compare_images(&scenario.problem, &reference.observation, &other.observation);
+    let bytes = reference.observation.images.values().map(|image| image.len() as u64).sum();
+    Ok(DiffReport { reference, other, differences, bytes })
 }
 
 /// How the plan and the engines' room states depart from the scenario's expectation.
-fn expectation_failures(expect: &Expectation, plan: &Result<Plan, PlanError>, engine: Option<&SimRun>) -> Vec<String> {
+pub fn expectation_failures(
+    expect: &Expectation,
+    plan: &Result<Plan, PlanError>,
+    rooms: Option<&RoomEnds>,
+) -> Vec<String> {
     let mut failures = Vec::new();
     match (expect.error(), plan) {
         (None, Err(error)) => failures.push(format!("expected a clean transfer, planner rejected: {error}")),
@@ -158,19 +284,30 @@ fn expectation_failures(expect: &Expectation, plan: &Result<Plan, PlanError>, en
         }
         _ => {}
     }
-    if let Some(engine) = engine {
-        failures.extend(room_failures(expect, engine));
+    if let Some(rooms) = rooms {
+        failures.extend(room_failures(expect, rooms));
     }
     failures
+}
+
+/// How each request ended on each decode rank, and why it failed.
+pub type RoomEnds = BTreeMap<RankId, BTreeMap<u64, (KvPoll, Option<String>)>>;
+
+/// The room ends of an engine run.
+pub fn room_ends(run: &SimRun) -> RoomEnds {
+    let ends = |rooms: &BTreeMap<u64, crate::engine::RoomState>| {
+        rooms.iter().map(|(id, room)| (*id, (room.poll, room.reason.clone()))).collect()
+    };
+    run.rooms.iter().map(|(rank, rooms)| (*rank, ends(rooms))).collect()
 }
 
 /// Rooms that ended otherwise than the expectation says: every room succeeds (`ok`), every room fails with the
 /// message among the reasons (`error`: each decode rank words it for itself, e.g. its DCP rank), or only the
 /// listed rooms fail, each with exactly the message (`error` with `ranks` or `requests`).
-fn room_failures(expect: &Expectation, engine: &SimRun) -> Vec<String> {
+fn room_failures(expect: &Expectation, ends: &RoomEnds) -> Vec<String> {
     let mut failures = Vec::new();
-    for (index, (rank, rooms)) in engine.rooms.iter().enumerate() {
-        for (room, state) in rooms {
+    for (index, (rank, rooms)) in ends.iter().enumerate() {
+        for (room, (poll, reason)) in rooms {
             let should_fail = match expect {
                 Expectation::Ok => false,
                 Expectation::Error(_) => true,
@@ -179,8 +316,8 @@ fn room_failures(expect: &Expectation, engine: &SimRun) -> Vec<String> {
                         && requests.as_ref().is_none_or(|requests| requests.contains(&(*room as u32)))
                 }
             };
-            let failed = state.poll != KvPoll::Success;
-            let reason = state.reason.clone().unwrap_or_else(|| format!("{:?}", state.poll));
+            let failed = *poll != KvPoll::Success;
+            let reason = reason.clone().unwrap_or_else(|| format!("{poll:?}"));
             let wrong_reason = matches!(expect, Expectation::Partial { error, .. } if failed && reason != *error);
             if failed != should_fail || wrong_reason {
                 let ended = if failed { format!("failed: {reason}") } else { "succeeded".to_owned() };
@@ -189,9 +326,8 @@ fn room_failures(expect: &Expectation, engine: &SimRun) -> Vec<String> {
         }
     }
     if let Expectation::Error(message) = expect {
-        let mut reasons =
-            engine.rooms.values().flat_map(|rooms| rooms.values()).filter_map(|room| room.reason.as_ref());
-        if failures.is_empty() && !engine.rooms.is_empty() && !reasons.any(|reason| reason == message) {
+        let mut reasons = ends.values().flat_map(|rooms| rooms.values()).filter_map(|(_, reason)| reason.as_ref());
+        if failures.is_empty() && !ends.is_empty() && !reasons.any(|reason| reason == message) {
             failures.push(format!("no decode rank failed with `{message}`"));
         }
     }

@@ -15,15 +15,20 @@
 //! - [`wire`]: the Mori control messages as bytes (registration, request metadata, status; domain.md §6.2).
 //! - [`fabric`]: the verbs-shaped seam [`fabric::verbs::Endpoint`] and its in-memory, simulated-time
 //!   [`fabric::world::SimWorld`]; nothing here knows plans, models or the oracle.
-//! - [`engine`]: prefill and decode ranks as sans-IO engines (domain.md §6) and the deterministic simulation that
-//!   drives them over [`fabric::world::SimWorld`].
+//! - [`engine`]: prefill and decode ranks as sans-IO engines (domain.md §6), the deterministic simulation that
+//!   drives them over [`fabric::world::SimWorld`], and the live driver ([`engine::live`]) that drives the same
+//!   engines on a real clock over a NIC.
+//! - [`control`]: the control plane between rank processes: the TCP bootstrap hub, its client and the frame codec.
+//! - [`process`]: ranks as processes: `serve` one rank, `launch` them all and gather the decode verdicts.
 //! - [`exec`]: the direct execution of a composed plan on one all-ranks [`exec::Transport`] (the benchmark's
 //!   baseline).
-//! - [`harness`]: one scenario end to end through the engines and its pass/fail judgement.
+//! - [`harness`]: one scenario end to end through the engines on a chosen fabric, its pass/fail judgement, and the
+//!   byte-for-byte `diff` of two fabrics.
 //! - [`render`]: stable text for golden files and the CLI.
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
 
 pub mod cli;
+pub mod control;
 pub mod engine;
 pub mod exec;
 pub mod fabric;
@@ -31,6 +36,7 @@ pub mod harness;
 pub mod limits;
 pub mod model;
 pub mod plan;
+pub mod process;
 pub mod render;
 pub mod scenario;
 pub mod seed;

@@ -47,6 +47,8 @@ pub struct DecodeEngine {
     rooms: BTreeMap<u64, RoomState>,
     expected: u32,
     deadline: u64,
+    /// Time the rooms may wait for the prefill side, from `start`.
+    timeout: u64,
 }
 
 impl DecodeEngine {
@@ -78,7 +80,20 @@ impl DecodeEngine {
             rooms,
             expected: 1,
             deadline: WAITING_TIMEOUT_NS,
+            timeout: WAITING_TIMEOUT_NS,
         }
+    }
+
+    /// Sets the waiting timeout (default [`WAITING_TIMEOUT_NS`]): real fabrics and emulated devices need longer.
+    pub fn with_timeout(mut self, timeout_ns: u64) -> DecodeEngine {
+        self.timeout = timeout_ns;
+        self.deadline = timeout_ns;
+        self
+    }
+
+    /// Fails every room still waiting with `reason` (a driver's verdict: the bootstrap never completed).
+    pub fn abandon(&mut self, now: u64, reason: &str, out: &mut Outbox) {
+        self.fail_all(now, reason, out);
     }
 
     pub fn rank(&self) -> RankId {
@@ -105,7 +120,7 @@ impl DecodeEngine {
         nic: Nic<'_>,
         out: &mut Outbox,
     ) {
-        self.deadline = now + WAITING_TIMEOUT_NS;
+        self.deadline = now.saturating_add(self.timeout);
         self.prefill = *prefill;
         if let Err(error) = plan::decode_gates(&self.model, prefill, &self.topology) {
             return self.fail_all(now, &error.to_string(), out);
@@ -247,7 +262,7 @@ impl DecodeEngine {
     /// Fails every room still waiting at the deadline (domain.md §6.4 waiting timeout).
     pub fn on_tick(&mut self, now: u64, out: &mut Outbox) {
         if now >= self.deadline && !self.done() {
-            self.fail_all(now, &format!("timed out after {} ns waiting for the prefill side", WAITING_TIMEOUT_NS), out);
+            self.fail_all(now, &format!("timed out after {} ns waiting for the prefill side", self.timeout), out);
         }
     }
 

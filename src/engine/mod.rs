@@ -16,11 +16,12 @@
 
 mod decode;
 mod handshake;
+pub mod live;
 mod prefill;
 pub mod sim;
 mod tasks;
 
-pub use decode::DecodeEngine;
+pub use decode::{DecodeEngine, RoomState};
 pub use prefill::PrefillEngine;
 
 use crate::fabric::verbs::{Endpoint, NodeId};

@@ -80,10 +80,10 @@ impl SimRun {
     }
 }
 
-/// A rank of the simulation: its engine and its endpoint.
-pub(super) struct Node<E> {
+/// A rank: its engine and its endpoint.
+pub(super) struct Node<E, N = SimEndpoint> {
     pub(super) engine: E,
-    pub(super) nic: SimEndpoint,
+    pub(super) nic: N,
     pub(super) regions: Vec<MemoryRegion>,
 }
 
@@ -103,7 +103,7 @@ pub(super) struct Sim {
 /// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
 pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
     let sim = Sim::build(problem, options)?;
-    super::tasks::drive(sim, problem, options.time_limit_ns)?.finish(problem)
+    super::tasks::drive(sim, problem, options.time_limit_ns)?.finish()
 }
 
 /// [`run`] with the single-threaded event loop instead of tasks (the same engines, stepped by hand).
@@ -111,49 +111,14 @@ pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, Fa
     let mut sim = Sim::build(problem, options)?;
     sim.start(problem);
     sim.run_loop(options.time_limit_ns);
-    sim.finish(problem)
+    sim.finish()
 }
 
 impl Sim {
     pub(super) fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, FabricError> {
         let world = SimWorld::new(options.caps);
-        let sources = Sources::new(problem);
         let mut names = BTreeMap::new();
-        let mut prefill = Vec::new();
-        for layout in &problem.prefill.ranks {
-            let (nic, regions) = rank_node(&world, &mut names, "prefill", layout, |index, bytes| {
-                pattern::fill_source(sources.number(layout.rank, index), bytes);
-            })?;
-            let engine = PrefillEngine::new(
-                layout.rank,
-                problem.model.clone(),
-                problem.prefill.topology,
-                layout.clone(),
-                regions.clone(),
-                &problem.requests,
-                options.caps,
-            )
-            .with_early_send(problem.early_send);
-            prefill.push(Node { engine, nic, regions });
-        }
-        let mut decode = Vec::new();
-        for layout in &problem.decode.ranks {
-            let (nic, regions) =
-                rank_node(&world, &mut names, "decode", layout, |_, bytes| pattern::fill_sentinel(bytes))?;
-            let descs: Vec<MemoryDesc> = regions
-                .iter()
-                .map(|region| MemoryDesc { address: region.addr, length_bytes: region.len, rkey: region.rkey })
-                .collect();
-            let registration = peer::advertise(problem, layout.rank, &descs);
-            let engine = DecodeEngine::new(
-                layout.rank,
-                problem.model.clone(),
-                problem.decode.topology,
-                registration,
-                &problem.requests,
-            );
-            decode.push(Node { engine, nic, regions });
-        }
+        let (prefill, decode) = build_nodes(problem, &mut names, |node| Ok(world.endpoint(node)))?;
         let trace = options.trace.then(Vec::new);
         Ok(Sim {
             world,
@@ -171,27 +136,8 @@ impl Sim {
     /// Bootstrap (domain.md §6.1 steps 1-2): prefill rank 0's published topology, through the wire, and the
     /// directory of prefill ranks.
     pub(super) fn bootstrap(&self, problem: &Problem) -> (Topology, BTreeMap<RankId, NodeId>) {
-        let topology = &problem.prefill.topology;
-        let info = PrefillInfo {
-            ip: "127.0.0.1".to_owned(),
-            port: 17000,
-            attn_tp_size: topology.tp,
-            attn_tp_rank: 0,
-            dcp_size: topology.dcp,
-            dcp_rank: 0,
-            pp_size: topology.pp,
-            pp_rank: 0,
-            page_size: topology.page_size,
-            kv_cache_dtype: format!("{}-byte", problem.model.dtype_bytes),
-        };
-        let published = PrefillInfo::decode(&info.encode()).ok().map(|info| Topology {
-            tp: info.attn_tp_size,
-            pp: info.pp_size,
-            dcp: info.dcp_size,
-            page_size: info.page_size,
-        });
-        let directory = self.prefill.iter().map(|node| (node.engine.rank(), node.nic.node())).collect();
-        (published.unwrap_or(*topology), directory)
+        let published = published_topology(&prefill_info(problem).encode());
+        (published.unwrap_or(problem.prefill.topology), directory(problem))
     }
 
     pub(super) fn start(&mut self, problem: &Problem) {
@@ -307,51 +253,157 @@ impl Sim {
     }
 
     /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
-    pub(super) fn finish(mut self, problem: &Problem) -> Result<SimRun, FabricError> {
-        let mut observation = Observation::default();
-        for node in &self.prefill {
-            for written in node.engine.written() {
-                let target = RegionKey { side: Side::Decode, rank: written.target, region: written.region };
-                observation.writes.push(WriteRecord { target, offset: written.offset, length: written.length });
-            }
-        }
-        let prefill_rooms = self.prefill.iter().map(|node| (node.engine.rank(), node.engine.rooms())).collect();
-        // Prefill memory is not observed (the oracle recomputes its pattern): hand it back before verification.
-        for node in &mut self.prefill {
-            for region in &node.regions {
-                drop(node.nic.deregister(region)?);
-            }
-        }
-        let mut rooms = BTreeMap::new();
-        for (node, layout) in self.decode.iter_mut().zip(&problem.decode.ranks) {
-            for (index, region) in node.regions.iter().enumerate() {
-                let key = RegionKey { side: Side::Decode, rank: layout.rank, region: index as u32 };
-                observation.images.insert(key, node.nic.deregister(region)?);
-            }
-            rooms.insert(layout.rank, node.engine.rooms().clone());
-        }
-        Ok(SimRun { observation, rooms, prefill_rooms, trace: self.trace.unwrap_or_default(), messages: self.messages })
+    pub(super) fn finish(mut self) -> Result<SimRun, FabricError> {
+        let mut run = finish_nodes(&mut self.prefill, &mut self.decode)?;
+        run.trace = self.trace.unwrap_or_default();
+        run.messages = self.messages;
+        Ok(run)
     }
 }
 
-/// A new node for one rank with every region of `layout` registered, each filled by `fill(region index, bytes)`.
-fn rank_node(
-    world: &SimWorld,
+/// Every prefill node and every decode node of a deployment.
+pub(super) type Nodes<N> = (Vec<Node<PrefillEngine, N>>, Vec<Node<DecodeEngine, N>>);
+
+/// Builds every rank of `problem` as a node on the endpoint `open` gives for its node number (prefill ranks first,
+/// then decode ranks, in layout order), naming each in `names`.
+pub(super) fn build_nodes<N: Endpoint>(
+    problem: &Problem,
     names: &mut BTreeMap<NodeId, String>,
-    side: &str,
+    mut open: impl FnMut(NodeId) -> Result<N, FabricError>,
+) -> Result<Nodes<N>, FabricError> {
+    let sources = Sources::new(problem);
+    let mut prefill = Vec::new();
+    for layout in &problem.prefill.ranks {
+        let node = NodeId(names.len() as u32);
+        names.insert(node, format!("prefill {}", layout.rank));
+        prefill.push(prefill_node(problem, &sources, layout, open(node)?)?);
+    }
+    let mut decode = Vec::new();
+    for layout in &problem.decode.ranks {
+        let node = NodeId(names.len() as u32);
+        names.insert(node, format!("decode {}", layout.rank));
+        decode.push(decode_node(problem, layout, open(node)?)?);
+    }
+    Ok((prefill, decode))
+}
+
+/// The node of prefill rank `layout`: its regions registered on `nic`, filled with the source pattern.
+pub(super) fn prefill_node<N: Endpoint>(
+    problem: &Problem,
+    sources: &Sources<'_>,
+    layout: &RankLayout,
+    mut nic: N,
+) -> Result<Node<PrefillEngine, N>, FabricError> {
+    let regions = register_regions(&mut nic, layout, |index, bytes| {
+        pattern::fill_source(sources.number(layout.rank, index), bytes);
+    })?;
+    let engine = PrefillEngine::new(
+        layout.rank,
+        problem.model.clone(),
+        problem.prefill.topology,
+        layout.clone(),
+        regions.clone(),
+        &problem.requests,
+        nic.caps(),
+    )
+    .with_early_send(problem.early_send);
+    Ok(Node { engine, nic, regions })
+}
+
+/// The node of decode rank `layout`: its regions registered on `nic`, filled with the sentinel, advertised in its
+/// registration.
+pub(super) fn decode_node<N: Endpoint>(
+    problem: &Problem,
+    layout: &RankLayout,
+    mut nic: N,
+) -> Result<Node<DecodeEngine, N>, FabricError> {
+    let regions = register_regions(&mut nic, layout, |_, bytes| pattern::fill_sentinel(bytes))?;
+    let descs: Vec<MemoryDesc> = regions
+        .iter()
+        .map(|region| MemoryDesc { address: region.addr, length_bytes: region.len, rkey: region.rkey })
+        .collect();
+    let registration = peer::advertise(problem, layout.rank, &descs);
+    let engine =
+        DecodeEngine::new(layout.rank, problem.model.clone(), problem.decode.topology, registration, &problem.requests);
+    Ok(Node { engine, nic, regions })
+}
+
+/// What the nodes left behind: every confirmed write and every decode region's bytes (deregistered), each rank's
+/// rooms. Prefill memory is handed back unobserved (the oracle recomputes its pattern). No trace or counts.
+pub(super) fn finish_nodes<N: Endpoint>(
+    prefill: &mut [Node<PrefillEngine, N>],
+    decode: &mut [Node<DecodeEngine, N>],
+) -> Result<SimRun, FabricError> {
+    let mut observation = Observation::default();
+    for node in prefill.iter() {
+        for written in node.engine.written() {
+            let target = RegionKey { side: Side::Decode, rank: written.target, region: written.region };
+            observation.writes.push(WriteRecord { target, offset: written.offset, length: written.length });
+        }
+    }
+    let prefill_rooms = prefill.iter().map(|node| (node.engine.rank(), node.engine.rooms())).collect();
+    for node in prefill.iter_mut() {
+        for region in &node.regions {
+            drop(node.nic.deregister(region)?);
+        }
+    }
+    let mut rooms = BTreeMap::new();
+    for node in decode.iter_mut() {
+        let rank = node.engine.rank();
+        for (index, region) in node.regions.iter().enumerate() {
+            let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
+            observation.images.insert(key, node.nic.deregister(region)?);
+        }
+        rooms.insert(rank, node.engine.rooms().clone());
+    }
+    Ok(SimRun { observation, rooms, prefill_rooms, trace: Vec::new(), messages: BTreeMap::new() })
+}
+
+/// What prefill rank 0 publishes at bootstrap (domain.md §6.1 step 1): its parallel layout and page size.
+pub fn prefill_info(problem: &Problem) -> PrefillInfo {
+    let topology = &problem.prefill.topology;
+    PrefillInfo {
+        ip: "127.0.0.1".to_owned(),
+        port: 17000,
+        attn_tp_size: topology.tp,
+        attn_tp_rank: 0,
+        dcp_size: topology.dcp,
+        dcp_rank: 0,
+        pp_size: topology.pp,
+        pp_rank: 0,
+        page_size: topology.page_size,
+        kv_cache_dtype: format!("{}-byte", problem.model.dtype_bytes),
+    }
+}
+
+/// The prefill topology a decode rank learns from published `PrefillInfo` frames (`None`: malformed).
+pub fn published_topology(frames: &[Vec<u8>]) -> Option<Topology> {
+    PrefillInfo::decode(frames).ok().map(|info| Topology {
+        tp: info.attn_tp_size,
+        pp: info.pp_size,
+        dcp: info.dcp_size,
+        page_size: info.page_size,
+    })
+}
+
+/// Where each prefill rank listens: node numbers in layout order, as [`build_nodes`] assigns them.
+pub(super) fn directory(problem: &Problem) -> BTreeMap<RankId, NodeId> {
+    problem.prefill.ranks.iter().enumerate().map(|(index, layout)| (layout.rank, NodeId(index as u32))).collect()
+}
+
+/// Registers every region of `layout` on `nic`, each filled by `fill(region index, bytes)` first.
+fn register_regions<N: Endpoint>(
+    nic: &mut N,
     layout: &RankLayout,
     mut fill: impl FnMut(u32, &mut [u8]),
-) -> Result<(SimEndpoint, Vec<MemoryRegion>), FabricError> {
-    let node = NodeId(names.len() as u32);
-    names.insert(node, format!("{side} {}", layout.rank));
-    let mut nic = world.endpoint(node);
+) -> Result<Vec<MemoryRegion>, FabricError> {
     let mut regions = Vec::new();
     for (index, region) in layout.regions.iter().enumerate() {
         let mut bytes = vec![0u8; region.len_bytes() as usize];
         fill(index as u32, &mut bytes);
         regions.push(nic.register(bytes)?);
     }
-    Ok((nic, regions))
+    Ok(regions)
 }
 
 /// The trace line of an engine's note at `now`.

@@ -257,4 +257,11 @@ pub trait Endpoint {
     fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError>;
     /// Moves up to `max` available completions into `out` (appending) and returns how many; never blocks.
     fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize;
+    /// Blocks until a completion may be ready to poll or `timeout` has passed, without spinning a core (a verbs
+    /// fabric waits on its completion channel); `true` when one may be ready. The in-memory fabric's time is
+    /// simulated, so by default an endpoint returns `false` at once and its driver advances the world instead.
+    fn wait(&mut self, timeout: std::time::Duration) -> bool {
+        let _ = timeout;
+        false
+    }
 }

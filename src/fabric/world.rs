@@ -60,6 +60,8 @@ pub struct SimWorld {
 pub struct SimEndpoint {
     world: Rc<RefCell<World>>,
     node: NodeId,
+    /// Executes every pending delivery before each poll ([`SimWorld::eager_endpoint`]).
+    eager: bool,
 }
 
 impl SimWorld {
@@ -79,7 +81,13 @@ impl SimWorld {
     /// The endpoint of `node`, creating the node on first use; a second call gives another handle onto the same node.
     pub fn endpoint(&self, node: NodeId) -> SimEndpoint {
         self.inner.borrow_mut().nodes.entry(node).or_insert_with(Node::new);
-        SimEndpoint { world: Rc::clone(&self.inner), node }
+        SimEndpoint { world: Rc::clone(&self.inner), node, eager: false }
+    }
+
+    /// The endpoint of `node` for a driver on a real clock (the live driver's tests, `kvrelay diff --fabric sim`):
+    /// before every poll it executes every pending delivery of the world, as if the wire took no time.
+    pub fn eager_endpoint(&self, node: NodeId) -> SimEndpoint {
+        SimEndpoint { eager: true, ..self.endpoint(node) }
     }
 
     /// Simulated time, in nanoseconds since the world was created.
@@ -514,6 +522,9 @@ impl Endpoint for SimEndpoint {
     }
 
     fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        if self.eager {
+            SimWorld { inner: Rc::clone(&self.world) }.run_until_idle();
+        }
         self.with_mut(|node| node.poll(out, max))
     }
 }

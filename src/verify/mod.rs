@@ -366,3 +366,72 @@ fn check_writes(
         }
     }
 }
+
+/// One row (or item) whose bytes differ between two runs of the same problem, decoded on both sides.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Difference {
+    pub rank: RankId,
+    /// `layer 83 kv`, as in [`Violation::region`].
+    pub region: String,
+    /// `row 197`.
+    pub place: String,
+    /// What the reference run left there.
+    pub reference: Content,
+    /// What the other run left there.
+    pub other: Content,
+    /// Bytes of the row that differ.
+    pub differing_bytes: u64,
+}
+
+impl fmt::Display for Difference {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "decode {}, {}, {}: {} bytes differ; reference holds {}, other holds {}",
+            self.rank, self.region, self.place, self.differing_bytes, self.reference, self.other
+        )
+    }
+}
+
+/// Compares every decode image of `other` with `reference` byte for byte, row by row, and decodes each differing
+/// row on both sides into coordinates. A region present in one observation only is reported as wholly different.
+pub fn compare_images(problem: &Problem, reference: &Observation, other: &Observation) -> Vec<Difference> {
+    let sources = Sources::new(problem);
+    let mut differences = Vec::new();
+    let keys: BTreeSet<RegionKey> = reference.images.keys().chain(other.images.keys()).copied().collect();
+    for key in keys {
+        let region = &problem.decode.rank(key.rank).regions[key.region as usize];
+        let label = format!("layer {} {}", region.layer, tensor_name(problem, region));
+        let empty = Vec::new();
+        let (left, right) = (reference.images.get(&key).unwrap_or(&empty), other.images.get(&key).unwrap_or(&empty));
+        let row_len = region.row_len().max(1) as usize;
+        let rows = left.len().max(right.len()).div_ceil(row_len);
+        for row in 0..rows {
+            let (a, b) = (row_bytes(left, row, row_len), row_bytes(right, row, row_len));
+            if a == b {
+                continue;
+            }
+            let differing = a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
+            let offset = (row * row_len) as u64;
+            let decode = |bytes: &[u8], part: &[u8]| match part.len() {
+                0 => Content::Damaged { differing_bytes: row_len as u64, near: None },
+                len => found_content(&sources, bytes, offset, len as u64),
+            };
+            differences.push(Difference {
+                rank: key.rank,
+                region: label.clone(),
+                place: format!("{} {row}", item_noun(problem, region)),
+                reference: decode(left, a),
+                other: decode(right, b),
+                differing_bytes: differing as u64,
+            });
+        }
+    }
+    differences
+}
+
+/// Row `row` of `bytes` (shorter at the end, empty past it).
+fn row_bytes(bytes: &[u8], row: usize, row_len: usize) -> &[u8] {
+    let start = (row * row_len).min(bytes.len());
+    &bytes[start..((row + 1) * row_len).min(bytes.len())]
+}

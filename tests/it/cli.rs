@@ -189,3 +189,76 @@ fn default_budget_is_the_machines_and_refuses_before_allocating() {
         text(&bad.stderr)
     );
 }
+
+#[test]
+fn diff_reports_identical_images_on_the_live_driver() {
+    let output = kvrelay(&["diff", "--fabric", "live-sim", "scenarios/basic/mla-tp2-to-tp4.yaml"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    assert!(stdout.contains("sim vs live-sim") && stdout.contains("  identical"), "{stdout}");
+    assert!(stdout.contains("1 of 1 scenarios identical on both fabrics"), "{stdout}");
+}
+
+#[test]
+fn run_on_the_live_driver_passes_and_names_the_fabric() {
+    let output = kvrelay(&["run", "--fabric", "live-sim", "scenarios/basic/baseline-tp1-to-tp1.yaml"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    assert!(stdout.starts_with("fabric: live-sim") && stdout.contains("pass baseline-tp1-to-tp1"), "{stdout}");
+}
+
+#[test]
+fn an_unknown_fabric_is_an_error_naming_the_choices() {
+    let output = kvrelay(&["run", "--fabric", "tcp", "scenarios/basic/baseline-tp1-to-tp1.yaml"]);
+    assert!(!output.status.success());
+    assert!(
+        text(&output.stderr).contains("unknown fabric `tcp` (fix: sim, live-sim or rdma)"),
+        "{}",
+        text(&output.stderr)
+    );
+}
+
+#[test]
+fn ranks_as_processes_refuse_the_in_memory_fabric_with_the_reason() {
+    let output = kvrelay(&[
+        "launch",
+        "--fabric",
+        "live-sim",
+        "--connect-timeout",
+        "1",
+        "scenarios/basic/baseline-tp1-to-tp1.yaml",
+    ]);
+    assert!(!output.status.success());
+    let stderr = text(&output.stderr);
+    // Every child refuses before connecting; the launcher reports each decode rank without a verdict.
+    assert!(stderr.contains("the in-memory fabric lives inside one process"), "{stderr}");
+    assert!(text(&output.stdout).contains("decode 0: no verdict"), "{}", text(&output.stdout));
+}
+
+#[cfg(not(feature = "rdma"))]
+#[test]
+fn rdma_without_the_feature_says_how_to_build_it() {
+    let output = kvrelay(&["run", "--fabric", "rdma", "scenarios/basic/baseline-tp1-to-tp1.yaml"]);
+    assert!(!output.status.success());
+    assert!(text(&output.stderr).contains("cargo build --release --features rdma"), "{}", text(&output.stderr));
+}
+
+#[test]
+fn serve_refuses_a_rank_the_scenario_does_not_have() {
+    let output = kvrelay(&[
+        "serve",
+        "--role",
+        "decode",
+        "--rank",
+        "9",
+        "--bootstrap",
+        "127.0.0.1:1",
+        "scenarios/basic/baseline-tp1-to-tp1.yaml",
+    ]);
+    assert!(!output.status.success());
+    assert!(
+        text(&output.stderr).contains("--rank 9: the scenario has 1 Decode ranks (fix: 0..1)"),
+        "{}",
+        text(&output.stderr)
+    );
+}

@@ -11,6 +11,8 @@ mod conformance;
 mod golden;
 /// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.
 mod hostile;
+/// The live driver, `diff`, and the bootstrap hub of ranks as processes.
+mod live;
 /// Scenario loader diagnostics: unknown fields, file/line/field paths.
 mod loader;
 /// Proptest invariants over random topologies (domain.md §12).

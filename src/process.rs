@@ -1,0 +1,300 @@
+//! Ranks as processes: `kvrelay serve` runs one rank of a scenario in this process on a real fabric, talking to
+//! the others through the bootstrap [`Hub`]; `kvrelay launch` starts the hub and one `serve` child per rank, and
+//! gathers the decode ranks' verdicts.
+//!
+//! Every process loads the same scenario file and numbers the nodes the same way (prefill ranks first, then decode
+//! ranks, each in stage-major order), so the only things exchanged are what real ranks exchange: prefill rank 0's
+//! published topology, registrations with queue pairs, GIDs, addresses and keys, request metadata and statuses.
+//! A decode process judges its own memory with the oracle ([`verify::check_rank`]) and prints its verdict as one
+//! `verdict-json {...}` line; the double-write check needs the prefill side's write log and is not run here.
+
+#![allow(clippy::disallowed_methods, reason = "the launcher is a process edge: its deadlines are wall time")]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::control::{Client, Hub, HubPlan, HubReport};
+use crate::engine::live::LiveOptions;
+use crate::engine::sim::{self, SimRun};
+use crate::fabric::verbs::NodeId;
+use crate::harness::{self, Fabric, RoomEnds};
+use crate::model::{Problem, RankId, Topology};
+use crate::scenario::Scenario;
+use crate::verify;
+use crate::wire::KvPoll;
+
+/// Which side a process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+/// How one rank process runs.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub role: Role,
+    /// Index of the rank on its side, in stage-major order (`kvrelay layout --rank`).
+    pub rank: u32,
+    /// `HOST:PORT` of the hub.
+    pub bootstrap: String,
+    pub fabric: Fabric,
+    pub connect_timeout: Duration,
+    pub live: LiveOptions,
+}
+
+/// A decode process's verdict, as it prints it and the launcher reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankVerdict {
+    /// `pp0-tp1`.
+    pub rank: String,
+    pub rooms: Vec<RoomVerdict>,
+    /// The oracle's violations (the first 20), in coordinates.
+    pub violations: Vec<String>,
+    pub violation_count: usize,
+    /// Decode bytes judged.
+    pub bytes: u64,
+}
+
+/// How one request ended on a decode rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoomVerdict {
+    pub request: u64,
+    /// `KVPoll` code (domain.md §6.1): 4 is Success.
+    pub poll: u8,
+    pub reason: Option<String>,
+}
+
+/// The node number of rank `index` of `role` in `problem`, if there is such a rank.
+pub fn node_of(problem: &Problem, role: Role, index: u32) -> Option<NodeId> {
+    let prefill = problem.prefill.ranks.len() as u32;
+    match role {
+        Role::Prefill => (index < prefill).then_some(NodeId(index)),
+        Role::Decode => (index < problem.decode.ranks.len() as u32).then(|| NodeId(prefill + index)),
+    }
+}
+
+/// Runs one rank of `scenario` until the hub stops the run; a decode rank returns its verdict.
+pub fn serve(scenario: &Scenario, options: &ServeOptions) -> anyhow::Result<Option<RankVerdict>> {
+    let problem = &scenario.problem;
+    let Some(node) = node_of(problem, options.role, options.rank) else {
+        let count = match options.role {
+            Role::Prefill => problem.prefill.ranks.len(),
+            Role::Decode => problem.decode.ranks.len(),
+        };
+        anyhow::bail!("--rank {}: the scenario has {count} {:?} ranks (fix: 0..{count})", options.rank, options.role);
+    };
+    let run = serve_on_fabric(problem, node, options)?;
+    Ok((options.role == Role::Decode).then(|| rank_verdict(scenario, &run)))
+}
+
+/// Connects to the hub as `node` and waits for the start: the control and the published prefill topology.
+/// Prefill rank 0 publishes the topology (domain.md §6.1 step 1), as SGLang's bootstrap server learns it.
+fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Result<(Client, Option<Topology>)> {
+    let published = if node == NodeId(0) { sim::prefill_info(problem).encode() } else { Vec::new() };
+    let mut client = Client::connect(&options.bootstrap, node, published, options.connect_timeout)?;
+    let start = client.wait_start(options.connect_timeout * 2)?;
+    let topology = if start.is_empty() { None } else { sim::published_topology(&start) };
+    Ok((client, topology))
+}
+
+/// Opens the rank's endpoint and registers its memory before joining the run (a rank that cannot open its device
+/// never connects), then serves.
+#[cfg(feature = "rdma")]
+fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Result<SimRun> {
+    use crate::fabric::rdma::RdmaEndpoint;
+    let Fabric::Rdma { device } = &options.fabric else { anyhow::bail!(IN_ONE_PROCESS) };
+    let caps = sim::SimOptions::default().caps;
+    let nic = RdmaEndpoint::open(node, device.as_deref(), caps)?;
+    let (client, topology) = join(problem, node, options)?;
+    Ok(crate::engine::live::serve(problem, node, nic, client, topology, &options.live)?)
+}
+
+#[cfg(not(feature = "rdma"))]
+fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Result<SimRun> {
+    let _ = (problem, node, join);
+    match options.fabric {
+        Fabric::Rdma { .. } => anyhow::bail!(harness::RDMA_MISSING),
+        _ => anyhow::bail!(IN_ONE_PROCESS),
+    }
+}
+
+/// Why the in-memory fabric cannot serve one rank per process.
+const IN_ONE_PROCESS: &str =
+    "the in-memory fabric lives inside one process: ranks as processes need --fabric rdma (use `kvrelay run` for the simulation)";
+
+/// The oracle's verdict on this decode process's own memory.
+fn rank_verdict(scenario: &Scenario, run: &SimRun) -> RankVerdict {
+    let problem = &scenario.problem;
+    let (rank, rooms) =
+        run.rooms.iter().next().map_or((RankId { pp: 0, tp: 0 }, Default::default()), |(r, m)| (*r, m.clone()));
+    let verdicts = harness::verdicts(&scenario.expect, run, rank);
+    let violations = verify::check_rank(problem, rank, &run.observation, &verdicts);
+    RankVerdict {
+        rank: rank.to_string(),
+        rooms: rooms
+            .iter()
+            .map(|(id, room)| RoomVerdict { request: *id, poll: room.poll as u8, reason: room.reason.clone() })
+            .collect(),
+        violations: violations.iter().take(20).map(ToString::to_string).collect(),
+        violation_count: violations.len(),
+        bytes: run.observation.images.values().map(|image| image.len() as u64).sum(),
+    }
+}
+
+/// How `launch` runs a scenario.
+#[derive(Debug, Clone)]
+pub struct LaunchOptions {
+    pub fabric: Fabric,
+    /// Extra arguments every child gets (e.g. `--seed N`).
+    pub child_args: Vec<String>,
+    pub connect_timeout: Duration,
+    pub live: LiveOptions,
+}
+
+/// What `launch` gathered.
+#[derive(Debug)]
+pub struct Launched {
+    /// Per decode rank (stage-major index), its verdict or why there is none.
+    pub verdicts: BTreeMap<u32, Result<RankVerdict, String>>,
+    /// Per process, `role index: exit status`.
+    pub exits: Vec<String>,
+    pub hub: HubReport,
+    /// Why the run does not meet the scenario's expectation; empty means pass.
+    pub failures: Vec<String>,
+}
+
+/// Starts the hub and one `serve` child per rank of the scenario at `path`, waits for them (killing any that
+/// outlive the time limit), and judges the gathered verdicts against the scenario's expectation.
+pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> anyhow::Result<Launched> {
+    let problem = &scenario.problem;
+    let hub = Hub::bind("127.0.0.1:0")?;
+    let addr = hub.local_addr().ok_or_else(|| anyhow::anyhow!("the hub has no local address"))?.to_string();
+    let plan = hub_plan(problem, options);
+    let mut children = Vec::new();
+    for (role, count) in [(Role::Prefill, problem.prefill.ranks.len()), (Role::Decode, problem.decode.ranks.len())] {
+        for index in 0..count as u32 {
+            children.push((role, index, spawn_rank(path, role, index, &addr, options)?));
+        }
+    }
+    let report = hub.run(&plan);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut verdicts = BTreeMap::new();
+    let mut exits = Vec::new();
+    for (role, index, child) in children {
+        let (status, verdict) = gather(child, deadline);
+        exits.push(format!("{} {index}: {status}", role_name(role)));
+        if role == Role::Decode {
+            verdicts.insert(index, verdict.ok_or_else(|| format!("no verdict ({status})")));
+        }
+    }
+    let failures = launch_failures(scenario, &verdicts, &report);
+    Ok(Launched { verdicts, exits, hub: report, failures })
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    }
+}
+
+/// Who the hub of `problem` expects, and its deadlines.
+pub fn hub_plan(problem: &Problem, options: &LaunchOptions) -> HubPlan {
+    let mut nodes = BTreeMap::new();
+    let mut decode = BTreeSet::new();
+    for (index, layout) in problem.prefill.ranks.iter().enumerate() {
+        nodes.insert(NodeId(index as u32), format!("prefill {}", layout.rank));
+    }
+    let prefill = problem.prefill.ranks.len() as u32;
+    for (index, layout) in problem.decode.ranks.iter().enumerate() {
+        let node = NodeId(prefill + index as u32);
+        nodes.insert(node, format!("decode {}", layout.rank));
+        decode.insert(node);
+    }
+    let time_limit = options.connect_timeout + options.live.time_limit;
+    HubPlan { nodes, decode, connect_timeout: options.connect_timeout, time_limit }
+}
+
+fn spawn_rank(path: &Path, role: Role, index: u32, addr: &str, options: &LaunchOptions) -> anyhow::Result<Child> {
+    let exe = std::env::current_exe()?;
+    let mut command = Command::new(exe);
+    command.arg("serve").arg("--role").arg(role_name(role)).arg("--rank").arg(index.to_string());
+    command.arg("--bootstrap").arg(addr);
+    command.arg("--connect-timeout").arg(options.connect_timeout.as_secs().to_string());
+    command.arg("--timeout").arg((options.live.waiting_timeout_ns / 1_000_000_000).to_string());
+    command.args(options.fabric.flags());
+    command.args(&options.child_args).arg(path);
+    command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    Ok(command.spawn()?)
+}
+
+/// Waits for a child until `deadline` (then kills it) and reads its verdict line, if it printed one.
+fn gather(mut child: Child, deadline: Instant) -> (String, Option<RankVerdict>) {
+    let stdout = child.stdout.take();
+    let reader = std::thread::spawn(move || {
+        let mut verdict = None;
+        for line in stdout.map(BufReader::new).into_iter().flat_map(|reader| reader.lines()) {
+            let Ok(line) = line else { break };
+            if let Some(json) = line.strip_prefix(VERDICT_PREFIX) {
+                verdict = serde_json::from_str(json).ok();
+            }
+        }
+        verdict
+    });
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status.to_string(),
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break "killed at the launcher's deadline".to_owned();
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(error) => break format!("cannot wait: {error}"),
+        }
+    };
+    (status, reader.join().ok().flatten())
+}
+
+/// The prefix of a decode process's verdict line on stdout.
+pub const VERDICT_PREFIX: &str = "verdict-json ";
+
+/// How the gathered verdicts depart from the scenario's expectation.
+fn launch_failures(
+    scenario: &Scenario,
+    verdicts: &BTreeMap<u32, Result<RankVerdict, String>>,
+    report: &HubReport,
+) -> Vec<String> {
+    let problem = &scenario.problem;
+    let mut failures = Vec::new();
+    let mut ends = RoomEnds::new();
+    for (index, verdict) in verdicts {
+        let rank = problem.decode.ranks[*index as usize].rank;
+        match verdict {
+            Ok(verdict) => {
+                if verdict.violation_count > 0 {
+                    failures.push(format!("decode {rank}: {} oracle violations", verdict.violation_count));
+                }
+                let rooms = verdict.rooms.iter().map(|room| (room.request, (poll(room.poll), room.reason.clone())));
+                ends.insert(rank, rooms.collect());
+            }
+            Err(why) => failures.push(format!("decode {rank}: {why}")),
+        }
+    }
+    let plan = crate::plan::plan(problem);
+    failures.extend(harness::expectation_failures(&scenario.expect, &plan, Some(&ends)));
+    if report.timed_out {
+        failures.push("the hub's time limit passed".to_owned());
+    }
+    failures
+}
+
+fn poll(code: u8) -> KvPoll {
+    KvPoll::ALL.into_iter().find(|poll| *poll as u8 == code).unwrap_or(KvPoll::Failed)
+}

@@ -1,0 +1,189 @@
+//! The live driver (real clock) and the control plane of ranks as processes: the same engines over a real-time
+//! loop land the same bytes as the simulation; `diff` decodes a planted difference into coordinates; the bootstrap
+//! hub routes, starts without a rank that never connects, notices a rank that dies, and survives garbage.
+//! The RDMA side of these paths runs in the guest (ci/rdma.sh).
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use kvrelay::control::{Client, ControlFrame, FrameKind, Hub, HubPlan, HubReport, HUB};
+use kvrelay::engine::live::{Control, Received};
+use kvrelay::engine::Envelope;
+use kvrelay::fabric::verbs::NodeId;
+use kvrelay::harness::{self, Budget, Fabric};
+use kvrelay::model::Side;
+use kvrelay::verify::{self, RegionKey};
+use proptest::prelude::*;
+use rstest::rstest;
+
+fn load(path: &str) -> kvrelay::scenario::Scenario {
+    kvrelay::scenario::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap()
+}
+
+#[rstest]
+#[case("scenarios/basic/baseline-tp1-to-tp1.yaml")]
+#[case("scenarios/basic/deepseek-v2-lite-dcp1-to-dcp2.yaml")]
+#[case("scenarios/state/qwen3-next-tp4-to-tp2.yaml")]
+#[case("scenarios/engines/legacy-registration.yaml")]
+#[case("scenarios/rejections/too-few-decode-pages.yaml")]
+fn the_live_driver_lands_the_same_bytes_as_the_simulation(#[case] path: &str) {
+    let scenario = load(path);
+    let report = harness::diff(&scenario, &Budget::bytes(1 << 31), &Fabric::LiveSim).unwrap();
+    assert!(report.reference.passed(), "sim: {:?}", report.reference.failures);
+    assert!(report.other.passed(), "live: {:?}", report.other.failures);
+    assert!(report.differences.is_empty(), "{}", report.differences[0]);
+    assert!(report.bytes > 0);
+}
+
+#[test]
+fn compare_images_decodes_a_planted_difference_into_coordinates() {
+    let scenario = load("scenarios/basic/mla-tp2-to-tp4.yaml");
+    let outcome = harness::run(&scenario).unwrap();
+    let mut other = outcome.observation.clone();
+    let rank = scenario.problem.decode.ranks[1].rank;
+    let key = RegionKey { side: Side::Decode, rank, region: 2 };
+    let row_len = scenario.problem.decode.rank(rank).regions[2].row_len() as usize;
+    // The first written row takes the bytes of the next written one: the difference names the row, and decodes
+    // both contents (as a misplaced page would read).
+    let image = other.images.get_mut(&key).unwrap();
+    let written: Vec<usize> = (0..image.len() / row_len)
+        .filter(|row| !verify::pattern::matches_sentinel((row * row_len) as u64, &image[row * row_len..][..row_len]))
+        .take(2)
+        .collect();
+    let [first, second] = written[..] else { panic!("region has fewer than two written rows") };
+    let moved = image[second * row_len..][..row_len].to_vec();
+    image[first * row_len..][..row_len].copy_from_slice(&moved);
+    let differences = verify::compare_images(&scenario.problem, &outcome.observation, &other);
+    assert_eq!(differences.len(), 1, "{differences:?}");
+    let text = differences[0].to_string();
+    assert!(text.starts_with(&format!("decode {rank}, layer ")), "{text}");
+    assert!(text.contains(&format!(" row {first}: ")), "{text}");
+    assert!(matches!(differences[0].other, verify::Content::From(_)), "{text}");
+    assert_ne!(differences[0].reference, differences[0].other);
+    assert_eq!(verify::compare_images(&scenario.problem, &outcome.observation, &outcome.observation), vec![]);
+}
+
+/// A hub for `nodes` nodes whose last `decode` are decode nodes, run on a thread.
+fn hub(nodes: u32, decode: u32, connect: Duration) -> (String, std::thread::JoinHandle<HubReport>) {
+    let hub = Hub::bind("127.0.0.1:0").unwrap();
+    let addr = hub.local_addr().unwrap().to_string();
+    let plan = HubPlan {
+        nodes: (0..nodes).map(|node| (NodeId(node), format!("node {node}"))).collect(),
+        decode: (nodes - decode..nodes).map(NodeId).collect(),
+        connect_timeout: connect,
+        time_limit: Duration::from_secs(20),
+    };
+    (addr, std::thread::spawn(move || hub.run(&plan)))
+}
+
+fn client(addr: &str, node: u32, parts: Vec<Vec<u8>>) -> Client {
+    Client::connect(addr, NodeId(node), parts, Duration::from_secs(5)).unwrap()
+}
+
+/// The next control event within a bounded wait (about 5 s).
+fn next(client: &mut Client) -> Received {
+    for _ in 0..2500 {
+        match client.try_recv() {
+            Received::Idle => std::thread::sleep(Duration::from_millis(2)),
+            other => return other,
+        }
+    }
+    Received::Idle
+}
+
+#[test]
+fn the_hub_starts_routes_and_stops_a_run() {
+    let (addr, hub) = hub(2, 1, Duration::from_secs(10));
+    let published = vec![b"topology".to_vec()];
+    let mut prefill = client(&addr, 0, published.clone());
+    let mut decode = client(&addr, 1, Vec::new());
+    assert_eq!(prefill.wait_start(Duration::from_secs(5)).unwrap(), published);
+    assert_eq!(decode.wait_start(Duration::from_secs(5)).unwrap(), published);
+    decode.send(NodeId(1), Envelope { to: NodeId(0), frames: vec![b"registration".to_vec()] });
+    match next(&mut prefill) {
+        Received::Message(from, envelope) => {
+            assert_eq!((from, envelope.frames), (NodeId(1), vec![b"registration".to_vec()]));
+        }
+        other => panic!("expected the registration, got {other:?}"),
+    }
+    decode.finished(NodeId(1));
+    assert!(matches!(next(&mut prefill), Received::Stop));
+    assert!(matches!(next(&mut decode), Received::Stop));
+    let report = hub.join().unwrap();
+    assert_eq!((report.routed, report.dropped, report.missing.len(), report.lost.len()), (1, 0, 0, 0));
+}
+
+#[test]
+fn a_rank_that_never_connects_is_reported_and_the_run_starts_without_it() {
+    let (addr, hub) = hub(2, 1, Duration::from_millis(300));
+    let mut decode = client(&addr, 1, Vec::new());
+    // Nobody published a topology: the start carries none.
+    assert_eq!(decode.wait_start(Duration::from_secs(5)).unwrap(), Vec::<Vec<u8>>::new());
+    decode.send(NodeId(1), Envelope { to: NodeId(0), frames: vec![b"lost".to_vec()] });
+    decode.finished(NodeId(1));
+    assert!(matches!(next(&mut decode), Received::Stop));
+    let report = hub.join().unwrap();
+    assert_eq!(report.missing, vec![NodeId(0)]);
+    assert_eq!(report.dropped, 1);
+}
+
+#[test]
+fn a_decode_rank_that_dies_ends_the_run_instead_of_hanging_it() {
+    let (addr, hub) = hub(2, 1, Duration::from_secs(10));
+    let mut prefill = client(&addr, 0, Vec::new());
+    let decode = client(&addr, 1, Vec::new());
+    prefill.wait_start(Duration::from_secs(5)).unwrap();
+    drop(decode);
+    assert!(matches!(next(&mut prefill), Received::Stop));
+    let report = hub.join().unwrap();
+    assert_eq!(report.lost, vec![NodeId(1)]);
+    assert!(!report.timed_out);
+}
+
+#[test]
+fn garbage_on_the_control_port_closes_that_connection_only() {
+    let (addr, hub) = hub(2, 1, Duration::from_secs(10));
+    let mut garbage = TcpStream::connect(&addr).unwrap();
+    garbage.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    let mut impostor = TcpStream::connect(&addr).unwrap();
+    impostor.write_all(&ControlFrame::new(FrameKind::Hello, NodeId(7), HUB, Vec::new()).encode()).unwrap();
+    for stream in [&mut garbage, &mut impostor] {
+        assert_closed_by_peer(stream);
+    }
+    let mut prefill = client(&addr, 0, Vec::new());
+    let mut decode = client(&addr, 1, Vec::new());
+    prefill.wait_start(Duration::from_secs(5)).unwrap();
+    decode.wait_start(Duration::from_secs(5)).unwrap();
+    decode.finished(NodeId(1));
+    assert!(matches!(next(&mut prefill), Received::Stop));
+    let report = hub.join().unwrap();
+    assert!(report.log.iter().any(|line| line.contains("refused a hello from node 7")), "{:?}", report.log);
+}
+
+/// The hub closed `stream`: a read ends (EOF or reset) instead of timing out.
+fn assert_closed_by_peer(stream: &mut TcpStream) {
+    use std::io::Read;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut byte = [0u8; 1];
+    match stream.read(&mut byte) {
+        Ok(0) => {}
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}"),
+        Ok(_) => panic!("the hub sent bytes to a connection it should have closed"),
+    }
+}
+
+proptest! {
+    #[test]
+    fn control_frames_round_trip(kind in 1u8..=5, from: u32, to: u32, parts in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..40), 0..6)) {
+        let kind = [FrameKind::Hello, FrameKind::Start, FrameKind::Message, FrameKind::Done, FrameKind::Stop][kind as usize - 1];
+        let frame = ControlFrame::new(kind, NodeId(from), NodeId(to), parts);
+        let bytes = frame.encode();
+        prop_assert_eq!(kvrelay::control::frame::decode(&bytes[4..]), Ok(frame));
+    }
+
+    #[test]
+    fn control_frame_decoding_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+        let _ = kvrelay::control::frame::decode(&bytes);
+    }
+}
