@@ -7,14 +7,13 @@
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 
 use crate::engine::sim::SimOptions;
 use crate::harness::{self, Budget};
-use crate::model::{Problem, RankId};
 use crate::plan;
 use crate::render;
 use crate::scenario::{self, Scenario};
@@ -32,6 +31,9 @@ macro_rules! out {
         write!(std::io::stdout().lock(), $($arg)*)?
     };
 }
+
+mod bench;
+mod ranks;
 
 #[derive(Debug, Parser)]
 #[command(name = "kvrelay", version, about = "Byte-exact conformance harness for prefill -> decode KV-cache transfer")]
@@ -259,7 +261,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             out.flush()?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Diff { scenarios, fabric } => diff(&scenarios, &fabric.fabric("rdma")?, seed),
+        Command::Diff { scenarios, fabric } => ranks::diff(&scenarios, &fabric.fabric("rdma")?, seed),
         Command::Serve { scenario, role, rank, bootstrap, fabric, deadlines } => {
             let loaded = load(&scenario, seed)?;
             let options = crate::process::ServeOptions {
@@ -270,11 +272,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 connect_timeout: Duration::from_secs(deadlines.connect_timeout),
                 live: deadlines.live(),
             };
-            serve(&loaded, &options)
+            ranks::serve(&loaded, &options)
         }
         Command::Hub { scenario, bootstrap, deadlines } => {
             let scenario = load(&scenario, seed)?;
-            hub(&scenario, &bootstrap, &deadlines)
+            ranks::hub(&scenario, &bootstrap, &deadlines)
         }
         Command::Launch { scenario, fabric, deadlines } => {
             let loaded = load(&scenario, seed)?;
@@ -284,15 +286,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 connect_timeout: Duration::from_secs(deadlines.connect_timeout),
                 live: deadlines.live(),
             };
-            launch(&scenario, &loaded, &options)
+            ranks::launch(&scenario, &loaded, &options)
         }
         Command::Check { .. } | Command::Bench { .. } if seed.is_some() => {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
         Command::Check { dir, golden } => check(&dir, &golden),
         Command::Bench { tokens, iterations, runs } => {
-            bench(tokens, iterations)?;
-            bench_engines(runs)
+            bench::bench(tokens, iterations)?;
+            bench::bench_engines(runs)
         }
     }
 }
@@ -395,244 +397,4 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
     }
     outln!("{} scenarios, {} passed, {failed} failed", files.len(), files.len() - failed);
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
-}
-
-/// The benchmark problem: Kimi-K3 (24 MLA layers, 69 KDA layers unless `kv_only`), prefill PP8/TP1, decode
-/// TP8/DCP8, P = 64, one chunk.
-fn bench_problem(tokens: u32, kv_only: bool) -> anyhow::Result<Problem> {
-    let state = if kv_only { ", state: []" } else { "" };
-    let text = format!(
-        "model: {{preset: kimi-k3{state}}}\nprefill: {{pp: 8, page_size: 64}}\ndecode: {{tp: 8, dcp: 8, page_size: 64}}\nrequests: [{{tokens: {tokens}}}]\nexpect: ok\n"
-    );
-    Ok(scenario::parse(&text, "<bench>", "bench-kimi-k3")?.problem)
-}
-
-/// Median wall time of `iterations` runs of `work`, and its last result.
-fn median(iterations: u32, work: &mut dyn FnMut() -> u64) -> (std::time::Duration, u64) {
-    let mut samples = Vec::new();
-    let mut result = 0;
-    for _ in 0..iterations.max(1) {
-        #[allow(clippy::disallowed_methods, reason = "benchmarks read the wall clock at the CLI edge")]
-        let start = Instant::now();
-        result = work();
-        samples.push(start.elapsed());
-    }
-    samples.sort();
-    (samples[samples.len() / 2], result)
-}
-
-fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
-    outln!("bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, 24 MLA layers, 8 decode ranks");
-    outln!("{:<14} {:>12} {:>12} {:>10} {:>14} {:>14}", "problem", "plan ms", "expand ms", "groups", "copies", "bytes");
-    let mut times = Vec::new();
-    for (name, kv_only) in [("kv", true), ("kv+kda state", false)] {
-        let problem = bench_problem(tokens, kv_only)?;
-        let (plan_time, groups) =
-            median(iterations, &mut || plan::plan(&problem).map_or(0, |plan| plan.groups.len() as u64));
-        let plan = plan::plan(&problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
-        let (expand_time, copies) = median(iterations, &mut || {
-            // Fold every field a transport needs, so no copy can be optimised away.
-            let mut count = 0;
-            let mut digest = 0u64;
-            for copy in plan.copies() {
-                digest = digest.rotate_left(5)
-                    ^ copy.source_offset
-                    ^ copy.target_offset
-                    ^ copy.length
-                    ^ u64::from(copy.target_region);
-                count += 1;
-            }
-            std::hint::black_box(digest);
-            count
-        });
-        outln!(
-            "{name:<14} {:>12.3} {:>12.3} {groups:>10} {copies:>14} {:>14}",
-            plan_time.as_secs_f64() * 1e3,
-            expand_time.as_secs_f64() * 1e3,
-            plan.bytes_total()
-        );
-        times.push(plan_time.as_secs_f64());
-        if !kv_only {
-            let mut per_rank: std::collections::BTreeMap<RankId, (u64, u64)> = std::collections::BTreeMap::new();
-            for copy in plan.copies() {
-                let entry = per_rank.entry(copy.target).or_default();
-                match copy.kind {
-                    plan::TransferKind::State { .. } => entry.1 += copy.length,
-                    _ => entry.0 += copy.length,
-                }
-            }
-            for (rank, (kv, state)) in per_rank {
-                outln!("  decode {rank}: {kv} B kv + {state} B state = {} B", kv + state);
-            }
-        }
-    }
-    outln!("ratio plan(kv+kda)/plan(kv): {:.2}", times[1] / times[0].max(1e-12));
-    Ok(ExitCode::SUCCESS)
-}
-
-/// The Kimi-K3 scenario end to end (plan, move, verify) through the engines and directly, side by side.
-fn bench_engines(runs: u32) -> anyhow::Result<ExitCode> {
-    let path = Path::new("scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml");
-    let scenario = load(path, None)?;
-    let budget = Budget::from_env()?;
-    outln!("bench: {} end to end (plan, move, verify), {runs} runs each", path.display());
-    // Interleaved (direct, engines, direct, engines, ...) so neither path always pays for fresh pages first.
-    let (mut engine_times, mut direct_times) = (Vec::new(), Vec::new());
-    let (mut passed, mut clean) = (0, 0);
-    for _ in 0..runs.max(1) {
-        let (time, verdict) = median(1, &mut || {
-            let violations = harness::run_direct(&scenario.problem, &budget).ok().flatten();
-            u64::from(violations.is_some_and(|violations| violations.is_empty()))
-        });
-        direct_times.push(time);
-        clean = verdict;
-        let (time, verdict) = median(1, &mut || {
-            harness::run_with(&scenario, &budget, &SimOptions::default())
-                .map_or(0, |outcome| u64::from(outcome.passed()))
-        });
-        engine_times.push(time);
-        passed = verdict;
-    }
-    engine_times.sort();
-    direct_times.sort();
-    let (engines, direct) = (engine_times[engine_times.len() / 2], direct_times[direct_times.len() / 2]);
-    outln!("{:<10} {:>10} {:>8}", "path", "seconds", "verdict");
-    outln!("{:<10} {:>10.3} {:>8}", "engines", engines.as_secs_f64(), if passed == 1 { "pass" } else { "FAIL" });
-    outln!("{:<10} {:>10.3} {:>8}", "direct", direct.as_secs_f64(), if clean == 1 { "pass" } else { "FAIL" });
-    outln!("ratio engines/direct: {:.2}", engines.as_secs_f64() / direct.as_secs_f64().max(1e-12));
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `kvrelay diff`: each scenario on the in-memory fabric and on `fabric`, compared byte for byte.
-fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64>) -> anyhow::Result<ExitCode> {
-    let budget = Budget::from_env()?;
-    let mut failed = 0;
-    for path in paths {
-        let scenario = load(path, seed)?;
-        let report = harness::diff(&scenario, &budget, fabric)?;
-        let regions = report.reference.observation.images.len();
-        let verdict = |outcome: &harness::Outcome| match outcome.passed() {
-            true => "pass".to_owned(),
-            false => format!("FAIL ({})", outcome.failures.join("; ")),
-        };
-        outln!("diff {}: sim vs {}", scenario.file, fabric.name());
-        outln!("  decode bytes compared: {} in {regions} regions", report.bytes);
-        outln!("  sim: {}; {}: {}", verdict(&report.reference), fabric.name(), verdict(&report.other));
-        if report.differences.is_empty() {
-            outln!("  identical");
-        } else {
-            outln!("  {} rows differ:", report.differences.len());
-            for difference in report.differences.iter().take(20) {
-                outln!("    {difference}");
-            }
-        }
-        if !report.differences.is_empty() || !report.reference.passed() || !report.other.passed() {
-            failed += 1;
-            let name = fabric_flag(fabric);
-            eprintln!("FAIL diff {}", scenario.file);
-            eprintln!("reproduce: {} diff {} {name} --seed {}", cargo_run(fabric), scenario.file, scenario.seed);
-        }
-    }
-    outln!("{} of {} scenarios identical on both fabrics", paths.len() - failed, paths.len());
-    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
-}
-
-/// The `--fabric`/`--device` flags that select `fabric`.
-fn fabric_flag(fabric: &harness::Fabric) -> String {
-    fabric.flags().join(" ")
-}
-
-/// `cargo run` with the features `fabric` needs.
-fn cargo_run(fabric: &harness::Fabric) -> &'static str {
-    match fabric {
-        harness::Fabric::Rdma { .. } => "cargo run --release --features rdma --",
-        _ => "cargo run --release --",
-    }
-}
-
-/// `kvrelay serve`: one rank; a decode rank prints its verdict (human line and machine line).
-fn serve(scenario: &Scenario, options: &crate::process::ServeOptions) -> anyhow::Result<ExitCode> {
-    let Some(verdict) = crate::process::serve(scenario, options)? else {
-        outln!("prefill {} done", options.rank);
-        return Ok(ExitCode::SUCCESS);
-    };
-    let succeeded = verdict.rooms.iter().filter(|room| room.poll == crate::wire::KvPoll::Success as u8).count();
-    outln!(
-        "verdict decode {}: {} requests, {succeeded} succeeded, {} violations in {} bytes",
-        verdict.rank,
-        verdict.rooms.len(),
-        verdict.violation_count,
-        verdict.bytes
-    );
-    for violation in &verdict.violations {
-        outln!("  {violation}");
-    }
-    outln!("{}{}", crate::process::VERDICT_PREFIX, serde_json::to_string(&verdict)?);
-    Ok(if verdict.violation_count == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
-}
-
-/// `kvrelay hub`: the bootstrap hub of one run, for ranks on several hosts.
-fn hub(scenario: &Scenario, bootstrap: &str, deadlines: &Deadlines) -> anyhow::Result<ExitCode> {
-    let hub = crate::control::Hub::bind(bootstrap)?;
-    outln!("hub listening on {}", hub.local_addr().map_or_else(|| bootstrap.to_owned(), |addr| addr.to_string()));
-    let options = crate::process::LaunchOptions {
-        fabric: harness::Fabric::Rdma { device: None },
-        child_args: Vec::new(),
-        connect_timeout: Duration::from_secs(deadlines.connect_timeout),
-        live: deadlines.live(),
-    };
-    let report = hub.run(&crate::process::hub_plan(&scenario.problem, &options));
-    print_hub(&report)?;
-    Ok(if report.missing.is_empty() && report.lost.is_empty() && !report.timed_out {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
-}
-
-fn print_hub(report: &crate::control::HubReport) -> anyhow::Result<()> {
-    for line in &report.log {
-        outln!("hub: {line}");
-    }
-    outln!("hub: {} messages routed, {} dropped", report.routed, report.dropped);
-    Ok(())
-}
-
-/// `kvrelay launch`: every rank as a process on this host; the gathered verdicts.
-fn launch(path: &Path, scenario: &Scenario, options: &crate::process::LaunchOptions) -> anyhow::Result<ExitCode> {
-    let launched = crate::process::launch(path, scenario, options)?;
-    print_hub(&launched.hub)?;
-    for exit in &launched.exits {
-        outln!("process {exit}");
-    }
-    for (index, verdict) in &launched.verdicts {
-        match verdict {
-            Ok(verdict) => {
-                let succeeded = verdict.rooms.iter().filter(|room| room.poll == crate::wire::KvPoll::Success as u8);
-                outln!(
-                    "decode {index} ({}): {} of {} requests succeeded, {} violations in {} bytes",
-                    verdict.rank,
-                    succeeded.count(),
-                    verdict.rooms.len(),
-                    verdict.violation_count,
-                    verdict.bytes
-                );
-            }
-            Err(why) => outln!("decode {index}: {why}"),
-        }
-    }
-    if launched.failures.is_empty() {
-        outln!("pass {} ({} processes, {})", scenario.name, launched.exits.len(), options.fabric.name());
-        Ok(ExitCode::SUCCESS)
-    } else {
-        eprintln!("FAIL {}: {}", scenario.name, launched.failures.join("; "));
-        eprintln!(
-            "reproduce: {} launch {} {} --seed {}",
-            cargo_run(&options.fabric),
-            scenario.file,
-            fabric_flag(&options.fabric),
-            scenario.seed
-        );
-        Ok(ExitCode::FAILURE)
-    }
 }

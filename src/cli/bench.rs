@@ -1,0 +1,121 @@
+//! `kvrelay bench`: the planner on the Kimi-K3 shape, the Kimi-K3 scenario end to end through the engines beside
+//! the direct execution, and (with `--fabric`) a real fabric's throughput. Numbers only, never a pass/fail timing.
+
+#![allow(clippy::disallowed_methods, reason = "benchmarks read the wall clock at the CLI edge")]
+
+use std::io::Write as _;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use super::load;
+use crate::engine::sim::SimOptions;
+use crate::harness::{self, Budget};
+use crate::model::{Problem, RankId};
+use crate::plan;
+use crate::scenario;
+
+/// The benchmark problem: Kimi-K3 (24 MLA layers, 69 KDA layers unless `kv_only`), prefill PP8/TP1, decode
+/// TP8/DCP8, P = 64, one chunk.
+fn bench_problem(tokens: u32, kv_only: bool) -> anyhow::Result<Problem> {
+    let state = if kv_only { ", state: []" } else { "" };
+    let text = format!(
+        "model: {{preset: kimi-k3{state}}}\nprefill: {{pp: 8, page_size: 64}}\ndecode: {{tp: 8, dcp: 8, page_size: 64}}\nrequests: [{{tokens: {tokens}}}]\nexpect: ok\n"
+    );
+    Ok(scenario::parse(&text, "<bench>", "bench-kimi-k3")?.problem)
+}
+
+/// Median wall time of `iterations` runs of `work`, and its last result.
+fn median(iterations: u32, work: &mut dyn FnMut() -> u64) -> (std::time::Duration, u64) {
+    let mut samples = Vec::new();
+    let mut result = 0;
+    for _ in 0..iterations.max(1) {
+        let start = Instant::now();
+        result = work();
+        samples.push(start.elapsed());
+    }
+    samples.sort();
+    (samples[samples.len() / 2], result)
+}
+
+pub(super) fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
+    outln!("bench: Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8, P=64, {tokens} tokens, 24 MLA layers, 8 decode ranks");
+    outln!("{:<14} {:>12} {:>12} {:>10} {:>14} {:>14}", "problem", "plan ms", "expand ms", "groups", "copies", "bytes");
+    let mut times = Vec::new();
+    for (name, kv_only) in [("kv", true), ("kv+kda state", false)] {
+        let problem = bench_problem(tokens, kv_only)?;
+        let (plan_time, groups) =
+            median(iterations, &mut || plan::plan(&problem).map_or(0, |plan| plan.groups.len() as u64));
+        let plan = plan::plan(&problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
+        let (expand_time, copies) = median(iterations, &mut || {
+            // Fold every field a transport needs, so no copy can be optimised away.
+            let mut count = 0;
+            let mut digest = 0u64;
+            for copy in plan.copies() {
+                digest = digest.rotate_left(5)
+                    ^ copy.source_offset
+                    ^ copy.target_offset
+                    ^ copy.length
+                    ^ u64::from(copy.target_region);
+                count += 1;
+            }
+            std::hint::black_box(digest);
+            count
+        });
+        outln!(
+            "{name:<14} {:>12.3} {:>12.3} {groups:>10} {copies:>14} {:>14}",
+            plan_time.as_secs_f64() * 1e3,
+            expand_time.as_secs_f64() * 1e3,
+            plan.bytes_total()
+        );
+        times.push(plan_time.as_secs_f64());
+        if !kv_only {
+            let mut per_rank: std::collections::BTreeMap<RankId, (u64, u64)> = std::collections::BTreeMap::new();
+            for copy in plan.copies() {
+                let entry = per_rank.entry(copy.target).or_default();
+                match copy.kind {
+                    plan::TransferKind::State { .. } => entry.1 += copy.length,
+                    _ => entry.0 += copy.length,
+                }
+            }
+            for (rank, (kv, state)) in per_rank {
+                outln!("  decode {rank}: {kv} B kv + {state} B state = {} B", kv + state);
+            }
+        }
+    }
+    outln!("ratio plan(kv+kda)/plan(kv): {:.2}", times[1] / times[0].max(1e-12));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The Kimi-K3 scenario end to end (plan, move, verify) through the engines and directly, side by side.
+pub(super) fn bench_engines(runs: u32) -> anyhow::Result<ExitCode> {
+    let path = Path::new("scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml");
+    let scenario = load(path, None)?;
+    let budget = Budget::from_env()?;
+    outln!("bench: {} end to end (plan, move, verify), {runs} runs each", path.display());
+    // Interleaved (direct, engines, direct, engines, ...) so neither path always pays for fresh pages first.
+    let (mut engine_times, mut direct_times) = (Vec::new(), Vec::new());
+    let (mut passed, mut clean) = (0, 0);
+    for _ in 0..runs.max(1) {
+        let (time, verdict) = median(1, &mut || {
+            let violations = harness::run_direct(&scenario.problem, &budget).ok().flatten();
+            u64::from(violations.is_some_and(|violations| violations.is_empty()))
+        });
+        direct_times.push(time);
+        clean = verdict;
+        let (time, verdict) = median(1, &mut || {
+            harness::run_with(&scenario, &budget, &SimOptions::default())
+                .map_or(0, |outcome| u64::from(outcome.passed()))
+        });
+        engine_times.push(time);
+        passed = verdict;
+    }
+    engine_times.sort();
+    direct_times.sort();
+    let (engines, direct) = (engine_times[engine_times.len() / 2], direct_times[direct_times.len() / 2]);
+    outln!("{:<10} {:>10} {:>8}", "path", "seconds", "verdict");
+    outln!("{:<10} {:>10.3} {:>8}", "engines", engines.as_secs_f64(), if passed == 1 { "pass" } else { "FAIL" });
+    outln!("{:<10} {:>10.3} {:>8}", "direct", direct.as_secs_f64(), if clean == 1 { "pass" } else { "FAIL" });
+    outln!("ratio engines/direct: {:.2}", engines.as_secs_f64() / direct.as_secs_f64().max(1e-12));
+    Ok(ExitCode::SUCCESS)
+}

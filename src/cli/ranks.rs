@@ -1,0 +1,149 @@
+//! The fabric and process commands: `diff` (two fabrics, byte for byte), `serve` (one rank), `hub` (the bootstrap
+//! hub alone) and `launch` (every rank as a process).
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use super::{load, Deadlines};
+use crate::harness::{self, Budget};
+use crate::scenario::Scenario;
+
+/// `kvrelay diff`: each scenario on the in-memory fabric and on `fabric`, compared byte for byte.
+pub(super) fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64>) -> anyhow::Result<ExitCode> {
+    let budget = Budget::from_env()?;
+    let mut failed = 0;
+    for path in paths {
+        let scenario = load(path, seed)?;
+        let report = harness::diff(&scenario, &budget, fabric)?;
+        let regions = report.reference.observation.images.len();
+        let verdict = |outcome: &harness::Outcome| match outcome.passed() {
+            true => "pass".to_owned(),
+            false => format!("FAIL ({})", outcome.failures.join("; ")),
+        };
+        outln!("diff {}: sim vs {}", scenario.file, fabric.name());
+        outln!("  decode bytes compared: {} in {regions} regions", report.bytes);
+        outln!("  sim: {}; {}: {}", verdict(&report.reference), fabric.name(), verdict(&report.other));
+        if report.differences.is_empty() {
+            outln!("  identical");
+        } else {
+            outln!("  {} rows differ:", report.differences.len());
+            for difference in report.differences.iter().take(20) {
+                outln!("    {difference}");
+            }
+        }
+        if !report.differences.is_empty() || !report.reference.passed() || !report.other.passed() {
+            failed += 1;
+            let name = fabric_flag(fabric);
+            eprintln!("FAIL diff {}", scenario.file);
+            eprintln!("reproduce: {} diff {} {name} --seed {}", cargo_run(fabric), scenario.file, scenario.seed);
+        }
+    }
+    outln!("{} of {} scenarios identical on both fabrics", paths.len() - failed, paths.len());
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The `--fabric`/`--device` flags that select `fabric`.
+fn fabric_flag(fabric: &harness::Fabric) -> String {
+    fabric.flags().join(" ")
+}
+
+/// `cargo run` with the features `fabric` needs.
+fn cargo_run(fabric: &harness::Fabric) -> &'static str {
+    match fabric {
+        harness::Fabric::Rdma { .. } => "cargo run --release --features rdma --",
+        _ => "cargo run --release --",
+    }
+}
+
+/// `kvrelay serve`: one rank; a decode rank prints its verdict (human line and machine line).
+pub(super) fn serve(scenario: &Scenario, options: &crate::process::ServeOptions) -> anyhow::Result<ExitCode> {
+    let Some(verdict) = crate::process::serve(scenario, options)? else {
+        outln!("prefill {} done", options.rank);
+        return Ok(ExitCode::SUCCESS);
+    };
+    let succeeded = verdict.rooms.iter().filter(|room| room.poll == crate::wire::KvPoll::Success as u8).count();
+    outln!(
+        "verdict decode {}: {} requests, {succeeded} succeeded, {} violations in {} bytes",
+        verdict.rank,
+        verdict.rooms.len(),
+        verdict.violation_count,
+        verdict.bytes
+    );
+    for violation in &verdict.violations {
+        outln!("  {violation}");
+    }
+    outln!("{}{}", crate::process::VERDICT_PREFIX, serde_json::to_string(&verdict)?);
+    Ok(if verdict.violation_count == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `kvrelay hub`: the bootstrap hub of one run, for ranks on several hosts.
+pub(super) fn hub(scenario: &Scenario, bootstrap: &str, deadlines: &Deadlines) -> anyhow::Result<ExitCode> {
+    let hub = crate::control::Hub::bind(bootstrap)?;
+    outln!("hub listening on {}", hub.local_addr().map_or_else(|| bootstrap.to_owned(), |addr| addr.to_string()));
+    let options = crate::process::LaunchOptions {
+        fabric: harness::Fabric::Rdma { device: None },
+        child_args: Vec::new(),
+        connect_timeout: Duration::from_secs(deadlines.connect_timeout),
+        live: deadlines.live(),
+    };
+    let report = hub.run(&crate::process::hub_plan(&scenario.problem, &options));
+    print_hub(&report)?;
+    Ok(if report.missing.is_empty() && report.lost.is_empty() && !report.timed_out {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_hub(report: &crate::control::HubReport) -> anyhow::Result<()> {
+    for line in &report.log {
+        outln!("hub: {line}");
+    }
+    outln!("hub: {} messages routed, {} dropped", report.routed, report.dropped);
+    Ok(())
+}
+
+/// `kvrelay launch`: every rank as a process on this host; the gathered verdicts.
+pub(super) fn launch(
+    path: &Path,
+    scenario: &Scenario,
+    options: &crate::process::LaunchOptions,
+) -> anyhow::Result<ExitCode> {
+    let launched = crate::process::launch(path, scenario, options)?;
+    print_hub(&launched.hub)?;
+    for exit in &launched.exits {
+        outln!("process {exit}");
+    }
+    for (index, verdict) in &launched.verdicts {
+        match verdict {
+            Ok(verdict) => {
+                let succeeded = verdict.rooms.iter().filter(|room| room.poll == crate::wire::KvPoll::Success as u8);
+                outln!(
+                    "decode {index} ({}): {} of {} requests succeeded, {} violations in {} bytes",
+                    verdict.rank,
+                    succeeded.count(),
+                    verdict.rooms.len(),
+                    verdict.violation_count,
+                    verdict.bytes
+                );
+            }
+            Err(why) => outln!("decode {index}: {why}"),
+        }
+    }
+    if launched.failures.is_empty() {
+        outln!("pass {} ({} processes, {})", scenario.name, launched.exits.len(), options.fabric.name());
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!("FAIL {}: {}", scenario.name, launched.failures.join("; "));
+        eprintln!(
+            "reproduce: {} launch {} {} --seed {}",
+            cargo_run(&options.fabric),
+            scenario.file,
+            fabric_flag(&options.fabric),
+            scenario.seed
+        );
+        Ok(ExitCode::FAILURE)
+    }
+}
