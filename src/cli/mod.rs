@@ -131,6 +131,16 @@ pub enum Command {
         /// Runs of the whole Kimi-K3 scenario, through the engines and directly (the median is reported).
         #[arg(long, default_value_t = 3)]
         runs: u32,
+        /// Benchmark this fabric instead: write bandwidth per message size (RDMA: loopback on the device, to set
+        /// beside its `ib_write_bw`) and the posted-work-request rate of a token-granular DCP scenario.
+        #[command(flatten)]
+        fabric: FabricArgs,
+        /// Message sizes of the fabric's write-bandwidth run, in bytes.
+        #[arg(long, value_delimiter = ',', default_values_t = [65536u64])]
+        message_bytes: Vec<u64>,
+        /// The scenario of the work-request rate run.
+        #[arg(long, default_value = "scenarios/engines/dcp-relayout-two-stages.yaml")]
+        wr_scenario: PathBuf,
     },
 }
 
@@ -292,7 +302,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
         Command::Check { dir, golden } => check(&dir, &golden),
-        Command::Bench { tokens, iterations, runs } => {
+        Command::Bench { fabric: FabricArgs { fabric: Some(name), device }, message_bytes, wr_scenario, iterations, .. } => {
+            let fabric = harness::Fabric::parse(&name, device).map_err(anyhow::Error::msg)?;
+            bench::bench_fabric(&fabric, &message_bytes, iterations, &wr_scenario)
+        }
+        Command::Bench { tokens, iterations, runs, .. } => {
             bench::bench(tokens, iterations)?;
             bench::bench_engines(runs)
         }

@@ -356,7 +356,9 @@ impl<N: Endpoint, C: Control> Live<N, C> {
     }
 
     fn finish(mut self) -> Result<SimRun, LiveError> {
+        let run_ns = self.now();
         let mut run = sim::finish_nodes(&mut self.prefill, &mut self.decode)?;
+        run.run_ns = run_ns;
         run.trace = self.trace.unwrap_or_default();
         run.messages = self.messages;
         Ok(run)

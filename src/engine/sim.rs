@@ -57,6 +57,9 @@ pub struct SimRun {
     pub trace: Vec<String>,
     /// Control messages delivered, by kind.
     pub messages: BTreeMap<&'static str, u64>,
+    /// How long the engines ran: simulated nanoseconds, or wall nanoseconds of a live run (from the first message
+    /// to the end; memory set-up and read-back excluded).
+    pub run_ns: u64,
 }
 
 impl SimRun {
@@ -255,6 +258,7 @@ impl Sim {
     /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
     pub(super) fn finish(mut self) -> Result<SimRun, FabricError> {
         let mut run = finish_nodes(&mut self.prefill, &mut self.decode)?;
+        run.run_ns = self.now;
         run.trace = self.trace.unwrap_or_default();
         run.messages = self.messages;
         Ok(run)
@@ -356,7 +360,7 @@ pub(super) fn finish_nodes<N: Endpoint>(
         }
         rooms.insert(rank, node.engine.rooms().clone());
     }
-    Ok(SimRun { observation, rooms, prefill_rooms, trace: Vec::new(), messages: BTreeMap::new() })
+    Ok(SimRun { observation, rooms, prefill_rooms, trace: Vec::new(), messages: BTreeMap::new(), run_ns: 0 })
 }
 
 /// What prefill rank 0 publishes at bootstrap (domain.md §6.1 step 1): its parallel layout and page size.
