@@ -302,7 +302,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
         Command::Check { dir, golden } => check(&dir, &golden),
-        Command::Bench { fabric: FabricArgs { fabric: Some(name), device }, message_bytes, wr_scenario, iterations, .. } => {
+        Command::Bench {
+            fabric: FabricArgs { fabric: Some(name), device },
+            message_bytes,
+            wr_scenario,
+            iterations,
+            ..
+        } => {
             let fabric = harness::Fabric::parse(&name, device).map_err(anyhow::Error::msg)?;
             bench::bench_fabric(&fabric, &message_bytes, iterations, &wr_scenario)
         }

@@ -16,9 +16,9 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::sim::{self, completion_summary, kind_name, message_line, note_line, Node, SimRun};
+use super::sim::{self, kind_name, message_line, note_line, Node, SimRun};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
-use crate::fabric::verbs::{Endpoint, FabricError, NodeId, WorkCompletion};
+use crate::fabric::verbs::{Endpoint, FabricError, NodeId};
 use crate::model::{Problem, Topology};
 
 /// Shortest idle wait between two rounds without progress.
@@ -167,7 +167,6 @@ struct Live<N, C> {
     time_limit: Duration,
     trace: Option<Vec<String>>,
     messages: BTreeMap<&'static str, u64>,
-    completions: Vec<WorkCompletion>,
 }
 
 impl<N: Endpoint, C: Control> Live<N, C> {
@@ -195,7 +194,6 @@ impl<N: Endpoint, C: Control> Live<N, C> {
             time_limit: options.time_limit,
             trace: options.trace.then(Vec::new),
             messages: BTreeMap::new(),
-            completions: Vec::new(),
         }
     }
 
@@ -266,29 +264,9 @@ impl<N: Endpoint, C: Control> Live<N, C> {
     }
 
     fn poll_completions(&mut self) -> bool {
-        let mut progress = false;
-        let mut completions = std::mem::take(&mut self.completions);
-        for index in 0..self.prefill.len() {
-            let node = &mut self.prefill[index];
-            while node.nic.poll_cq(&mut completions, 4096) > 0 {}
-            let mut out = Outbox::default();
-            if self.trace.is_some() && !completions.is_empty() {
-                out.note(completion_summary(&completions));
-            }
-            progress |= !completions.is_empty();
-            for completion in completions.drain(..) {
-                node.engine.on_completion(completion, &mut node.nic, &mut out);
-            }
-            let from = node.nic.node();
-            self.dispatch(from, out);
-        }
-        for node in &mut self.decode {
-            while node.nic.poll_cq(&mut completions, 4096) > 0 {}
-            progress |= !completions.is_empty();
-            completions.clear();
-        }
-        self.completions = completions;
-        progress
+        let (outboxes, any) = sim::poll_all(&mut self.prefill, &mut self.decode, self.trace.is_some());
+        outboxes.into_iter().for_each(|(from, out)| self.dispatch(from, out));
+        any
     }
 
     /// Delivers every message there is now: whether any was, and whether the control said stop.
@@ -306,42 +284,16 @@ impl<N: Endpoint, C: Control> Live<N, C> {
             if let Some(trace) = &mut self.trace {
                 trace.push(message_line(now, &self.names, from, &envelope));
             }
-            let mut out = Outbox::default();
-            let to = envelope.to;
-            if let Some(node) = self.prefill.iter_mut().find(|node| node.nic.node() == to) {
-                node.engine.on_message(now, from, &envelope.frames, &mut node.nic, &mut out);
-            } else if let Some(node) = self.decode.iter_mut().find(|node| node.nic.node() == to) {
-                node.engine.on_message(now, from, &envelope.frames, &mut node.nic, &mut out);
-            } else {
-                out.note(format!("dropped a message for {to}, which is not in this process"));
-            }
-            self.dispatch(to, out);
+            let out = sim::deliver(&mut self.prefill, &mut self.decode, now, from, &envelope);
+            self.dispatch(envelope.to, out);
         }
     }
 
     fn fire_timers(&mut self) -> bool {
         let now = self.now();
-        let mut fired = false;
-        for index in 0..self.prefill.len() {
-            let node = &mut self.prefill[index];
-            if node.engine.next_timer().is_some_and(|time| time <= now) {
-                fired = true;
-                let mut out = Outbox::default();
-                node.engine.on_tick(now, &mut node.nic, &mut out);
-                let from = node.nic.node();
-                self.dispatch(from, out);
-            }
-        }
-        for index in 0..self.decode.len() {
-            let node = &mut self.decode[index];
-            if node.engine.next_timer().is_some_and(|time| time <= now) {
-                fired = true;
-                let mut out = Outbox::default();
-                node.engine.on_tick(now, &mut out);
-                let from = node.nic.node();
-                self.dispatch(from, out);
-            }
-        }
+        let outboxes = sim::fire_due_timers(&mut self.prefill, &mut self.decode, now);
+        let fired = !outboxes.is_empty();
+        outboxes.into_iter().for_each(|(from, out)| self.dispatch(from, out));
         fired
     }
 

@@ -186,24 +186,8 @@ impl Sim {
     }
 
     fn poll_completions(&mut self) {
-        let mut completions: Vec<WorkCompletion> = Vec::new();
-        for index in 0..self.prefill.len() {
-            let node = &mut self.prefill[index];
-            while node.nic.poll_cq(&mut completions, 4096) > 0 {}
-            let mut out = Outbox::default();
-            if self.trace.is_some() && !completions.is_empty() {
-                out.note(completion_summary(&completions));
-            }
-            for completion in completions.drain(..) {
-                node.engine.on_completion(completion, &mut node.nic, &mut out);
-            }
-            let from = node.nic.node();
-            self.dispatch(from, out);
-        }
-        for node in &mut self.decode {
-            while node.nic.poll_cq(&mut completions, 4096) > 0 {}
-            completions.clear();
-        }
+        let (outboxes, _) = poll_all(&mut self.prefill, &mut self.decode, self.trace.is_some());
+        outboxes.into_iter().for_each(|(from, out)| self.dispatch(from, out));
     }
 
     fn deliver_messages(&mut self) {
@@ -214,39 +198,14 @@ impl Sim {
             let (from, envelope) = entry.remove();
             *self.messages.entry(kind_name(&envelope.frames)).or_default() += 1;
             self.trace_message(from, &envelope);
-            let to = envelope.to;
-            let mut out = Outbox::default();
-            let prefill_count = self.prefill.len() as u32;
-            if to.0 < prefill_count {
-                let node = &mut self.prefill[to.0 as usize];
-                node.engine.on_message(self.now, from, &envelope.frames, &mut node.nic, &mut out);
-            } else if let Some(node) = self.decode.get_mut((to.0 - prefill_count) as usize) {
-                node.engine.on_message(self.now, from, &envelope.frames, &mut node.nic, &mut out);
-            }
-            self.dispatch(to, out);
+            let out = deliver(&mut self.prefill, &mut self.decode, self.now, from, &envelope);
+            self.dispatch(envelope.to, out);
         }
     }
 
     fn fire_timers(&mut self) {
-        let now = self.now;
-        for index in 0..self.prefill.len() {
-            let node = &mut self.prefill[index];
-            if node.engine.next_timer().is_some_and(|time| time <= now) {
-                let mut out = Outbox::default();
-                node.engine.on_tick(now, &mut node.nic, &mut out);
-                let from = node.nic.node();
-                self.dispatch(from, out);
-            }
-        }
-        for index in 0..self.decode.len() {
-            let node = &mut self.decode[index];
-            if node.engine.next_timer().is_some_and(|time| time <= now) {
-                let mut out = Outbox::default();
-                node.engine.on_tick(now, &mut out);
-                let from = node.nic.node();
-                self.dispatch(from, out);
-            }
-        }
+        let outboxes = fire_due_timers(&mut self.prefill, &mut self.decode, self.now);
+        outboxes.into_iter().for_each(|(from, out)| self.dispatch(from, out));
     }
 
     pub(super) fn trace_message(&mut self, from: NodeId, envelope: &Envelope) {
@@ -263,6 +222,78 @@ impl Sim {
         run.messages = self.messages;
         Ok(run)
     }
+}
+
+/// Polls every node's completion queue and hands the prefill side's completions to its engines (a decode engine
+/// posts nothing, so its queue is drained): the outboxes per sender, and whether any completion came.
+pub(super) fn poll_all<N: Endpoint>(
+    prefill: &mut [Node<PrefillEngine, N>],
+    decode: &mut [Node<DecodeEngine, N>],
+    trace: bool,
+) -> (Vec<(NodeId, Outbox)>, bool) {
+    let mut completions: Vec<WorkCompletion> = Vec::new();
+    let mut outboxes = Vec::new();
+    let mut any = false;
+    for node in prefill.iter_mut() {
+        while node.nic.poll_cq(&mut completions, 4096) > 0 {}
+        let mut out = Outbox::default();
+        if trace && !completions.is_empty() {
+            out.note(completion_summary(&completions));
+        }
+        any |= !completions.is_empty();
+        for completion in completions.drain(..) {
+            node.engine.on_completion(completion, &mut node.nic, &mut out);
+        }
+        outboxes.push((node.nic.node(), out));
+    }
+    for node in decode.iter_mut() {
+        while node.nic.poll_cq(&mut completions, 4096) > 0 {}
+        any |= !completions.is_empty();
+        completions.clear();
+    }
+    (outboxes, any)
+}
+
+/// Hands `envelope` from `from` to its destination node at `now`: that engine's outbox (a note when the
+/// destination is not among these nodes).
+pub(super) fn deliver<N: Endpoint>(
+    prefill: &mut [Node<PrefillEngine, N>],
+    decode: &mut [Node<DecodeEngine, N>],
+    now: u64,
+    from: NodeId,
+    envelope: &Envelope,
+) -> Outbox {
+    let mut out = Outbox::default();
+    let to = envelope.to;
+    if let Some(node) = prefill.iter_mut().find(|node| node.nic.node() == to) {
+        node.engine.on_message(now, from, &envelope.frames, &mut node.nic, &mut out);
+    } else if let Some(node) = decode.iter_mut().find(|node| node.nic.node() == to) {
+        node.engine.on_message(now, from, &envelope.frames, &mut node.nic, &mut out);
+    } else {
+        out.note(format!("dropped a message for {to}, which is not in this process"));
+    }
+    out
+}
+
+/// Fires every engine timer due at `now`: the outboxes per sender.
+pub(super) fn fire_due_timers<N: Endpoint>(
+    prefill: &mut [Node<PrefillEngine, N>],
+    decode: &mut [Node<DecodeEngine, N>],
+    now: u64,
+) -> Vec<(NodeId, Outbox)> {
+    let due = |timer: Option<u64>| timer.is_some_and(|time| time <= now);
+    let mut outboxes = Vec::new();
+    for node in prefill.iter_mut().filter(|node| due(node.engine.next_timer())) {
+        let mut out = Outbox::default();
+        node.engine.on_tick(now, &mut node.nic, &mut out);
+        outboxes.push((node.nic.node(), out));
+    }
+    for node in decode.iter_mut().filter(|node| due(node.engine.next_timer())) {
+        let mut out = Outbox::default();
+        node.engine.on_tick(now, &mut out);
+        outboxes.push((node.nic.node(), out));
+    }
+    outboxes
 }
 
 /// Every prefill node and every decode node of a deployment.
