@@ -155,6 +155,8 @@ pub struct LaunchOptions {
     pub child_args: Vec<String>,
     pub connect_timeout: Duration,
     pub live: LiveOptions,
+    /// Ranks not started (a rank that never connects).
+    pub omit: Vec<(Role, u32)>,
 }
 
 /// What `launch` gathered.
@@ -178,7 +180,7 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> anyh
     let plan = hub_plan(problem, options);
     let mut children = Vec::new();
     for (role, count) in [(Role::Prefill, problem.prefill.ranks.len()), (Role::Decode, problem.decode.ranks.len())] {
-        for index in 0..count as u32 {
+        for index in (0..count as u32).filter(|index| !options.omit.contains(&(role, *index))) {
             children.push((role, index, spawn_rank(path, role, index, &addr, options)?));
         }
     }
@@ -192,6 +194,9 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> anyh
         if role == Role::Decode {
             verdicts.insert(index, verdict.ok_or_else(|| format!("no verdict ({status})")));
         }
+    }
+    for &(_, index) in options.omit.iter().filter(|(role, _)| *role == Role::Decode) {
+        verdicts.insert(index, Err("not started (--omit)".to_owned()));
     }
     let failures = launch_failures(scenario, &verdicts, &report);
     Ok(Launched { verdicts, exits, hub: report, failures })

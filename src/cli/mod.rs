@@ -97,6 +97,10 @@ pub enum Command {
         fabric: FabricArgs,
         #[command(flatten)]
         deadlines: Deadlines,
+        /// Do not start this rank (`prefill:N` or `decode:N`): a rank that never connects, to see the others fail
+        /// its requests within the deadlines instead of hanging. Repeatable.
+        #[arg(long, value_parser = parse_rank_spec)]
+        omit: Vec<(crate::process::Role, u32)>,
     },
     /// Show what landed where on each decode rank (run-length encoded).
     Layout {
@@ -182,6 +186,19 @@ impl Deadlines {
             trace: false,
         }
     }
+}
+
+/// `prefill:N` or `decode:N`.
+fn parse_rank_spec(text: &str) -> Result<(crate::process::Role, u32), String> {
+    let fix = "(fix: prefill:N or decode:N)";
+    let (role, index) = text.split_once(':').ok_or_else(|| format!("`{text}` names no rank {fix}"))?;
+    let role = match role {
+        "prefill" => crate::process::Role::Prefill,
+        "decode" => crate::process::Role::Decode,
+        other => return Err(format!("`{other}` is not a side {fix}")),
+    };
+    let index = index.parse().map_err(|_| format!("`{index}` is not a rank index {fix}"))?;
+    Ok((role, index))
 }
 
 /// Entry point of the binary.
@@ -288,13 +305,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             let scenario = load(&scenario, seed)?;
             ranks::hub(&scenario, &bootstrap, &deadlines)
         }
-        Command::Launch { scenario, fabric, deadlines } => {
+        Command::Launch { scenario, fabric, deadlines, omit } => {
             let loaded = load(&scenario, seed)?;
             let options = crate::process::LaunchOptions {
                 fabric: fabric.fabric("rdma")?,
                 child_args: seed.map(|seed| vec!["--seed".to_owned(), seed.to_string()]).unwrap_or_default(),
                 connect_timeout: Duration::from_secs(deadlines.connect_timeout),
                 live: deadlines.live(),
+                omit,
             };
             ranks::launch(&scenario, &loaded, &options)
         }

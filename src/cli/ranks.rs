@@ -87,6 +87,7 @@ pub(super) fn hub(scenario: &Scenario, bootstrap: &str, deadlines: &Deadlines) -
         child_args: Vec::new(),
         connect_timeout: Duration::from_secs(deadlines.connect_timeout),
         live: deadlines.live(),
+        omit: Vec::new(),
     };
     let report = hub.run(&crate::process::hub_plan(&scenario.problem, &options));
     print_hub(&report)?;

@@ -17,6 +17,9 @@ mod live;
 mod loader;
 /// Proptest invariants over random topologies (domain.md §12).
 mod props;
+/// Real RDMA verbs: engines over the verbs fabric, ranks as processes (feature `rdma`, run in the CI guest).
+#[cfg(feature = "rdma")]
+mod rdma;
 /// Shared `#[track_caller]` helpers: scenario builders and pipeline runners.
 mod support;
 /// Repository hygiene: module docs, purity of pure modules, scenario headers, golden coverage.
