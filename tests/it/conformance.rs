@@ -186,13 +186,11 @@ mod rdma {
 
     impl Harness for Rdma {
         fn endpoints(&mut self, count: usize) -> Vec<Box<dyn Endpoint>> {
-            let device = std::env::var("KVRELAY_RDMA_DEVICE").ok().filter(|name| !name.is_empty());
             let mut res: Vec<Box<dyn Endpoint>> = Vec::new();
             for _ in 0..count {
                 let node = NodeId(self.nodes);
                 self.nodes += 1;
-                let endpoint =
-                    RdmaEndpoint::open(node, device.as_deref(), CAPS).unwrap_or_else(|error| panic!("{error}"));
+                let endpoint = open(node.0, CAPS);
                 assert_eq!(endpoint.caps(), CAPS, "{} cannot give the suite its caps", endpoint.device());
                 let tracked = Rc::new(RefCell::new(Tracked { endpoint, polled: 0 }));
                 self.endpoints.push(Rc::clone(&tracked));
@@ -226,6 +224,11 @@ mod rdma {
         std::env::var("KVRELAY_RDMA_DEVICE").ok().filter(|name| !name.is_empty())
     }
 
+    /// An endpoint on the suite's device, or a panic that says what was found and how to fix it.
+    fn open(node: u32, caps: Caps) -> RdmaEndpoint {
+        RdmaEndpoint::open(NodeId(node), device().as_deref(), caps).unwrap_or_else(|error| panic!("{error}"))
+    }
+
     /// Open failures say what was found and how to fix it.
     #[test]
     fn an_unknown_device_name_lists_the_available_devices() {
@@ -244,7 +247,7 @@ mod rdma {
     #[test]
     fn caps_are_clamped_to_the_device() {
         let asked = Caps { max_sge: 1 << 20, max_message: u64::MAX, sq_depth: 1 << 30 };
-        let endpoint = RdmaEndpoint::open(NodeId(0), device().as_deref(), asked).unwrap();
+        let endpoint = open(0, asked);
         let caps = endpoint.caps();
         assert!(caps.max_sge >= 1 && caps.max_sge < asked.max_sge, "{caps:?}");
         assert!(caps.max_message >= 1 << 16 && caps.max_message <= u64::from(u32::MAX), "{caps:?}");
@@ -257,8 +260,7 @@ mod rdma {
     #[test]
     #[allow(clippy::disallowed_methods, reason = "measures that a wait is bounded")]
     fn wait_blocks_until_a_completion_or_the_timeout() {
-        let mut sender = RdmaEndpoint::open(NodeId(0), device().as_deref(), CAPS).unwrap();
-        let mut receiver = RdmaEndpoint::open(NodeId(1), device().as_deref(), CAPS).unwrap();
+        let (mut sender, mut receiver) = (open(0, CAPS), open(1, CAPS));
         let start = Instant::now();
         assert!(!sender.wait(Duration::from_millis(50)), "nothing was posted");
         let waited = start.elapsed();
@@ -293,7 +295,7 @@ mod rdma {
     /// The benchmark's loop moves every byte it reports, with selective signalling and a deep queue.
     #[test]
     fn write_bandwidth_completes_every_write() {
-        let run = write_bandwidth(device().as_deref(), 4096, 300, 32).unwrap();
+        let run = write_bandwidth(device().as_deref(), 4096, 300, 32).unwrap_or_else(|error| panic!("{error}"));
         assert_eq!((run.bytes, run.work_requests), (4096 * 300, 300));
         assert!(run.seconds > 0.0 && run.bytes_per_second() > 0.0, "{run:?}");
     }
@@ -797,6 +799,30 @@ fn a_zero_byte_write_completes_and_changes_nothing(backend: Backend) {
     let completions = drain(&mut *harness, &mut *link.sender, 1);
     assert_eq!((completions[0].status, completions[0].byte_len), (WcStatus::Success, 0));
     assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
+}
+
+/// Many QP pairs between two endpoints each carry their own writes and notifications (on hardware the shared CQ
+/// grows as QPs are created).
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn many_qp_pairs_each_deliver_their_writes(backend: Backend) {
+    const PAIRS: usize = 12;
+    let mut harness = backend.harness();
+    let mut link = link(&mut *harness, PAIRS);
+    for index in 0..PAIRS {
+        let offset = 16 * index as u64;
+        let wr = WorkRequest { imm: Some(index as u32), ..link.write(index as u64, offset, offset, 16) };
+        link.sender.post_send(link.qp(index), &[wr]).unwrap();
+    }
+    let completions = drain(&mut *harness, &mut *link.sender, PAIRS);
+    for index in 0..PAIRS {
+        assert_eq!(on_qp(&completions, link.qp(index)), [(index as u64, WcStatus::Success)]);
+    }
+    let mut notes = drain(&mut *harness, &mut *link.receiver, PAIRS);
+    notes.sort_by_key(|note| note.imm);
+    let expected: Vec<(QpNum, Option<u32>)> = (0..PAIRS).map(|index| (link.qps[index].1, Some(index as u32))).collect();
+    assert_eq!(notes.iter().map(|note| (note.qp, note.imm)).collect::<Vec<_>>(), expected);
+    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 16 * PAIRS)]));
 }
 
 /// An empty region is a real registration: it has an address and keys, a zero-byte write to it completes, a
