@@ -132,6 +132,22 @@ impl WorkRequest {
     pub fn byte_len(&self) -> Option<u64> {
         self.sges.iter().try_fold(0u64, |total, sge| total.checked_add(sge.len))
     }
+
+    /// Checks this work request against the limits: at most [`Caps::max_sge`] SGEs and at most
+    /// [`Caps::max_message`] bytes. Every fabric refuses a batch holding such a work request before posting any.
+    pub fn check(&self, caps: Caps) -> Result<(), FabricError> {
+        if self.sges.len() > caps.max_sge {
+            return Err(FabricError::TooManySges { wr_id: self.wr_id, given: self.sges.len(), max: caps.max_sge });
+        }
+        match self.byte_len() {
+            Some(len) if len <= caps.max_message => Ok(()),
+            len => Err(FabricError::MessageTooLarge {
+                wr_id: self.wr_id,
+                len: len.unwrap_or(u64::MAX),
+                max: caps.max_message,
+            }),
+        }
+    }
 }
 
 /// Status of a work completion, mirroring `ibv_wc_status`.
@@ -210,6 +226,82 @@ pub enum FabricError {
     OutOfRegion { offset: u64, len: u64, region_len: u64 },
     #[error("the fabric ran out of {0}: use a new world or fewer registrations and QPs")]
     Exhausted(&'static str),
+    /// A hardware fabric's device refused a call the contract allows (a registration over the locked-memory limit,
+    /// a QP over the device's limits); `errno` is what the verbs call reported.
+    #[error(
+        "the RDMA device refused {call}: {}: check the device limits and `ulimit -l` (locked memory)",
+        std::io::Error::from_raw_os_error(*errno)
+    )]
+    Device { call: &'static str, errno: i32 },
+}
+
+/// The send-queue credits of one QP, kept the same way by every fabric so that all refuse exactly the same posts
+/// (the **Posting** and **Selective signalling** rules of [`Endpoint`]).
+///
+/// Slots are tracked by position: the `n`th work request ever posted on the QP has position `n - 1`, and
+/// positions `freed..posted` hold slots. Polling the completion of position `p` frees every slot up to and
+/// including `p` ([`SendQueue::free_through`] with `p + 1`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SendQueue {
+    posted: u64,
+    freed: u64,
+    /// One past the position of the last signalled work request posted (0 if none).
+    signaled_end: u64,
+}
+
+impl SendQueue {
+    /// Whether `wrs` may be posted now on `qp` with these limits: each work request within `caps`
+    /// ([`WorkRequest::check`]), then room for all of them in a queue of `caps.sq_depth`
+    /// ([`FabricError::QueueFull`]), and never `sq_depth` outstanding after the last signalled one
+    /// ([`FabricError::SignalRequired`]). Checks only; [`SendQueue::push`] records what was posted.
+    pub fn check_post(&self, qp: QpNum, caps: Caps, wrs: &[WorkRequest]) -> Result<(), FabricError> {
+        for wr in wrs {
+            wr.check(caps)?;
+        }
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let depth = caps.sq_depth;
+        let count = wrs.len() as u64;
+        if self.outstanding() + count > depth as u64 {
+            return Err(FabricError::QueueFull { qp, depth });
+        }
+        let signaled_end = match wrs.iter().rposition(|wr| wr.signaled) {
+            Some(index) => self.posted + index as u64 + 1,
+            None => self.signaled_end,
+        };
+        // Outstanding work requests after the last signalled one: no completion will ever free their slots.
+        let unsignaled_tail = self.posted + count - signaled_end.max(self.freed);
+        if unsignaled_tail >= depth as u64 {
+            return Err(FabricError::SignalRequired { qp, depth });
+        }
+        Ok(())
+    }
+
+    /// Records one posted work request and returns its position.
+    pub fn push(&mut self, signaled: bool) -> u64 {
+        let position = self.posted;
+        self.posted += 1;
+        if signaled {
+            self.signaled_end = self.posted;
+        }
+        position
+    }
+
+    /// Frees every slot before position `end` (a polled completion of position `end - 1`); never un-frees.
+    pub fn free_through(&mut self, end: u64) {
+        self.freed = self.freed.max(end.min(self.posted));
+    }
+
+    /// How many work requests were ever posted (the position the next one gets).
+    pub fn posted(&self) -> u64 {
+        self.posted
+    }
+
+    /// Slots held now: posted work requests whose slots no polled completion has freed yet.
+    pub fn outstanding(&self) -> u64 {
+        self.posted - self.freed
+    }
 }
 
 /// One rank's process on the fabric.
@@ -234,7 +326,9 @@ pub enum FabricError {
 ///   [`WcStatus::LocalProtection`]; one whose remote range is outside the peer's region of its rkey completes
 ///   [`WcStatus::RemoteAccess`]. The in-memory fabric then writes no byte; hardware writes none for messages within
 ///   one MTU, so callers must treat the target range of a failed write as undefined. A byte outside every target
-///   range is never changed.
+///   range is never changed. An empty SGE and a zero-byte message are checked by the in-memory fabric but not by
+///   hardware (InfiniBand C9-88: a zero-length WRITE validates neither address nor key; NICs skip empty SGEs): such
+///   a work request may complete successfully with keys or addresses that a non-empty one would fail on.
 /// - **Memory.** Only the owning endpoint reads or deregisters its regions; peers reach them only through rkeys.
 pub trait Endpoint {
     /// The device and QP limits.

@@ -25,7 +25,7 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use super::verbs::{
-    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcKind, WcStatus,
+    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, SendQueue, Sge, WcKind, WcStatus,
     WorkCompletion, WorkRequest,
 };
 
@@ -160,17 +160,15 @@ struct Region {
     rkey: u32,
 }
 
-/// One QP's state. Send-queue slots are tracked by position: `freed..posted` are outstanding.
+/// One QP's state.
 #[derive(Debug, Default)]
 struct Qp {
     /// `None` while in the reset state.
     peer: Option<QpInfo>,
     /// The error state: every later work request is flushed.
     failed: bool,
-    posted: u64,
-    freed: u64,
-    /// One past the position of the last signalled work request posted (0 if none).
-    signaled_end: u64,
+    /// Send-queue credits, by position (the same accounting as every fabric).
+    queue: SendQueue,
     wire_free_ns: u64,
     last_delivery_ns: u64,
 }
@@ -209,10 +207,7 @@ impl World {
         if state.peer.is_none() {
             return Err(FabricError::NotConnected(qp));
         }
-        for wr in wrs {
-            validate(caps, wr)?;
-        }
-        check_slots(state, qp, caps.sq_depth, wrs)?;
+        state.queue.check_post(qp, caps, wrs)?;
         for wr in wrs {
             self.schedule(node, qp, wr.clone());
         }
@@ -222,12 +217,8 @@ impl World {
     fn schedule(&mut self, node: NodeId, qp: QpNum, wr: WorkRequest) {
         let now_ns = self.now_ns;
         let state = self.node_mut(node).qps.get_mut(&qp).expect("checked by post");
-        let time_ns = state.delivery_time(now_ns, wr.byte_len().expect("checked by validate"));
-        let seq = state.posted;
-        state.posted += 1;
-        if wr.signaled {
-            state.signaled_end = state.posted;
-        }
+        let time_ns = state.delivery_time(now_ns, wr.byte_len().expect("checked by check_post"));
+        let seq = state.queue.push(wr.signaled);
         let key = (time_ns, self.next_event);
         self.next_event += 1;
         self.events.insert(key, Delivery { node, qp, seq, wr });
@@ -312,44 +303,10 @@ impl World {
 
 /// The sender's completion of a delivered work request; polling it frees the slots up to and including its own.
 fn send_completion(delivery: &Delivery, status: WcStatus) -> Cqe {
-    let byte_len = if status == WcStatus::Success { delivery.wr.byte_len().expect("checked by validate") } else { 0 };
+    let byte_len = if status == WcStatus::Success { delivery.wr.byte_len().expect("checked by check_post") } else { 0 };
     let wc =
         WorkCompletion { wr_id: delivery.wr.wr_id, qp: delivery.qp, status, kind: WcKind::Write, imm: None, byte_len };
     Cqe { wc, frees_through: Some(delivery.seq + 1) }
-}
-
-fn validate(caps: Caps, wr: &WorkRequest) -> Result<(), FabricError> {
-    if wr.sges.len() > caps.max_sge {
-        return Err(FabricError::TooManySges { wr_id: wr.wr_id, given: wr.sges.len(), max: caps.max_sge });
-    }
-    match wr.byte_len() {
-        Some(len) if len <= caps.max_message => Ok(()),
-        len => {
-            Err(FabricError::MessageTooLarge { wr_id: wr.wr_id, len: len.unwrap_or(u64::MAX), max: caps.max_message })
-        }
-    }
-}
-
-/// Refuses a batch that would overflow the send queue or fill it with work requests no completion will free.
-fn check_slots(qp: &Qp, qpn: QpNum, depth: usize, wrs: &[WorkRequest]) -> Result<(), FabricError> {
-    if wrs.is_empty() {
-        return Ok(());
-    }
-    let count = wrs.len() as u64;
-    let outstanding = qp.posted - qp.freed;
-    if outstanding + count > depth as u64 {
-        return Err(FabricError::QueueFull { qp: qpn, depth });
-    }
-    let signaled_end = match wrs.iter().rposition(|wr| wr.signaled) {
-        Some(index) => qp.posted + index as u64 + 1,
-        None => qp.signaled_end,
-    };
-    // Outstanding work requests after the last signalled one: no completion will ever free their slots.
-    let unsignaled_tail = qp.posted + count - signaled_end.max(qp.freed);
-    if unsignaled_tail >= depth as u64 {
-        return Err(FabricError::SignalRequired { qp: qpn, depth });
-    }
-    Ok(())
 }
 
 impl Qp {
@@ -460,7 +417,7 @@ impl Node {
         for cqe in self.cq.drain(..count) {
             if let Some(end) = cqe.frees_through {
                 let qp = self.qps.get_mut(&cqe.wc.qp).expect("QPs are never destroyed");
-                qp.freed = qp.freed.max(end);
+                qp.queue.free_through(end);
             }
             out.push(cqe.wc);
         }

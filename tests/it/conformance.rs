@@ -1,9 +1,12 @@
 //! The transport conformance suite: the contract of `kvrelay::fabric::verbs::Endpoint`, written once over a
 //! [`Harness`] so every fabric runs the same bodies (house style 33).
 //!
-//! The in-memory `SimWorld` is the only backend today; a hardware fabric adds a [`Backend`] variant and a
-//! [`Harness`] implementation and nothing else. Cases about simulated time use `SimWorld` directly and sit at the
-//! end. Messages stay well within one MTU, so "a failed write changes no byte" holds on hardware too.
+//! Backends: the in-memory `SimWorld` always, and with the cargo feature `rdma` the verbs fabric on a real device
+//! (`RdmaEndpoint`; `KVRELAY_RDMA_DEVICE` names it, default the first device with an active port). Every case over
+//! [`Backend`] runs on each; run the RDMA ones in the test guest with
+//! `CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=/work/shared/rdma-vm/run-in-guest.sh cargo test --features rdma
+//! --test it conformance`. Cases about simulated time use `SimWorld` directly and sit at the end. Messages stay
+//! well within one MTU, so "a failed write changes no byte" holds on hardware too.
 
 use kvrelay::fabric::verbs::{
     Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpNum, RemoteAddr, Sge, WcKind, WcStatus, WorkCompletion,
@@ -61,13 +64,240 @@ impl Harness for Sim {
 #[derive(Debug, Clone, Copy)]
 enum Backend {
     Sim,
+    #[cfg(feature = "rdma")]
+    Rdma,
 }
 
 impl Backend {
     fn harness(self) -> Box<dyn Harness> {
         match self {
             Backend::Sim => Box::new(Sim { world: SimWorld::new(CAPS), nodes: 0 }),
+            #[cfg(feature = "rdma")]
+            Backend::Rdma => Box::new(rdma::Rdma::default()),
         }
+    }
+}
+
+/// The verbs fabric on a real device. The harness keeps a handle on every endpoint it hands out, so that `step` and
+/// `settle` can wait on their completion channels; waiting never takes a completion away from the test.
+#[cfg(feature = "rdma")]
+mod rdma {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    use std::time::{Duration, Instant};
+
+    use kvrelay::fabric::rdma::{write_bandwidth, RdmaEndpoint, RdmaError};
+    use kvrelay::fabric::verbs::{
+        Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcKind, WcStatus,
+        WorkCompletion, WorkRequest,
+    };
+
+    use super::{Harness, CAPS};
+
+    /// `settle` returns once no endpoint has taken a new completion for this long...
+    const QUIET: Duration = Duration::from_millis(150);
+    /// ...or after this long in any case (`drain` settles again while completions are missing).
+    const SETTLE_LIMIT: Duration = Duration::from_secs(5);
+    /// How long one blocking wait on a completion channel lasts inside `settle`.
+    const SLICE: Duration = Duration::from_millis(5);
+    /// What `step` lets pass.
+    const STEP: Duration = Duration::from_millis(1);
+
+    /// An endpoint and how many completions the test has polled from it.
+    struct Tracked {
+        endpoint: RdmaEndpoint,
+        polled: u64,
+    }
+
+    /// The test's handle on a [`Tracked`] endpoint.
+    struct Shared(Rc<RefCell<Tracked>>);
+
+    impl Endpoint for Shared {
+        fn caps(&self) -> Caps {
+            self.0.borrow().endpoint.caps()
+        }
+
+        fn node(&self) -> NodeId {
+            self.0.borrow().endpoint.node()
+        }
+
+        fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
+            self.0.borrow_mut().endpoint.register(bytes)
+        }
+
+        fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
+            self.0.borrow_mut().endpoint.deregister(region)
+        }
+
+        fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
+            self.0.borrow().endpoint.read_local(region, offset, out)
+        }
+
+        fn create_qp(&mut self) -> Result<QpInfo, FabricError> {
+            self.0.borrow_mut().endpoint.create_qp()
+        }
+
+        fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
+            self.0.borrow_mut().endpoint.connect_qp(local, remote)
+        }
+
+        fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
+            self.0.borrow_mut().endpoint.post_send(qp, wrs)
+        }
+
+        fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+            let mut tracked = self.0.borrow_mut();
+            let count = tracked.endpoint.poll_cq(out, max);
+            tracked.polled += count as u64;
+            count
+        }
+    }
+
+    #[derive(Default)]
+    pub(super) struct Rdma {
+        endpoints: Vec<Rc<RefCell<Tracked>>>,
+        nodes: u32,
+    }
+
+    impl Rdma {
+        /// Completions taken off the devices so far (polled by the test, or waiting in an endpoint): grows exactly
+        /// when a new completion arrives.
+        fn arrived(&self) -> u64 {
+            let mut total = 0;
+            for tracked in &self.endpoints {
+                let mut tracked = tracked.borrow_mut();
+                tracked.endpoint.wait(Duration::ZERO);
+                total += tracked.polled + tracked.endpoint.ready() as u64;
+            }
+            total
+        }
+
+        /// Sleeps up to `slice` on the completion channel of an endpoint with nothing ready (or plainly, if all have
+        /// something ready: their channels would not block).
+        fn block(&self, slice: Duration) {
+            match self.endpoints.iter().find(|tracked| tracked.borrow().endpoint.ready() == 0) {
+                Some(tracked) => {
+                    tracked.borrow_mut().endpoint.wait(slice);
+                }
+                None => std::thread::sleep(slice),
+            }
+        }
+    }
+
+    impl Harness for Rdma {
+        fn endpoints(&mut self, count: usize) -> Vec<Box<dyn Endpoint>> {
+            let mut res: Vec<Box<dyn Endpoint>> = Vec::new();
+            for _ in 0..count {
+                let node = NodeId(self.nodes);
+                self.nodes += 1;
+                let endpoint = open(node.0, CAPS);
+                assert_eq!(endpoint.caps(), CAPS, "{} cannot give the suite its caps", endpoint.device());
+                let tracked = Rc::new(RefCell::new(Tracked { endpoint, polled: 0 }));
+                self.endpoints.push(Rc::clone(&tracked));
+                res.push(Box::new(Shared(tracked)));
+            }
+            res
+        }
+
+        fn step(&mut self) {
+            self.block(STEP);
+        }
+
+        /// Waits until no endpoint has taken a new completion for [`QUIET`] (at most [`SETTLE_LIMIT`]).
+        #[allow(clippy::disallowed_methods, reason = "waiting for a device is bounded on the wall clock")]
+        fn settle(&mut self) {
+            let start = Instant::now();
+            let mut arrived = self.arrived();
+            let mut quiet_since = Instant::now();
+            while quiet_since.elapsed() < QUIET && start.elapsed() < SETTLE_LIMIT {
+                self.block(SLICE);
+                let now = self.arrived();
+                if now != arrived {
+                    arrived = now;
+                    quiet_since = Instant::now();
+                }
+            }
+        }
+    }
+
+    fn device() -> Option<String> {
+        std::env::var("KVRELAY_RDMA_DEVICE").ok().filter(|name| !name.is_empty())
+    }
+
+    /// An endpoint on the suite's device, or a panic that says what was found and how to fix it.
+    fn open(node: u32, caps: Caps) -> RdmaEndpoint {
+        RdmaEndpoint::open(NodeId(node), device().as_deref(), caps).unwrap_or_else(|error| panic!("{error}"))
+    }
+
+    /// Open failures say what was found and how to fix it.
+    #[test]
+    fn an_unknown_device_name_lists_the_available_devices() {
+        match RdmaEndpoint::open(NodeId(0), Some("no-such-device"), CAPS) {
+            Err(RdmaError::UnknownDevice { name, available }) => {
+                assert_eq!(name, "no-such-device");
+                assert!(!available.is_empty() && !available.contains(&name), "available: {available:?}");
+            }
+            // A machine without RDMA (the host, outside the test guest).
+            Err(error @ RdmaError::NoDevices) => assert!(error.to_string().contains("rdma link add")),
+            other => panic!("expected UnknownDevice, got {other:?}"),
+        }
+    }
+
+    /// Asked caps beyond the device are clamped to it; the QPs still work at the clamped depth.
+    #[test]
+    fn caps_are_clamped_to_the_device() {
+        let asked = Caps { max_sge: 1 << 20, max_message: u64::MAX, sq_depth: 1 << 30 };
+        let endpoint = open(0, asked);
+        let caps = endpoint.caps();
+        assert!(caps.max_sge >= 1 && caps.max_sge < asked.max_sge, "{caps:?}");
+        assert!(caps.max_message >= 1 << 16 && caps.max_message <= u64::from(u32::MAX), "{caps:?}");
+        assert!(caps.sq_depth >= 1 && caps.sq_depth < asked.sq_depth, "{caps:?}");
+        assert!(endpoint.gid_index().is_none_or(|index| index > 0 || endpoint.device() != "rxe0"));
+    }
+
+    /// `wait` returns false after its timeout when nothing is posted, and true once a completion is ready (which
+    /// `poll_cq` then hands out).
+    #[test]
+    #[allow(clippy::disallowed_methods, reason = "measures that a wait is bounded")]
+    fn wait_blocks_until_a_completion_or_the_timeout() {
+        let (mut sender, mut receiver) = (open(0, CAPS), open(1, CAPS));
+        let start = Instant::now();
+        assert!(!sender.wait(Duration::from_millis(50)), "nothing was posted");
+        let waited = start.elapsed();
+        assert!(waited >= Duration::from_millis(45) && waited < Duration::from_secs(2), "waited {waited:?}");
+        let source = sender.register(vec![7; 64]).unwrap();
+        let target = receiver.register(vec![0; 64]).unwrap();
+        let (local, remote) = (sender.create_qp().unwrap(), receiver.create_qp().unwrap());
+        sender.connect_qp(local.qpn, remote).unwrap();
+        receiver.connect_qp(remote.qpn, local).unwrap();
+        let wr = WorkRequest {
+            wr_id: 5,
+            sges: vec![Sge { addr: source.addr, len: 64, lkey: source.lkey }],
+            remote: RemoteAddr { addr: target.addr, rkey: target.rkey },
+            imm: Some(9),
+            signaled: true,
+        };
+        sender.post_send(local.qpn, &[wr]).unwrap();
+        assert!(sender.wait(Duration::from_secs(10)), "the write completes");
+        assert!(receiver.wait(Duration::from_secs(10)), "the immediate arrives");
+        assert_eq!(sender.ready(), 1);
+        let mut completions = Vec::new();
+        assert_eq!(sender.poll_cq(&mut completions, usize::MAX), 1);
+        assert_eq!((completions[0].wr_id, completions[0].status), (5, WcStatus::Success));
+        assert_eq!(receiver.poll_cq(&mut completions, usize::MAX), 1);
+        assert_eq!(
+            (completions[1].kind, completions[1].imm, completions[1].qp),
+            (WcKind::RecvImm, Some(9), remote.qpn)
+        );
+        assert_eq!(receiver.deregister(&target).unwrap(), vec![7; 64]);
+    }
+
+    /// The benchmark's loop moves every byte it reports, with selective signalling and a deep queue.
+    #[test]
+    fn write_bandwidth_completes_every_write() {
+        let run = write_bandwidth(device().as_deref(), 4096, 300, 32).unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!((run.bytes, run.work_requests), (4096 * 300, 300));
+        assert!(run.seconds > 0.0 && run.bytes_per_second() > 0.0, "{run:?}");
     }
 }
 
@@ -175,8 +405,9 @@ fn assert_depth_at_least(link: &Link, depth: usize) {
 }
 
 /// Completions of one QP follow post order even when a large write precedes a small one; two QPs interleave.
-#[rstest]
-fn completions_of_one_qp_arrive_in_post_order(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn completions_of_one_qp_arrive_in_post_order(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 2);
     assert_depth_at_least(&link, 3);
@@ -197,8 +428,9 @@ fn completions_of_one_qp_arrive_in_post_order(#[values(Backend::Sim)] backend: B
 }
 
 /// Unsignalled writes execute without completing; the signalled one behind them frees all their slots.
-#[rstest]
-fn only_signalled_work_requests_complete_and_free_the_slots_before_them(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn only_signalled_work_requests_complete_and_free_the_slots_before_them(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     let depth = link.sender.caps().sq_depth;
@@ -219,8 +451,9 @@ fn only_signalled_work_requests_complete_and_free_the_slots_before_them(#[values
 }
 
 /// A send queue holding only unsignalled work requests would never free a slot, so such a post is refused.
-#[rstest]
-fn posts_that_leave_a_full_queue_unsignalled_are_refused(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn posts_that_leave_a_full_queue_unsignalled_are_refused(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     let depth = link.sender.caps().sq_depth;
@@ -238,8 +471,9 @@ fn posts_that_leave_a_full_queue_unsignalled_are_refused(#[values(Backend::Sim)]
 
 /// Posting past the depth fails with QueueFull and posts nothing, even the part of a batch that would fit;
 /// polling completions returns the credits.
-#[rstest]
-fn posting_past_the_send_queue_depth_is_refused_until_completions_are_polled(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn posting_past_the_send_queue_depth_is_refused_until_completions_are_polled(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     let depth = link.sender.caps().sq_depth;
@@ -260,13 +494,14 @@ fn posting_past_the_send_queue_depth_is_refused_until_completions_are_polled(#[v
 
 /// A remote range that leaves the rkey's region completes RemoteAccess and changes no byte of the target, of its
 /// neighbours or of the source.
-#[rstest]
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
 #[case::past_the_end(|addr| addr + TARGET_LEN as u64 - 4, 8)]
 #[case::before_the_start(|addr| addr - 4, 8)]
 #[case::one_byte_past_the_end(|addr| addr + TARGET_LEN as u64, 1)]
 #[case::wrapping_the_address_space(|_| u64::MAX - 8, 16)]
 fn out_of_bounds_remote_range_completes_remote_access_and_writes_nothing(
-    #[values(Backend::Sim)] backend: Backend,
+    backend: Backend,
     #[case] remote_addr: fn(u64) -> u64,
     #[case] len: u64,
 ) {
@@ -288,12 +523,13 @@ fn out_of_bounds_remote_range_completes_remote_access_and_writes_nothing(
 }
 
 /// An SGE outside the region of its lkey (or with a revoked lkey) completes LocalProtection and writes nothing.
-#[rstest]
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
 #[case::past_the_end(|addr| addr + SOURCE_LEN as u64 - 4, false)]
 #[case::before_the_start(|addr| addr - 4, false)]
 #[case::revoked_lkey(|addr| addr, true)]
 fn bad_local_range_or_lkey_completes_local_protection(
-    #[values(Backend::Sim)] backend: Backend,
+    backend: Backend,
     #[case] source_addr: fn(u64) -> u64,
     #[case] revoked: bool,
 ) {
@@ -314,8 +550,9 @@ fn bad_local_range_or_lkey_completes_local_protection(
 
 /// The first failure moves its QP to the error state: every later work request on it, queued or posted later,
 /// completes Flushed (unsignalled ones too) and writes nothing; another QP keeps working.
-#[rstest]
-fn after_an_error_later_work_requests_flush_and_other_qps_continue(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn after_an_error_later_work_requests_flush_and_other_qps_continue(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 2);
     assert_depth_at_least(&link, 4);
@@ -340,8 +577,9 @@ fn after_an_error_later_work_requests_flush_and_other_qps_continue(#[values(Back
 }
 
 /// Misuse is a typed error, never a panic, and a refused batch posts nothing.
-#[rstest]
-fn misuse_of_qps_and_regions_is_an_error_not_a_panic(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn misuse_of_qps_and_regions_is_an_error_not_a_panic(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     let wr = link.write(1, 0, 0, 8);
@@ -373,8 +611,9 @@ fn misuse_of_qps_and_regions_is_an_error_not_a_panic(#[values(Backend::Sim)] bac
 }
 
 /// Regions belong to their endpoint: another endpoint cannot read or deregister them, and reads stay inside.
-#[rstest]
-fn regions_are_owned_by_their_endpoint(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn regions_are_owned_by_their_endpoint(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     let target = link.target;
@@ -394,10 +633,11 @@ fn regions_are_owned_by_their_endpoint(#[values(Backend::Sim)] backend: Backend)
 
 /// An rkey reaches only its own region: a revoked rkey, or a valid rkey with another region's address, completes
 /// RemoteAccess and writes nothing.
-#[rstest]
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
 #[case::revoked_rkey(true)]
 #[case::rkey_of_another_region(false)]
-fn a_wrong_rkey_completes_remote_access(#[values(Backend::Sim)] backend: Backend, #[case] revoked: bool) {
+fn a_wrong_rkey_completes_remote_access(backend: Backend, #[case] revoked: bool) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     let other = link.receiver.register(vec![SENTINEL; 64]).unwrap();
@@ -417,9 +657,45 @@ fn a_wrong_rkey_completes_remote_access(#[values(Backend::Sim)] backend: Backend
     }
 }
 
+/// A write that runs past the end of its region, or carries an rkey no region has, completes RemoteAccess: the
+/// target region's bytes outside the write's range, a region registered right after it and the source keep their
+/// bytes (the range itself is undefined by the contract; within one MTU hardware writes none of it either). The QP
+/// is then in the error state: a valid write behind it flushes.
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+#[case::past_the_end(false, TARGET_LEN as u64 - 16, 32)]
+#[case::unknown_rkey(true, 96, 32)]
+fn guard_bytes_around_a_refused_write_stay_unchanged(
+    backend: Backend,
+    #[case] unknown_rkey: bool,
+    #[case] target_offset: u64,
+    #[case] len: u64,
+) {
+    let mut harness = backend.harness();
+    let mut link = link(&mut *harness, 1);
+    let neighbour = link.receiver.register(vec![SENTINEL; TARGET_LEN]).unwrap();
+    let mut wr = link.write(1, 8, target_offset, len);
+    if unknown_rkey {
+        wr.remote.rkey = link.target.rkey ^ 0x8000_0000;
+        assert!(![link.target.rkey, neighbour.rkey].contains(&wr.remote.rkey));
+    }
+    let behind = link.write(2, 0, 0, 8);
+    link.sender.post_send(link.qp(0), &[wr, behind]).unwrap();
+    let completions = drain(&mut *harness, &mut *link.sender, 2);
+    assert_eq!(on_qp(&completions, link.qp(0)), [(1, WcStatus::RemoteAccess), (2, WcStatus::Flushed)]);
+    assert_eq!(completions[0].byte_len, 0);
+    let target = link.target_bytes();
+    let (start, end) = (target_offset as usize, (target_offset + len).min(TARGET_LEN as u64) as usize);
+    assert_eq!(target[..start], [SENTINEL; TARGET_LEN][..start], "bytes before the refused write changed");
+    assert_eq!(target[end..], [SENTINEL; TARGET_LEN][end..], "bytes after the refused write changed");
+    assert_eq!(read_all(&*link.receiver, &neighbour), vec![SENTINEL; TARGET_LEN], "the neighbouring region changed");
+    assert_eq!(read_all(&*link.sender, &link.source), pattern(SOURCE_LEN), "the source changed");
+}
+
 /// An RC QP answers only the QP it is connected to: a peer that never connected back makes writes time out.
-#[rstest]
-fn a_peer_that_is_not_connected_back_exceeds_retries(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn a_peer_that_is_not_connected_back_exceeds_retries(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 0);
     let local = link.sender.create_qp().unwrap();
@@ -432,8 +708,9 @@ fn a_peer_that_is_not_connected_back_exceeds_retries(#[values(Backend::Sim)] bac
 }
 
 /// The fabric neither interprets nor deduplicates wr_ids.
-#[rstest]
-fn duplicate_wr_ids_are_reported_as_given(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn duplicate_wr_ids_are_reported_as_given(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     assert_depth_at_least(&link, 3);
@@ -446,8 +723,9 @@ fn duplicate_wr_ids_are_reported_as_given(#[values(Backend::Sim)] backend: Backe
 
 /// WRITE_WITH_IMM: the receiver's RecvImm carries the immediate and, when polled, the data of that write and of
 /// every earlier write on the QP has landed.
-#[rstest]
-fn write_with_imm_notifies_the_receiver_after_the_data_landed(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn write_with_imm_notifies_the_receiver_after_the_data_landed(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     let (qp, receiver_qp) = link.qps[0];
@@ -466,8 +744,9 @@ fn write_with_imm_notifies_the_receiver_after_the_data_landed(#[values(Backend::
 }
 
 /// The bytes that land are the SGEs gathered in order, across regions, contiguously at the remote address.
-#[rstest]
-fn multi_sge_writes_land_as_the_gathered_bytes(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn multi_sge_writes_land_as_the_gathered_bytes(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     assert!(link.sender.caps().max_sge >= 3, "this case needs three SGEs per work request");
@@ -490,8 +769,9 @@ fn multi_sge_writes_land_as_the_gathered_bytes(#[values(Backend::Sim)] backend: 
 }
 
 /// Deregistering hands back the current bytes and revokes the keys.
-#[rstest]
-fn deregister_returns_the_bytes_and_revokes_the_keys(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn deregister_returns_the_bytes_and_revokes_the_keys(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     link.sender.post_send(link.qp(0), &[link.write(1, 10, 20, 30)]).unwrap();
@@ -509,14 +789,67 @@ fn deregister_returns_the_bytes_and_revokes_the_keys(#[values(Backend::Sim)] bac
 }
 
 /// A zero-byte write is a valid message: it completes with byte_len 0 and changes nothing.
-#[rstest]
-fn a_zero_byte_write_completes_and_changes_nothing(#[values(Backend::Sim)] backend: Backend) {
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn a_zero_byte_write_completes_and_changes_nothing(backend: Backend) {
     let mut harness = backend.harness();
     let mut link = link(&mut *harness, 1);
     let wr = WorkRequest { sges: Vec::new(), ..link.write(1, 0, 0, 0) };
     link.sender.post_send(link.qp(0), &[wr]).unwrap();
     let completions = drain(&mut *harness, &mut *link.sender, 1);
     assert_eq!((completions[0].status, completions[0].byte_len), (WcStatus::Success, 0));
+    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
+}
+
+/// Many QP pairs between two endpoints each carry their own writes and notifications (on hardware the shared CQ
+/// grows as QPs are created).
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn many_qp_pairs_each_deliver_their_writes(backend: Backend) {
+    const PAIRS: usize = 12;
+    let mut harness = backend.harness();
+    let mut link = link(&mut *harness, PAIRS);
+    for index in 0..PAIRS {
+        let offset = 16 * index as u64;
+        let wr = WorkRequest { imm: Some(index as u32), ..link.write(index as u64, offset, offset, 16) };
+        link.sender.post_send(link.qp(index), &[wr]).unwrap();
+    }
+    let completions = drain(&mut *harness, &mut *link.sender, PAIRS);
+    for index in 0..PAIRS {
+        assert_eq!(on_qp(&completions, link.qp(index)), [(index as u64, WcStatus::Success)]);
+    }
+    let mut notes = drain(&mut *harness, &mut *link.receiver, PAIRS);
+    notes.sort_by_key(|note| note.imm);
+    let expected: Vec<(QpNum, Option<u32>)> = (0..PAIRS).map(|index| (link.qps[index].1, Some(index as u32))).collect();
+    assert_eq!(notes.iter().map(|note| (note.qp, note.imm)).collect::<Vec<_>>(), expected);
+    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 16 * PAIRS)]));
+}
+
+/// An empty region is a real registration: it has an address and keys, a zero-byte write to it completes, a
+/// one-byte write does not, and deregistering hands back the same (empty) vector.
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn an_empty_region_takes_zero_byte_writes_only(backend: Backend) {
+    let mut harness = backend.harness();
+    let mut link = link(&mut *harness, 2);
+    let empty = link.receiver.register(Vec::with_capacity(64)).unwrap();
+    assert_eq!(empty.len, 0);
+    assert_ne!(empty.addr, 0);
+    link.receiver.read_local(&empty, 0, &mut []).unwrap();
+    assert_eq!(
+        link.receiver.read_local(&empty, 0, &mut [0]),
+        Err(FabricError::OutOfRegion { offset: 0, len: 1, region_len: 0 })
+    );
+    let remote = RemoteAddr { addr: empty.addr, rkey: empty.rkey };
+    let zero_bytes = WorkRequest { sges: Vec::new(), remote, ..link.write(1, 0, 0, 0) };
+    link.sender.post_send(link.qp(0), &[zero_bytes]).unwrap();
+    let one_byte = WorkRequest { remote, ..link.write(2, 0, 0, 1) };
+    link.sender.post_send(link.qp(1), &[one_byte]).unwrap();
+    let completions = drain(&mut *harness, &mut *link.sender, 2);
+    assert_eq!(on_qp(&completions, link.qp(0)), [(1, WcStatus::Success)]);
+    assert_eq!(on_qp(&completions, link.qp(1)), [(2, WcStatus::RemoteAccess)]);
+    let bytes = link.receiver.deregister(&empty).unwrap();
+    assert!(bytes.is_empty() && bytes.capacity() >= 64, "the registered vector comes back as it was");
     assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
 }
 
@@ -658,10 +991,11 @@ impl RandomRun {
         }
     }
 
-    /// The bytes the SGEs gather, or `None` if one leaves its region or uses the revoked key.
+    /// The bytes the SGEs gather, or `None` if one leaves its region or uses the revoked key. An empty SGE carries
+    /// nothing whatever its key and address: hardware does not check it (the contract's Protection rule).
     fn gathered(&self, shape: &WrShape) -> Option<Vec<u8>> {
         let mut res = Vec::new();
-        for sge in &shape.sges {
+        for sge in shape.sges.iter().filter(|sge| sge.len > 0) {
             let bytes = &self.sources.get(sge.region).filter(|_| sge.region < 2)?.1;
             res.extend_from_slice(bytes.get(sge.offset as usize..(sge.offset + sge.len) as usize)?);
         }
@@ -796,6 +1130,24 @@ proptest! {
     #[test]
     fn random_posts_keep_the_contract_on_the_sim(ops in ops()) {
         random_posts_keep_the_contract(&mut *Backend::Sim.harness(), &ops)?;
+    }
+}
+
+/// Few cases on hardware (the test guest emulates its CPU): `KVRELAY_RDMA_CASES`, default 16.
+#[cfg(feature = "rdma")]
+fn rdma_random_config() -> ProptestConfig {
+    let cases = std::env::var("KVRELAY_RDMA_CASES").ok().and_then(|it| it.parse().ok()).unwrap_or(16);
+    ProptestConfig { cases, max_shrink_iters: 64, ..ProptestConfig::default() }
+}
+
+#[cfg(feature = "rdma")]
+proptest! {
+    #![proptest_config(rdma_random_config())]
+
+    /// The same random sequences on the verbs fabric.
+    #[test]
+    fn random_posts_keep_the_contract_on_rdma(ops in ops()) {
+        random_posts_keep_the_contract(&mut *Backend::Rdma.harness(), &ops)?;
     }
 }
 

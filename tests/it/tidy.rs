@@ -114,6 +114,90 @@ fn fabric_seam_knows_no_plan() {
     }
 }
 
+/// The RDMA fabric may name the clock and the file system (waiting, sysfs GID types) but nothing above the seam.
+#[test]
+fn rdma_fabric_knows_no_plan() {
+    let text = read(&root().join(RDMA_FABRIC));
+    for word in ["crate::verify", "crate::plan", "crate::model", "crate::engine", "crate::exec", "HashMap", "SimRng"] {
+        assert!(!text.contains(word), "{RDMA_FABRIC} uses `{word}`: the verbs fabric takes only the seam's types");
+    }
+}
+
+/// The one module allowed `unsafe` code (ARCHITECTURE.md, "Unsafe code").
+const RDMA_FABRIC: &str = "src/fabric/rdma.rs";
+
+/// How many times the keyword `unsafe` occurs in the code of one line (comments and words like `unsafe_code`
+/// excluded).
+fn unsafe_keywords(line: &str) -> usize {
+    let code = line.split("//").next().unwrap_or_default();
+    let is_word = |c: char| c.is_alphanumeric() || c == '_';
+    code.match_indices("unsafe")
+        .filter(|&(index, word)| {
+            !code[..index].chars().next_back().is_some_and(is_word)
+                && !code[index + word.len()..].chars().next().is_some_and(is_word)
+        })
+        .count()
+}
+
+/// ARCHITECTURE.md: `unsafe` lives in src/fabric/rdma.rs alone, which alone allows the `unsafe_code` lint that
+/// Cargo.toml denies.
+#[test]
+fn unsafe_code_lives_only_in_the_rdma_fabric() {
+    let manifest = read(&root().join("Cargo.toml"));
+    assert!(manifest.contains("unsafe_code = \"deny\""), "Cargo.toml must deny unsafe_code for the whole crate");
+    for path in files(&root().join("src"), "rs") {
+        let relative = path.strip_prefix(root()).unwrap().to_string_lossy().replace('\\', "/");
+        let text = read(&path);
+        if relative == RDMA_FABRIC {
+            assert!(text.contains("#![allow(unsafe_code)]"), "{RDMA_FABRIC} must allow unsafe_code at its top");
+            continue;
+        }
+        assert!(
+            !text.contains("allow(unsafe_code)"),
+            "{relative} allows unsafe_code: only {RDMA_FABRIC} may (move the verbs call there)"
+        );
+        for (number, line) in text.lines().enumerate() {
+            assert_eq!(
+                unsafe_keywords(line),
+                0,
+                "{relative}:{} uses `unsafe`: only {RDMA_FABRIC} may (move the code there, with a SAFETY comment)",
+                number + 1
+            );
+        }
+    }
+}
+
+/// Every `unsafe` in the RDMA fabric sits right under a comment block holding `// SAFETY:` that says why it is sound.
+#[test]
+fn every_unsafe_in_the_rdma_fabric_says_why_it_is_sound() {
+    let text = read(&root().join(RDMA_FABRIC));
+    let lines: Vec<&str> = text.lines().collect();
+    let mut count = 0;
+    for (index, line) in lines.iter().enumerate() {
+        if unsafe_keywords(line) == 0 {
+            continue;
+        }
+        count += 1;
+        let comments = lines[..index].iter().rev().take_while(|above| above.trim_start().starts_with("//"));
+        let documented = comments.into_iter().any(|above| above.trim_start().starts_with("// SAFETY:"));
+        assert!(
+            documented,
+            "{RDMA_FABRIC}:{} has `unsafe` without a `// SAFETY:` comment right above it: say why it is sound",
+            index + 1
+        );
+    }
+    assert!(count > 0, "{RDMA_FABRIC} has no `unsafe`: drop its `#![allow(unsafe_code)]` and this test's exception");
+}
+
+#[test]
+fn unsafe_keywords_are_found_in_code_only() {
+    assert_eq!(unsafe_keywords("let x = unsafe { f() };"), 1);
+    assert_eq!(unsafe_keywords("unsafe impl Send for X {}"), 1);
+    assert_eq!(unsafe_keywords("// take it out without unsafe"), 0);
+    assert_eq!(unsafe_keywords("#![allow(unsafe_code)]"), 0);
+    assert_eq!(unsafe_keywords("f(); // unsafe { g() }"), 0);
+}
+
 /// Engines see the decode side only through the wire and the planner, and never judge themselves: no oracle.
 #[test]
 fn engines_never_call_the_oracle() {
