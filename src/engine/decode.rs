@@ -163,13 +163,13 @@ impl DecodeEngine {
         let Some(target) = self.targets.iter_mut().find(|target| target.node == from && target.linked.is_none()) else {
             return out.note(format!("unexpected link answer from {from}"));
         };
-        if let Some(error) = &ack.error {
-            out.note(format!("prefill {} refused the link: {error}", target.rank));
-        }
-        let connected = nic.connect_qp(target.qp, ack.qp).map_err(|error| error.to_string());
-        target.linked = Some(match (ack.error, connected) {
-            (Some(error), _) | (None, Err(error)) => Err(error),
-            (None, Ok(())) => Ok(()),
+        // A refused link is not connected: the answer's queue pair may be a placeholder.
+        target.linked = Some(match ack.error {
+            Some(error) => {
+                out.note(format!("prefill {} refused the link: {error}", target.rank));
+                Err(error)
+            }
+            None => nic.connect_qp(target.qp, ack.qp).map_err(|error| error.to_string()),
         });
         if self.targets.iter().any(|target| target.linked.is_none()) {
             return;

@@ -156,14 +156,14 @@ impl PrefillEngine {
     }
 
     fn on_registration(&mut self, from: NodeId, frames: &[Vec<u8>], nic: Nic<'_>, out: &mut Outbox) {
-        let qp = match nic.create_qp() {
-            Ok(qp) => qp,
-            Err(error) => return out.note(format!("cannot create a queue pair for {from}: {error}")),
-        };
+        // A queue pair the NIC cannot give is a refusal like any other: the peer hears why at once and its requests
+        // fail with the reason, while the room goes on for every other peer.
+        let qp = nic.create_qp().map_err(|error| format!("prefill {} cannot create a queue pair: {error}", self.rank));
         let registration = Registration::decode(frames).map_err(|error| error.to_string());
         let rank = registration.as_ref().ok().and_then(|registration| peer::rank_of_key(&registration.engine.key));
         let rank = rank.unwrap_or(RankId { pp: u32::MAX, tp: u32::MAX });
-        let linked = registration.and_then(|registration| {
+        let linked = qp.clone().and_then(|qp| {
+            let registration = registration?;
             let remote = remote_qp(&registration.engine.key)
                 .ok_or_else(|| format!("engine key `{}` carries no queue pair", registration.engine.key))?;
             nic.connect_qp(qp.qpn, remote).map_err(|error| error.to_string())?;
@@ -175,10 +175,13 @@ impl PrefillEngine {
             Ok(_) => out.note(format!("linked decode {rank} ({from})")),
             Err(error) => out.note(format!("cannot serve decode {rank} ({from}): {error}")),
         }
-        let ack = LinkAck { qp, error: linked.as_ref().err().cloned() };
+        let local = qp.clone().unwrap_or_else(|_| QpInfo::plain(nic.node(), QpNum(0)));
+        let ack = LinkAck { qp: local, error: linked.as_ref().err().cloned() };
         out.send(from, ack.encode());
-        self.peers.insert(from, PeerState { rank, qp: qp.qpn, link: linked });
-        self.queues.insert(qp.qpn, (from, SendQueue::default()));
+        self.peers.insert(from, PeerState { rank, qp: local.qpn, link: linked });
+        if qp.is_ok() {
+            self.queues.insert(local.qpn, (from, SendQueue::default()));
+        }
     }
 
     fn on_meta(&mut self, now: u64, from: NodeId, meta: RequestMeta, out: &mut Outbox) {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvrelay::control::{Client, ControlFrame, FrameKind, Hub, HubPlan, HubReport, HUB};
 use kvrelay::engine::live::{Control, Received};
 use kvrelay::engine::Envelope;
-use kvrelay::fabric::verbs::NodeId;
+use kvrelay::fabric::verbs::{FabricError, NodeId};
 use kvrelay::harness::{self, Budget, Fabric};
 use kvrelay::model::Side;
 use kvrelay::verify::{self, RegionKey};
@@ -185,5 +185,84 @@ proptest! {
     #[test]
     fn control_frame_decoding_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
         let _ = kvrelay::control::frame::decode(&bytes);
+    }
+}
+
+/// An endpoint whose NIC runs out of queue pairs after `left` (as a real device's CQ or QP table can).
+struct FewQps {
+    inner: kvrelay::fabric::world::SimEndpoint,
+    left: usize,
+}
+
+impl kvrelay::fabric::verbs::Endpoint for FewQps {
+    fn caps(&self) -> kvrelay::fabric::verbs::Caps {
+        self.inner.caps()
+    }
+    fn node(&self) -> NodeId {
+        self.inner.node()
+    }
+    fn register(&mut self, bytes: Vec<u8>) -> Result<kvrelay::fabric::verbs::MemoryRegion, FabricError> {
+        self.inner.register(bytes)
+    }
+    fn deregister(&mut self, region: &kvrelay::fabric::verbs::MemoryRegion) -> Result<Vec<u8>, FabricError> {
+        self.inner.deregister(region)
+    }
+    fn read_local(
+        &self,
+        region: &kvrelay::fabric::verbs::MemoryRegion,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<(), FabricError> {
+        self.inner.read_local(region, offset, out)
+    }
+    fn create_qp(&mut self) -> Result<kvrelay::fabric::verbs::QpInfo, FabricError> {
+        self.left = self.left.checked_sub(1).ok_or(FabricError::Exhausted("queue pairs"))?;
+        self.inner.create_qp()
+    }
+    fn connect_qp(
+        &mut self,
+        local: kvrelay::fabric::verbs::QpNum,
+        remote: kvrelay::fabric::verbs::QpInfo,
+    ) -> Result<(), FabricError> {
+        self.inner.connect_qp(local, remote)
+    }
+    fn post_send(
+        &mut self,
+        qp: kvrelay::fabric::verbs::QpNum,
+        wrs: &[kvrelay::fabric::verbs::WorkRequest],
+    ) -> Result<(), FabricError> {
+        self.inner.post_send(qp, wrs)
+    }
+    fn poll_cq(&mut self, out: &mut Vec<kvrelay::fabric::verbs::WorkCompletion>, max: usize) -> usize {
+        self.inner.poll_cq(out, max)
+    }
+}
+
+/// Found on Soft-RoCE: a prefill rank serving 16 decode ranks ran out of completion-queue entries at the 16th
+/// queue pair and never answered that registration, so every room waited for the timeout. A queue pair the NIC
+/// cannot give is now a refusal: that decode rank fails at once with the reason, the other 15 are served.
+#[test]
+fn a_prefill_rank_out_of_queue_pairs_refuses_that_peer_and_serves_the_others() {
+    let scenario = load("scenarios/mha/gqa-replication-tp1-to-tp16.yaml");
+    let world = kvrelay::fabric::world::SimWorld::new(kvrelay::engine::sim::SimOptions::default().caps);
+    let options = kvrelay::engine::live::LiveOptions { waiting_timeout_ns: 30_000_000_000, ..Default::default() };
+    let run = kvrelay::engine::live::run_local(&scenario.problem, &options, |node| {
+        // Node 0 is the one prefill rank; decode ranks need one queue pair each.
+        Ok(FewQps { inner: world.eager_endpoint(node), left: if node == NodeId(0) { 15 } else { 1 } })
+    })
+    .unwrap();
+    let failures = run.failures();
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    let (rank, _, reason) = &failures[0];
+    assert_eq!(rank.tp, 15);
+    assert!(
+        reason.starts_with("prefill pp0/tp0 cannot create a queue pair: the fabric ran out of queue pairs"),
+        "{reason}"
+    );
+    // Nothing waited for a timeout: the refusal is answered at once.
+    assert!(run.run_ns < 10_000_000_000, "{} ns", run.run_ns);
+    for layout in &scenario.problem.decode.ranks {
+        let verdicts = run.verdicts(layout.rank);
+        assert_eq!(verify::check_rank(&scenario.problem, layout.rank, &run.observation, &verdicts), vec![]);
     }
 }
