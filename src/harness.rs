@@ -193,7 +193,7 @@ pub fn engine_run(problem: &Problem, fabric: &Fabric, trace: bool) -> Result<Sim
             let world = SimWorld::new(options.caps);
             live::run_local(problem, &live, |node| Ok(world.eager_endpoint(node))).map_err(|error| error.to_string())
         }
-        Fabric::Rdma { device } => rdma_run(problem, &live, device.as_deref(), options.caps),
+        Fabric::Rdma { device } => rdma_run(problem, &live, device.as_deref(), RDMA_CAPS),
     }
 }
 
@@ -210,6 +210,12 @@ fn rdma_run(problem: &Problem, live: &LiveOptions, device: Option<&str>, caps: C
 fn rdma_run(_: &Problem, _: &LiveOptions, _: Option<&str>, _: Caps) -> Result<SimRun, String> {
     Err(RDMA_MISSING.to_owned())
 }
+
+/// What kvrelay asks of an RDMA device per endpoint (clamped to the device's limits): one SGE per write, as the
+/// engines post; a send queue of 256 (four signalling intervals in flight), so that a prefill rank serving many
+/// decode ranks keeps its queue pairs' completion-queue reservation within a soft device's CQ (Soft-RoCE ran out
+/// at 16 queue pairs of depth 1024).
+pub const RDMA_CAPS: Caps = Caps { max_sge: 1, max_message: 1 << 30, sq_depth: 256 };
 
 /// Why `--fabric rdma` cannot run in a build without the feature.
 pub const RDMA_MISSING: &str =
