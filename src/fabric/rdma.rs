@@ -43,8 +43,9 @@
 //!   checks, and deregistration rebuilds the `Vec` only after the MR is gone. An empty `Vec` has no buffer to
 //!   register: it gets a zero-length MR inside a private 2-byte allocation, so its address is real and every
 //!   non-empty access to it fails.
-//! - **Waiting.** [`RdmaEndpoint::wait`] arms the CQ, drains what already arrived and otherwise sleeps in `poll(2)`
-//!   on the completion channel until an event or the deadline: it never spins.
+//! - **Waiting.** [`RdmaEndpoint::wait`] arms the CQ, takes off what already arrived and otherwise sleeps in
+//!   `poll(2)` on the completion channel until an event or the deadline: it never spins.
+//!   [`RdmaEndpoint::awaits_completions`] says whether a completion is still certain to come.
 //! - **Timeouts.** QPs use `timeout` 14 (4.096 µs × 2¹⁴ ≈ 67 ms) and `retry_cnt` 6, so a peer that is not connected
 //!   back completes [`WcStatus::RetryExceeded`] after about 0.5 s; `rnr_retry` 7 waits for receives forever.
 //! - **Teardown.** Dropping the endpoint destroys the QPs, then the MRs (handing their memory back to the
@@ -212,7 +213,7 @@ pub struct RdmaEndpoint {
     max_qp_wr: usize,
     /// CQ entries the QPs may occupy at once (the sum of their send and receive depths).
     cq_reserved: usize,
-    /// Completions taken off the CQ by [`RdmaEndpoint::wait`], handed out first by [`Endpoint::poll_cq`].
+    /// Completions taken off the CQ (or made here for a failed QP) and not handed out yet, in arrival order.
     ready: VecDeque<Ready>,
     /// Reused buffers of the hot paths.
     send_wrs: Vec<ibv_send_wr>,
@@ -653,8 +654,8 @@ impl RdmaEndpoint {
         }
     }
 
-    /// Completions already taken off the device's CQ (by [`RdmaEndpoint::wait`]) that the next
-    /// [`Endpoint::poll_cq`] hands out first.
+    /// Completions already taken off the device's CQ (by [`RdmaEndpoint::wait`], or left over from a
+    /// [`Endpoint::poll_cq`] with a small `max`) that the next `poll_cq` hands out first.
     pub fn ready(&self) -> usize {
         self.ready.len()
     }
