@@ -30,6 +30,10 @@
 //!   `GENERAL_ERR` and any unknown value; "refusals" also `REM_INV_RD_REQ_ERR`, `REM_ABORT_ERR`, `INV_EECN_ERR`
 //!   and `INV_EEC_STATE_ERR`.
 //!
+//! - **Errors.** Once a completion in error has been taken off the CQ, the QP is moved to the error state again
+//!   (which makes the device flush what it still holds: Soft-RoCE before Linux 6.9 may otherwise leave work
+//!   requests posted to a failed QP unflushed), and later posts never reach the device: their Flushed completions
+//!   are made here and handed out after the device's last completion of the QP, in post order.
 //! - **Notifications.** Every QP keeps receives without SGEs posted for WRITE_WITH_IMM (a WRITE_WITH_IMM consumes
 //!   one), re-posted as their completions are taken off the CQ; a successful one becomes a [`WcKind::RecvImm`] with
 //!   the immediate in host byte order. Failed and flushed receive completions are dropped: the sender's completion
@@ -39,8 +43,9 @@
 //!   checks, and deregistration rebuilds the `Vec` only after the MR is gone. An empty `Vec` has no buffer to
 //!   register: it gets a zero-length MR inside a private 2-byte allocation, so its address is real and every
 //!   non-empty access to it fails.
-//! - **Waiting.** [`RdmaEndpoint::wait`] arms the CQ, drains what already arrived and otherwise sleeps in `poll(2)`
-//!   on the completion channel until an event or the deadline: it never spins.
+//! - **Waiting.** [`RdmaEndpoint::wait`] arms the CQ, takes off what already arrived and otherwise sleeps in
+//!   `poll(2)` on the completion channel until an event or the deadline: it never spins.
+//!   [`RdmaEndpoint::awaits_completions`] says whether a completion is still certain to come.
 //! - **Timeouts.** QPs use `timeout` 14 (4.096 µs × 2¹⁴ ≈ 67 ms) and `retry_cnt` 6, so a peer that is not connected
 //!   back completes [`WcStatus::RetryExceeded`] after about 0.5 s; `rnr_retry` 7 waits for receives forever.
 //! - **Teardown.** Dropping the endpoint destroys the QPs, then the MRs (handing their memory back to the
@@ -208,7 +213,7 @@ pub struct RdmaEndpoint {
     max_qp_wr: usize,
     /// CQ entries the QPs may occupy at once (the sum of their send and receive depths).
     cq_reserved: usize,
-    /// Completions taken off the CQ by [`RdmaEndpoint::wait`], handed out first by [`Endpoint::poll_cq`].
+    /// Completions taken off the CQ (or made here for a failed QP) and not handed out yet, in arrival order.
     ready: VecDeque<Ready>,
     /// Reused buffers of the hot paths.
     send_wrs: Vec<ibv_send_wr>,
@@ -262,6 +267,7 @@ struct Slot {
 
 struct Qp {
     raw: NonNull<ibv_qp>,
+    qpn: QpNum,
     peer: Option<QpInfo>,
     queue: SendQueue,
     /// Indexed by position modulo its length (`sq_depth`, at least 1): at most that many are outstanding.
@@ -271,6 +277,14 @@ struct Qp {
     receive_depth: usize,
     /// A receive failed or was flushed: the QP is in the error state, so receives are not re-posted.
     receives_stopped: bool,
+    /// One past the position of the last work request handed to the device (later ones were flushed here).
+    device_end: u64,
+    /// One past the position of the last send completion taken off the device.
+    completed_end: u64,
+    /// A send completion in error was taken off the device: the QP is in the error state for good.
+    failed: bool,
+    /// One past the position of the last work request flushed here whose completion is in `ready`.
+    released_end: u64,
 }
 
 impl Drop for Qp {
@@ -640,27 +654,36 @@ impl RdmaEndpoint {
         }
     }
 
-    /// Completions already taken off the device's CQ (by [`RdmaEndpoint::wait`]) that the next
-    /// [`Endpoint::poll_cq`] hands out first.
+    /// Completions already taken off the device's CQ (by [`RdmaEndpoint::wait`], or left over from a
+    /// [`Endpoint::poll_cq`] with a small `max`) that the next `poll_cq` hands out first.
     pub fn ready(&self) -> usize {
         self.ready.len()
     }
 
+    /// Whether a send completion is certain to come that has not been taken off the device yet: a signalled work
+    /// request is behind the last completion taken, or a QP has failed and the device still holds work requests
+    /// (they all complete, flushed). Unsignalled work requests on a healthy QP complete only if they fail, which
+    /// cannot be known in advance. Use it to drain before tearing down, with [`RdmaEndpoint::wait`].
+    pub fn awaits_completions(&self) -> bool {
+        self.qps.values().any(|qp| {
+            let end = if qp.failed { qp.device_end } else { qp.queue.signaled_end() };
+            end > qp.completed_end
+        })
+    }
+
     /// Blocks until a completion is ready for [`Endpoint::poll_cq`] or `timeout` has passed, and says whether one is.
     ///
-    /// Arms the CQ (`ibv_req_notify_cq`), takes what already arrived off it, and otherwise sleeps in `poll(2)` on the
-    /// completion channel's descriptor until an event (taken with `ibv_get_cq_event` and acknowledged at once) or
-    /// the deadline. A zero timeout only checks. Never spins.
+    /// Arms the CQ (`ibv_req_notify_cq`), takes everything that already arrived off it, and if nothing is ready
+    /// sleeps in `poll(2)` on the completion channel's descriptor until an event (taken with `ibv_get_cq_event` and
+    /// acknowledged at once) or the deadline. A zero timeout only takes what arrived. Never spins.
     pub fn wait(&mut self, timeout: Duration) -> bool {
         #[allow(clippy::disallowed_methods, reason = "waiting for the device needs a deadline on the wall clock")]
         let deadline = Instant::now().checked_add(timeout);
         loop {
-            if !self.ready.is_empty() {
-                return true;
-            }
             // SAFETY: the CQ is live; arming it asks for an event on the channel at the next completion.
             let armed = unsafe { ibv_req_notify_cq(self.cq.0.as_ptr(), 0) };
-            // Completions that arrived before arming raise no event: take them off now.
+            // Completions that arrived before arming raise no event: take them all off now (even with some ready,
+            // so that `ready` and `awaits_completions` reflect everything that has arrived).
             self.fetch();
             if !self.ready.is_empty() {
                 return true;
@@ -707,26 +730,21 @@ impl RdmaEndpoint {
 
     /// Takes every completion the device has off the CQ into `ready` (re-posting receives as they complete).
     fn fetch(&mut self) {
-        loop {
-            let polled = self.poll_device(POLL_BATCH);
-            for index in 0..polled {
-                let raw = self.raw_completion(index);
-                if let Some(ready) = self.translate(raw) {
-                    self.ready.push_back(ready);
-                }
-            }
-            if polled < POLL_BATCH {
-                return;
-            }
-        }
+        while self.fetch_batch(POLL_BATCH) == POLL_BATCH {}
     }
 
-    /// Polls up to `want` (at most [`POLL_BATCH`]) completions into `wcs` and returns how many.
-    fn poll_device(&mut self, want: usize) -> usize {
+    /// Polls up to `want` (at most [`POLL_BATCH`]) completions off the device, appends what they mean to `ready`
+    /// (at most one each) and returns how many were polled.
+    fn fetch_batch(&mut self, want: usize) -> usize {
         let want = want.min(self.wcs.len()) as i32;
         // SAFETY: the CQ is live and `wcs` has room for `want` entries.
         let polled = unsafe { ibv_poll_cq(self.cq.0.as_ptr(), want, self.wcs.as_mut_ptr()) };
-        usize::try_from(polled).unwrap_or(0)
+        let polled = usize::try_from(polled).unwrap_or(0);
+        for index in 0..polled {
+            let raw = self.raw_completion(index);
+            self.take(raw);
+        }
+        polled
     }
 
     fn raw_completion(&self, index: usize) -> RawCompletion {
@@ -743,35 +761,45 @@ impl RdmaEndpoint {
         }
     }
 
-    /// What a completion taken off the CQ means to the caller, if anything (a receive re-posts itself).
-    fn translate(&mut self, raw: RawCompletion) -> Option<Ready> {
+    /// Appends what a completion taken off the CQ means to the caller to `ready`, if anything (a receive re-posts
+    /// itself; a send completion may release the completions of work requests flushed here).
+    fn take(&mut self, raw: RawCompletion) {
         let qpn = QpNum(raw.qp_num);
-        let qp = self.qps.get_mut(&qpn)?;
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
         if raw.wr_id & RECEIVE_TAG != 0 {
             qp.receives = qp.receives.saturating_sub(1);
-            let success = raw.status == ibv_wc_status::IBV_WC_SUCCESS;
-            if !success {
+            if raw.status != ibv_wc_status::IBV_WC_SUCCESS {
                 qp.receives_stopped = true;
-                return None;
+                return;
             }
             qp.post_receives();
-            let note = raw.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
-            let wc = WorkCompletion {
-                wr_id: 0,
-                qp: qpn,
-                status: WcStatus::Success,
-                kind: WcKind::RecvImm,
-                imm: Some(raw.imm),
-                byte_len: u64::from(raw.byte_len),
-            };
-            return note.then_some(Ready { wc, frees_through: None });
+            if raw.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                let wc = WorkCompletion {
+                    wr_id: 0,
+                    qp: qpn,
+                    status: WcStatus::Success,
+                    kind: WcKind::RecvImm,
+                    imm: Some(raw.imm),
+                    byte_len: u64::from(raw.byte_len),
+                };
+                self.ready.push_back(Ready { wc, frees_through: None });
+            }
+            return;
         }
         let position = raw.wr_id;
-        let slot = qp.slots[(position % qp.slots.len() as u64) as usize];
         let status = wc_status(raw.status);
-        let byte_len = if status == WcStatus::Success { slot.len } else { 0 };
-        let wc = WorkCompletion { wr_id: slot.wr_id, qp: qpn, status, kind: WcKind::Write, imm: None, byte_len };
-        Some(Ready { wc, frees_through: Some(position + 1) })
+        self.ready.push_back(qp.completion(position, status));
+        qp.completed_end = qp.completed_end.max(position + 1);
+        if status != WcStatus::Success && !qp.failed {
+            qp.failed = true;
+            // Make sure the device flushes everything it still holds: Soft-RoCE before Linux 6.9 may leave work
+            // requests posted to a QP already in error unflushed until its completer runs again, and moving the QP
+            // to the error state (where it already is) runs it. On other devices this changes nothing.
+            let mut attr: ibv_qp_attr = zeroed();
+            attr.qp_state = ibv_qp_state::IBV_QPS_ERR;
+            let _ = qp.modify(&mut attr, ibv_qp_attr_mask::IBV_QP_STATE, "ibv_modify_qp(ERR)");
+        }
+        qp.release_flushed(&mut self.ready);
     }
 
     /// Gives a completion to the caller, freeing its QP's send-queue slots (the contract's moment of freeing).
@@ -913,6 +941,26 @@ impl RdmaEndpoint {
 }
 
 impl Qp {
+    /// The completion of the work request at `position` (its slot holds the caller's `wr_id` and length).
+    fn completion(&self, position: u64, status: WcStatus) -> Ready {
+        let slot = self.slots[(position % self.slots.len() as u64) as usize];
+        let byte_len = if status == WcStatus::Success { slot.len } else { 0 };
+        let wc = WorkCompletion { wr_id: slot.wr_id, qp: self.qpn, status, kind: WcKind::Write, imm: None, byte_len };
+        Ready { wc, frees_through: Some(position + 1) }
+    }
+
+    /// Once the device has completed everything it was given, appends the Flushed completions of the work requests
+    /// posted here after the failure, in post order.
+    fn release_flushed(&mut self, ready: &mut VecDeque<Ready>) {
+        if !self.failed || self.completed_end < self.device_end {
+            return;
+        }
+        for position in self.released_end.max(self.device_end)..self.queue.posted() {
+            ready.push_back(self.completion(position, WcStatus::Flushed));
+        }
+        self.released_end = self.queue.posted();
+    }
+
     fn modify(
         &mut self,
         attr: &mut ibv_qp_attr,
@@ -925,6 +973,16 @@ impl Qp {
             return Err(FabricError::Device { call, errno: errno_of(rc) });
         }
         Ok(())
+    }
+
+    /// Takes send-queue slots for posted work requests, keeping each one's `wr_id` and length in its slot.
+    fn record(&mut self, wrs: &[WorkRequest]) {
+        for wr in wrs {
+            let position = self.queue.push(wr.signaled);
+            let len = wr.byte_len().expect("checked by check_post");
+            let index = (position % self.slots.len() as u64) as usize;
+            self.slots[index] = Slot { wr_id: wr.wr_id, len };
+        }
     }
 
     /// Tops the QP's receives (no SGEs: a WRITE_WITH_IMM lands in an MR and only needs one to complete) up to its
@@ -1068,12 +1126,17 @@ impl Endpoint for RdmaEndpoint {
         let qpn = QpNum(unsafe { (*raw.as_ptr()).qp_num });
         let qp = Qp {
             raw,
+            qpn,
             peer: None,
             queue: SendQueue::default(),
             slots: vec![Slot::default(); send_depth].into_boxed_slice(),
             receives: 0,
             receive_depth,
             receives_stopped: false,
+            device_end: 0,
+            completed_end: 0,
+            failed: false,
+            released_end: 0,
         };
         self.qps.insert(qpn, qp);
         Ok(self.qp_info(qpn))
@@ -1099,6 +1162,15 @@ impl Endpoint for RdmaEndpoint {
         if wrs.is_empty() {
             return Ok(());
         }
+        if qp.failed {
+            // The device reported the QP's failure: it would only flush these (and Soft-RoCE before Linux 6.9 may
+            // never do it), so they are flushed here, after the device's last completion.
+            let Self { qps, ready, .. } = self;
+            let qp = qps.get_mut(&qpn).expect("checked above");
+            qp.record(wrs);
+            qp.release_flushed(ready);
+            return Ok(());
+        }
         let first_position = qp.queue.posted();
         let raw_qp = qp.raw.as_ptr();
         self.build_send_list(wrs, first_position);
@@ -1117,12 +1189,8 @@ impl Endpoint for RdmaEndpoint {
             (bad as usize).saturating_sub(head as usize) / std::mem::size_of::<ibv_send_wr>()
         };
         let qp = self.qps.get_mut(&qpn).expect("checked above");
-        for wr in &wrs[..posted.min(wrs.len())] {
-            let position = qp.queue.push(wr.signaled);
-            let len = wr.byte_len().expect("checked by check_post");
-            let index = (position % qp.slots.len() as u64) as usize;
-            qp.slots[index] = Slot { wr_id: wr.wr_id, len };
-        }
+        qp.record(&wrs[..posted.min(wrs.len())]);
+        qp.device_end = qp.queue.posted();
         if rc != 0 {
             return Err(FabricError::Device { call: "ibv_post_send", errno: errno_of(rc) });
         }
@@ -1134,24 +1202,16 @@ impl Endpoint for RdmaEndpoint {
     }
 
     fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-        let mut count = 0;
+        let (mut count, mut device_empty) = (0, false);
         while count < max {
-            let Some(ready) = self.ready.pop_front() else { break };
-            self.hand_out(ready, out);
-            count += 1;
-        }
-        while count < max {
-            let want = (max - count).min(POLL_BATCH);
-            let polled = self.poll_device(want);
-            for index in 0..polled {
-                let raw = self.raw_completion(index);
-                if let Some(ready) = self.translate(raw) {
-                    self.hand_out(ready, out);
-                    count += 1;
-                }
-            }
-            if polled < want {
+            if let Some(ready) = self.ready.pop_front() {
+                self.hand_out(ready, out);
+                count += 1;
+            } else if device_empty {
                 break;
+            } else {
+                let want = (max - count).min(POLL_BATCH);
+                device_empty = self.fetch_batch(want) < want;
             }
         }
         count

@@ -298,6 +298,11 @@ impl SendQueue {
         self.posted
     }
 
+    /// One past the position of the last signalled work request posted (0 if none).
+    pub fn signaled_end(&self) -> u64 {
+        self.signaled_end
+    }
+
     /// Slots held now: posted work requests whose slots no polled completion has freed yet.
     pub fn outstanding(&self) -> u64 {
         self.posted - self.freed
