@@ -3,9 +3,9 @@
 //!
 //! Backends: the in-memory `SimWorld` always, and with the cargo feature `rdma` the verbs fabric on a real device
 //! (`RdmaEndpoint`; `KVRELAY_RDMA_DEVICE` names it, default the first device with an active port). Every case over
-//! [`Backend`] runs on each; run the RDMA ones in the test guest with
-//! `CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=/work/shared/rdma-vm/run-in-guest.sh cargo test --features rdma
-//! --test it conformance`. Cases about simulated time use `SimWorld` directly and sit at the end. Messages stay
+//! [`Backend`] runs on each; run the RDMA ones in the test guest (ci/rdma.sh does) with
+//! `KVRELAY_VM_SHARE=$PWD CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=$PWD/ci/rdma/run-in-guest.sh cargo test
+//! --features rdma --test it -- conformance rdma`. Cases about simulated time use `SimWorld` directly and sit at the end. Messages stay
 //! well within one MTU, so "a failed write changes no byte" holds on hardware too.
 
 use kvrelay::fabric::verbs::{
