@@ -1,15 +1,9 @@
 //! The `kvrelay` binary end to end: exit codes, stderr errors, the JSON plan and the golden gate.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-fn kvrelay(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvrelay")).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+use crate::support::{kvrelay, text};
 
 #[test]
 fn run_passes_a_good_scenario() {

@@ -4,21 +4,13 @@
 //! (default: the first device with an active port). The transport conformance suite runs here too
 //! (`conformance.rs`, backend `Rdma`).
 
-use std::process::{Command, Output};
-
 use kvrelay::harness::{self, Budget, Fabric};
 
 fn device() -> Option<String> {
     std::env::var("KVRELAY_RDMA_DEVICE").ok()
 }
 
-fn kvrelay(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvrelay")).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+use crate::support::{kvrelay, text};
 
 #[test]
 fn rdma_engines_land_the_same_bytes_as_the_simulation() {

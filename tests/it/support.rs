@@ -22,3 +22,17 @@ pub(crate) fn check_run(yaml: &str) -> Outcome {
     );
     outcome
 }
+
+/// Runs the `kvrelay` binary from the repository root.
+pub(crate) fn kvrelay(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kvrelay"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap()
+}
+
+/// Output bytes as text.
+pub(crate) fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
