@@ -24,6 +24,9 @@ pub(super) fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64
         };
         outln!("diff {}: sim vs {}", scenario.file, fabric.name());
         outln!("  decode bytes compared: {} in {regions} regions", report.bytes);
+        let writes = &report.other.observation.writes;
+        let moved: u64 = writes.iter().map(|write| write.length).sum();
+        outln!("  {}: {} writes confirmed, {moved} bytes moved", fabric.name(), writes.len());
         outln!("  sim: {}; {}: {}", verdict(&report.reference), fabric.name(), verdict(&report.other));
         if report.differences.is_empty() {
             outln!("  identical");
