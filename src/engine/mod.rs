@@ -18,6 +18,7 @@ mod decode;
 mod handshake;
 pub mod live;
 mod prefill;
+pub mod seat;
 pub mod sim;
 mod tasks;
 

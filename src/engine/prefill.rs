@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::handshake::{classify, Kind, LinkAck};
+use super::seat::{SeatCopy, SeatQuery, SharedPlanner};
 use super::{Nic, Outbox, CHUNK_COMPUTE_NS, SIGNAL_INTERVAL};
 use crate::fabric::verbs::{
     Caps, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcStatus, WorkCompletion, WorkRequest,
@@ -37,7 +38,15 @@ struct Pending {
 struct PeerState {
     rank: RankId,
     qp: QpNum,
-    link: Result<(Link, Vec<MemoryDesc>), String>,
+    link: Result<(PeerLink, Vec<MemoryDesc>), String>,
+}
+
+/// Who plans for a linked peer.
+enum PeerLink {
+    /// kvrelay's own planner, linked at registration.
+    Own(Link),
+    /// The planner in the seat, asked per room with the decoded registration.
+    Seat(Registration),
 }
 
 /// One request (room) on this prefill rank.
@@ -83,6 +92,8 @@ pub struct PrefillEngine {
     written: Vec<Written>,
     /// Send cached prefixes early (domain.md §7).
     early_send: bool,
+    /// Another planner in the seat (`None`: kvrelay's own).
+    seat: Option<SharedPlanner>,
 }
 
 impl PrefillEngine {
@@ -111,7 +122,15 @@ impl PrefillEngine {
             next_wr: 1,
             written: Vec::new(),
             early_send: false,
+            seat: None,
         }
+    }
+
+    /// Puts `planner` in the seat: it plans every room for every linked peer (kvrelay's own link checks and the
+    /// early send are then off: the planner decides).
+    pub fn with_planner(mut self, planner: Option<SharedPlanner>) -> PrefillEngine {
+        self.seat = planner;
+        self
     }
 
     /// Enables the cached-prefix early send (domain.md §7).
@@ -168,8 +187,11 @@ impl PrefillEngine {
                 .ok_or_else(|| format!("engine key `{}` carries no queue pair", registration.engine.key))?;
             nic.connect_qp(qp.qpn, remote).map_err(|error| error.to_string())?;
             let (peer, descs) = peer::from_registration(self.local(), &registration).map_err(|e| e.to_string())?;
+            if self.seat.is_some() {
+                return Ok((PeerLink::Seat(registration), descs));
+            }
             let link = plan::link(self.local(), &peer).map_err(|error| error.to_string())?;
-            Ok((link, descs))
+            Ok((PeerLink::Own(link), descs))
         });
         match &linked {
             Ok(_) => out.note(format!("linked decode {rank} ({from})")),
@@ -227,14 +249,17 @@ impl PrefillEngine {
                 (Ok(_), true) => continue,
                 (Ok((link, descs)), false) => (link, descs),
             };
-            if !link.sends_anything() {
-                continue;
-            }
             let view = view(request, meta, &self.model);
-            for (index, chunk) in chunks.iter_mut().enumerate() {
-                let groups = link.chunk_groups(&view, index as u32).map_err(|error| error.to_string())?;
-                let writes = self.writes(room_id, *node, peer.rank, &Plan { groups, explain: Vec::new() }, descs)?;
-                chunk.insert(*node, writes);
+            let planned = match link {
+                PeerLink::Own(link) if !link.sends_anything() => continue,
+                PeerLink::Own(link) => own_copies(link, &view)?,
+                PeerLink::Seat(registration) => {
+                    let query = SeatQuery { rank: self.rank, local: self.local(), registration, meta, request: &view };
+                    self.seat_copies(&query)?
+                }
+            };
+            for (chunk, copies) in chunks.iter_mut().zip(planned) {
+                chunk.insert(*node, self.writes(room_id, *node, peer.rank, &copies, descs)?);
             }
         }
         let room = self.rooms.get_mut(&room_id).expect("room exists");
@@ -255,7 +280,7 @@ impl PrefillEngine {
             return (request.clone(), None);
         }
         for node in room.infos.keys() {
-            if let Some(PeerState { link: Ok((link, _)), .. }) = self.peers.get(node) {
+            if let Some(PeerState { link: Ok((PeerLink::Own(link), _)), .. }) = self.peers.get(node) {
                 if link.requires_relayout() {
                     return (request.clone(), Some("early send skipped: a peer needs DCP relayout".to_owned()));
                 }
@@ -275,16 +300,27 @@ impl PrefillEngine {
     }
 
     /// The plan's copies as writes between registered addresses, split to the fabric's largest message.
+    /// The planner in the seat's copies per chunk, checked to cover every chunk.
+    fn seat_copies(&self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
+        let seat = self.seat.as_ref().expect("a peer is linked to the seat only when a planner sits there");
+        let planned = seat.0.borrow_mut().plan(query)?;
+        let chunks = query.request.chunks.len();
+        if planned.len() != chunks {
+            return Err(format!("the planner answered {} chunk lists for a request of {chunks} chunks", planned.len()));
+        }
+        Ok(planned)
+    }
+
     fn writes(
         &self,
         room: u64,
         peer: NodeId,
         target: RankId,
-        plan: &Plan,
+        copies: &[SeatCopy],
         descs: &[MemoryDesc],
     ) -> Result<Vec<Pending>, String> {
         let mut res = Vec::new();
-        for copy in plan.copies() {
+        for copy in copies {
             let source = self.regions.get(copy.source_region as usize).ok_or("a copy names no local region")?;
             let desc = descs.get(copy.target_region as usize).ok_or("a copy names no peer region")?;
             // The peer's address and the planned offset come from the wire: add them without wrapping.
@@ -479,6 +515,24 @@ impl PrefillEngine {
             queue.waiting.retain(|pending| pending.room != room_id);
         }
     }
+}
+
+/// kvrelay's own planner: the link's groups for every chunk of `view`, as copies per chunk.
+fn own_copies(link: &Link, view: &Request) -> Result<Vec<Vec<SeatCopy>>, String> {
+    let mut planned = Vec::new();
+    for index in 0..view.chunks.len() {
+        let groups = link.chunk_groups(view, index as u32).map_err(|error| error.to_string())?;
+        let plan = Plan { groups, explain: Vec::new() };
+        let copies = plan.copies().map(|copy| SeatCopy {
+            source_region: copy.source_region,
+            source_offset: copy.source_offset,
+            target_region: copy.target_region,
+            target_offset: copy.target_offset,
+            length: copy.length,
+        });
+        planned.push(copies.collect());
+    }
+    Ok(planned)
 }
 
 /// The request as this prefill rank plans it for one peer: its own pages and chunks, the peer's pages, indices and
