@@ -2,6 +2,7 @@
 //! decode rank, and the judgement against the scenario's expectation.
 
 use crate::engine::live::{self, LiveOptions};
+use crate::engine::seat::SharedPlanner;
 use crate::engine::sim::{self, SimOptions, SimRun};
 use crate::exec::{self, SimFabric};
 use crate::fabric::verbs::Caps;
@@ -126,13 +127,32 @@ fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> {
 pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> Result<Outcome, RunError> {
     check_budget(&scenario.problem, budget)?;
     let engine = sim::run(&scenario.problem, options).map_err(|error| format!("the simulated fabric failed: {error}"));
-    Ok(judge(scenario, engine))
+    Ok(judge(scenario, engine, Judge::OwnPlan))
 }
 
 /// [`run_with`] on any [`Fabric`]: the same engines, plan and oracle.
 pub fn run_on(scenario: &Scenario, budget: &Budget, fabric: &Fabric, trace: bool) -> Result<Outcome, RunError> {
     check_budget(&scenario.problem, budget)?;
-    Ok(judge(scenario, engine_run(&scenario.problem, fabric, trace)))
+    Ok(judge(scenario, engine_run(&scenario.problem, fabric, trace), Judge::OwnPlan))
+}
+
+/// Runs `scenario` through the engines on the in-memory fabric with `planner` in every prefill rank's seat, and
+/// judges the planner's work: the oracle per decode rank, and the rooms against the expectation (a rejection is
+/// the planner's own, in its words; kvrelay's plan is not consulted).
+pub fn run_with_planner(scenario: &Scenario, budget: &Budget, planner: SharedPlanner) -> Result<Outcome, RunError> {
+    check_budget(&scenario.problem, budget)?;
+    let options = SimOptions { planner: Some(planner), ..SimOptions::default() };
+    let engine = sim::run(&scenario.problem, &options).map_err(|error| format!("the simulated fabric failed: {error}"));
+    Ok(judge(scenario, engine, Judge::SeatOnly))
+}
+
+/// Whose plan the expectation is held against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Judge {
+    /// kvrelay's composed plan and the rooms.
+    OwnPlan,
+    /// Only the rooms (another planner sat in the seat).
+    SeatOnly,
 }
 
 /// Where the engines run.
@@ -222,7 +242,7 @@ pub const RDMA_MISSING: &str =
     "this kvrelay was built without RDMA (fix: cargo build --release --features rdma; needs libibverbs-dev, librdmacm-dev, libclang-dev, pkg-config)";
 
 /// Judges one engine run of `scenario`: the composed plan's verdict, the oracle per decode rank, the rooms.
-fn judge(scenario: &Scenario, engine: Result<SimRun, String>) -> Outcome {
+fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> Outcome {
     let problem = &scenario.problem;
     let plan = plan::plan(problem);
     let (observation, engine, run_error) = match engine {
@@ -236,7 +256,11 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>) -> Outcome {
             violations.extend(verify::check_rank(problem, layout.rank, &observation, &verdicts));
         }
     }
-    let mut failures = expectation_failures(&scenario.expect, &plan, engine.as_ref().map(room_ends).as_ref());
+    let ends = engine.as_ref().map(room_ends);
+    let mut failures = match whose {
+        Judge::OwnPlan => expectation_failures(&scenario.expect, &plan, ends.as_ref()),
+        Judge::SeatOnly => ends.as_ref().map(|ends| room_failures(&scenario.expect, ends)).unwrap_or_default(),
+    };
     failures.extend(run_error);
     if !violations.is_empty() {
         failures.push(format!("{} oracle violations", violations.len()));

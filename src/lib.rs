@@ -31,6 +31,7 @@ pub mod cli;
 pub mod control;
 pub mod engine;
 pub mod exec;
+pub mod external;
 pub mod fabric;
 pub mod harness;
 pub mod limits;

@@ -33,6 +33,7 @@ macro_rules! out {
 }
 
 mod bench;
+mod planners;
 mod ranks;
 
 #[derive(Debug, Parser)]
@@ -118,12 +119,22 @@ pub enum Command {
     },
     /// Run every scenario under DIR against its golden layout and expectation; the CI gate.
     Check {
+        /// A directory of scenarios, or one scenario file.
         #[arg(default_value = "scenarios")]
         dir: PathBuf,
         /// Directory of golden files.
         #[arg(long, default_value = "golden")]
         golden: PathBuf,
+        /// Put this command in every prefill rank's planner seat (`sh -c CMD`, speaking the plan protocol of
+        /// src/external/README.md on stdin/stdout) and judge its plans with the oracle instead of the golden files.
+        #[arg(long)]
+        planner: Option<String>,
+        /// Seconds the planner may spend on one scenario in all.
+        #[arg(long, default_value_t = 60)]
+        planner_timeout: u64,
     },
+    /// kvrelay's own planner behind the plan protocol, on stdin/stdout (the reference for `check --planner`).
+    Planner,
     /// Time the planner on the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape.
     Bench {
         /// Prompt length of the benchmarked request.
@@ -319,7 +330,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Check { .. } | Command::Bench { .. } if seed.is_some() => {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
-        Command::Check { dir, golden } => check(&dir, &golden),
+        Command::Check { dir, planner: Some(command), planner_timeout, .. } => {
+            planners::check(&dir, &command, Duration::from_secs(planner_timeout))
+        }
+        Command::Check { dir, golden, .. } => check(&dir, &golden),
+        Command::Planner => {
+            crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench {
             fabric: FabricArgs { fabric: Some(name), device },
             message_bytes,
@@ -339,15 +357,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// The scenario files under a directory and what was passed over, with the reason.
 #[derive(Debug, Default)]
-struct Found {
-    files: Vec<PathBuf>,
-    skipped: Vec<(PathBuf, &'static str)>,
+pub(super) struct Found {
+    pub(super) files: Vec<PathBuf>,
+    pub(super) skipped: Vec<(PathBuf, &'static str)>,
 }
 
 /// Every `*.yaml` and `*.yml` under `dir`, sorted. Symbolic links are never followed (a link to `.` would walk
 /// forever, a link elsewhere would check files twice or outside the corpus); they and other non-scenario files are
 /// reported as skipped.
-fn scenario_files(dir: &Path) -> anyhow::Result<Found> {
+pub(super) fn scenario_files(dir: &Path) -> anyhow::Result<Found> {
     fn walk(dir: &Path, found: &mut Found) -> anyhow::Result<()> {
         let mut entries = Vec::new();
         for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
@@ -370,6 +388,10 @@ fn scenario_files(dir: &Path) -> anyhow::Result<Found> {
         Ok(())
     }
     let mut found = Found::default();
+    if dir.is_file() {
+        found.files.push(dir.to_path_buf());
+        return Ok(found);
+    }
     walk(dir, &mut found)?;
     found.files.sort();
     Ok(found)

@@ -6,13 +6,13 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::handshake::{classify, Kind, LinkAck};
-use super::seat::{SeatCopy, SeatQuery, SharedPlanner};
+use super::seat::{own_copies, view, LinkQuery, SeatCopy, SeatQuery, SharedPlanner};
 use super::{Nic, Outbox, CHUNK_COMPUTE_NS, SIGNAL_INTERVAL};
 use crate::fabric::verbs::{
     Caps, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcStatus, WorkCompletion, WorkRequest,
 };
-use crate::model::{ModelGeometry, RankId, RankLayout, Request, StateIndices, StateKind, Topology};
-use crate::plan::{self, peer, Link, Local, Plan};
+use crate::model::{ModelGeometry, RankId, RankLayout, Request, Topology};
+use crate::plan::{self, peer, Link, Local};
 use crate::wire::{KvPoll, MemoryDesc, Registration, RequestMeta, Status};
 
 /// One write the fabric confirmed: `length` bytes at `offset` of region `region` on decode rank `target`.
@@ -128,9 +128,8 @@ impl PrefillEngine {
 
     /// Puts `planner` in the seat: it plans every room for every linked peer (kvrelay's own link checks and the
     /// early send are then off: the planner decides).
-    pub fn with_planner(mut self, planner: Option<SharedPlanner>) -> PrefillEngine {
+    pub fn set_planner(&mut self, planner: Option<SharedPlanner>) {
         self.seat = planner;
-        self
     }
 
     /// Enables the cached-prefix early send (domain.md §7).
@@ -187,7 +186,9 @@ impl PrefillEngine {
                 .ok_or_else(|| format!("engine key `{}` carries no queue pair", registration.engine.key))?;
             nic.connect_qp(qp.qpn, remote).map_err(|error| error.to_string())?;
             let (peer, descs) = peer::from_registration(self.local(), &registration).map_err(|e| e.to_string())?;
-            if self.seat.is_some() {
+            if let Some(seat) = &self.seat {
+                let query = LinkQuery { rank: self.rank, local: self.local(), registration: &registration };
+                seat.0.borrow_mut().link(&query)?;
                 return Ok((PeerLink::Seat(registration), descs));
             }
             let link = plan::link(self.local(), &peer).map_err(|error| error.to_string())?;
@@ -276,7 +277,7 @@ impl PrefillEngine {
         let start =
             room.infos.values().find(|meta| !meta.is_dummy()).map_or(request.decode_prefix, |m| m.decode_prefix_len);
         let cached_end = request.cached_prefix / page * page;
-        if !self.early_send || cached_end <= start || cached_end >= request.tokens {
+        if !self.early_send || self.seat.is_some() || cached_end <= start || cached_end >= request.tokens {
             return (request.clone(), None);
         }
         for node in room.infos.keys() {
@@ -515,50 +516,6 @@ impl PrefillEngine {
             queue.waiting.retain(|pending| pending.room != room_id);
         }
     }
-}
-
-/// kvrelay's own planner: the link's groups for every chunk of `view`, as copies per chunk.
-fn own_copies(link: &Link, view: &Request) -> Result<Vec<Vec<SeatCopy>>, String> {
-    let mut planned = Vec::new();
-    for index in 0..view.chunks.len() {
-        let groups = link.chunk_groups(view, index as u32).map_err(|error| error.to_string())?;
-        let plan = Plan { groups, explain: Vec::new() };
-        let copies = plan.copies().map(|copy| SeatCopy {
-            source_region: copy.source_region,
-            source_offset: copy.source_offset,
-            target_region: copy.target_region,
-            target_offset: copy.target_offset,
-            length: copy.length,
-        });
-        planned.push(copies.collect());
-    }
-    Ok(planned)
-}
-
-/// The request as this prefill rank plans it for one peer: its own pages and chunks, the peer's pages, indices and
-/// prefix from the metadata (domain.md §6.1 step 4).
-fn view(local: &Request, meta: &RequestMeta, model: &ModelGeometry) -> Request {
-    let mut view = local.clone();
-    view.decode_prefix = meta.decode_prefix_len;
-    view.decode_pages = meta.kv_indices.clone();
-    let slot = model
-        .state
-        .iter()
-        .zip(&meta.state_indices)
-        .find(|(component, _)| component.kind == StateKind::Mamba)
-        .and_then(|(_, indices)| indices.first().copied())
-        .unwrap_or(0);
-    let pages = model
-        .state
-        .iter()
-        .enumerate()
-        .map(|(index, component)| match component.kind {
-            StateKind::Mamba => Vec::new(),
-            _ => meta.state_indices.get(index).cloned().unwrap_or_default(),
-        })
-        .collect();
-    view.decode_state = StateIndices { slot, aux: meta.aux_index.unwrap_or(0), pages };
-    view
 }
 
 /// The engine key's queue pair suffix (`...-` and [`QpInfo::to_text`]).

@@ -8,8 +8,8 @@ use std::cell::RefCell;
 use std::fmt;
 use std::rc::Rc;
 
-use crate::model::{RankId, Request};
-use crate::plan::Local;
+use crate::model::{ModelGeometry, RankId, Request, StateIndices, StateKind};
+use crate::plan::{Link, Local, Plan};
 use crate::wire::{Registration, RequestMeta};
 
 /// What a prefill rank knows when it plans one room for one peer (domain.md §6.1 step 5).
@@ -37,10 +37,23 @@ pub struct SeatCopy {
     pub length: u64,
 }
 
+/// What a prefill rank knows when a decode peer registers (domain.md §6.3).
+#[derive(Debug)]
+pub struct LinkQuery<'a> {
+    pub rank: RankId,
+    pub local: Local<'a>,
+    /// The peer's registration as decoded from the wire.
+    pub registration: &'a Registration,
+}
+
 /// A planner in the seat.
 pub trait Planner {
+    /// Whether this prefill rank can serve the peer at all (registration time): `Err` refuses it with the
+    /// planner's reason; the decode rank then fails its requests and withdraws them (domain.md §6.4).
+    fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), String>;
+
     /// The copies of every chunk of `query.request` (one list per chunk, in chunk order), or the planner's
-    /// rejection of the room in its own words.
+    /// rejection of the room in its own words (the room then fails on this prefill rank, for every peer).
     fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String>;
 }
 
@@ -52,4 +65,64 @@ impl fmt::Debug for SharedPlanner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("SharedPlanner")
     }
+}
+
+/// kvrelay's own planner: the link's groups for every chunk of `view`, as copies per chunk.
+pub fn own_copies(link: &Link, view: &Request) -> Result<Vec<Vec<SeatCopy>>, String> {
+    let mut planned = Vec::new();
+    for index in 0..view.chunks.len() {
+        let groups = link.chunk_groups(view, index as u32).map_err(|error| error.to_string())?;
+        let plan = Plan { groups, explain: Vec::new() };
+        let copies = plan.copies().map(|copy| SeatCopy {
+            source_region: copy.source_region,
+            source_offset: copy.source_offset,
+            target_region: copy.target_region,
+            target_offset: copy.target_offset,
+            length: copy.length,
+        });
+        planned.push(copies.collect());
+    }
+    Ok(planned)
+}
+
+/// The request as this prefill rank plans it for one peer: its own pages and chunks, the peer's pages, indices and
+/// prefix from the metadata (domain.md §6.1 step 4).
+pub fn view(local: &Request, meta: &RequestMeta, model: &ModelGeometry) -> Request {
+    let mut view = local.clone();
+    view.decode_prefix = meta.decode_prefix_len;
+    view.decode_pages = meta.kv_indices.clone();
+    let slot = model
+        .state
+        .iter()
+        .zip(&meta.state_indices)
+        .find(|(component, _)| component.kind == StateKind::Mamba)
+        .and_then(|(_, indices)| indices.first().copied())
+        .unwrap_or(0);
+    let pages = model
+        .state
+        .iter()
+        .enumerate()
+        .map(|(index, component)| match component.kind {
+            StateKind::Mamba => Vec::new(),
+            _ => meta.state_indices.get(index).cloned().unwrap_or_default(),
+        })
+        .collect();
+    view.decode_state = StateIndices { slot, aux: meta.aux_index.unwrap_or(0), pages };
+    view
+}
+
+/// kvrelay's own link of a registered peer (the reference planner's answer to a link query).
+pub fn kvrelay_link(local: Local<'_>, registration: &Registration) -> Result<Link, String> {
+    let (peer, _) = crate::plan::peer::from_registration(local, registration).map_err(|e| e.to_string())?;
+    crate::plan::link(local, &peer).map_err(|error| error.to_string())
+}
+
+/// What kvrelay's own planner answers to `query` (the reference planner of the plan protocol): the link from the
+/// peer's registration, then the link's copies for every chunk; a rejection in the planner's words.
+pub fn kvrelay_copies(query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
+    let link = kvrelay_link(query.local, query.registration)?;
+    if !link.sends_anything() {
+        return Ok(vec![Vec::new(); query.request.chunks.len()]);
+    }
+    own_copies(&link, query.request)
 }

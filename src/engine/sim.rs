@@ -29,6 +29,8 @@ pub struct SimOptions {
     pub trace: bool,
     /// Simulated time after which the run stops whatever its state (a hang is reported, never waited out).
     pub time_limit_ns: u64,
+    /// Another planner in every prefill rank's seat (`None`: kvrelay's own).
+    pub planner: Option<super::seat::SharedPlanner>,
 }
 
 impl Default for SimOptions {
@@ -37,6 +39,7 @@ impl Default for SimOptions {
             caps: Caps { max_sge: 1, max_message: 1 << 30, sq_depth: 1024 },
             trace: false,
             time_limit_ns: 10 * super::WAITING_TIMEOUT_NS,
+            planner: None,
         }
     }
 }
@@ -121,7 +124,10 @@ impl Sim {
     pub(super) fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, FabricError> {
         let world = SimWorld::new(options.caps);
         let mut names = BTreeMap::new();
-        let (prefill, decode) = build_nodes(problem, &mut names, |node| Ok(world.endpoint(node)))?;
+        let (mut prefill, decode) = build_nodes(problem, &mut names, |node| Ok(world.endpoint(node)))?;
+        for node in &mut prefill {
+            node.engine.set_planner(options.planner.clone());
+        }
         let trace = options.trace.then(Vec::new);
         Ok(Sim {
             world,

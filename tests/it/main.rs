@@ -15,6 +15,8 @@ mod hostile;
 mod live;
 /// Scenario loader diagnostics: unknown fields, file/line/field paths.
 mod loader;
+/// External planners over the plan protocol: the reference passes, broken ones fail with reasons.
+mod planners;
 /// Proptest invariants over random topologies (domain.md §12).
 mod props;
 /// Real RDMA verbs: engines over the verbs fabric, ranks as processes (feature `rdma`, run in the CI guest).

@@ -1,0 +1,223 @@
+//! External planners: another program in the prefill ranks' planner seat ([`crate::engine::seat`]), speaking the
+//! plan protocol (`README.md` here; `protocol.rs` renders and parses its messages) as JSON lines on its stdin and
+//! stdout. One long-lived process serves a whole `kvrelay check --planner CMD` run, so an interpreter starts once.
+//!
+//! A planner that exits, hangs past the case's deadline, or answers something that is not a well-formed answer to
+//! the query fails the case with a reason prefixed [`PROTOCOL_ERROR`], is killed, and is started afresh for the
+//! next case: it never stalls the run. Its rejection of a room (`error`) is not a protocol error: it is the
+//! planner's verdict, judged against the scenario's expectation like kvrelay's own.
+//!
+//! `reference.rs` is kvrelay's own planner behind the protocol (`kvrelay planner`), the protocol's reference
+//! implementation.
+
+#![allow(clippy::disallowed_methods, reason = "the external planner is a process edge: its deadlines are wall time")]
+
+pub mod protocol;
+pub mod reference;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use crate::engine::seat::{LinkQuery, Planner, SeatCopy, SeatQuery};
+use protocol::Answer;
+
+/// The prefix of every failure that is the planner's fault as a program rather than its verdict on a room.
+pub const PROTOCOL_ERROR: &str = "planner protocol error";
+/// Longest line a planner may answer with.
+pub const MAX_LINE_BYTES: u64 = 1 << 28;
+/// How long a planner may take to start and say hello.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A running planner process: its stdin (fed by a writer thread, so a planner that stops reading cannot block
+/// kvrelay) and its stdout lines (read by a reader thread).
+struct Running {
+    child: Child,
+    lines_out: Sender<String>,
+    lines_in: Receiver<Result<String, String>>,
+}
+
+/// An external planner: `sh -c COMMAND`, started on first use and again after a failure.
+pub struct ProcessPlanner {
+    command: String,
+    case_timeout: Duration,
+    running: Option<Running>,
+    /// The name its hello gave, once it has started.
+    pub name: Option<String>,
+    case: String,
+    case_started: Instant,
+    next_id: u64,
+    /// The first protocol failure of the current case (later queries of the case fail at once).
+    failure: Option<String>,
+}
+
+impl ProcessPlanner {
+    /// A planner run as `sh -c command`, each case answered within `case_timeout` in all.
+    pub fn new(command: &str, case_timeout: Duration) -> ProcessPlanner {
+        ProcessPlanner {
+            command: command.to_owned(),
+            case_timeout,
+            running: None,
+            name: None,
+            case: String::new(),
+            case_started: Instant::now(),
+            next_id: 1,
+            failure: None,
+        }
+    }
+
+    /// Starts a case (its file name goes into every query); the case's deadline starts now.
+    pub fn start_case(&mut self, case: &str) {
+        self.case = case.to_owned();
+        self.case_started = Instant::now();
+        self.failure = None;
+    }
+
+    /// The protocol failure of the current case, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+
+    fn ensure_running(&mut self) -> Result<(), String> {
+        if self.running.is_some() {
+            return Ok(());
+        }
+        // Its own process group, so that stopping it stops whatever it started too (`sh -c` may fork the command);
+        // its stderr is forwarded line by line through a pipe, so no leftover process holds kvrelay's own.
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(&self.command)
+            .process_group(0)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|error| format!("cannot start `{}`: {error}", self.command))?;
+        let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
+        let (Some(mut stdin), Some(stdout), Some(stderr)) = (stdin, stdout, stderr) else {
+            return Err("no pipes to the planner".into());
+        };
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = writeln!(std::io::stderr(), "planner: {line}");
+            }
+        });
+        let (lines_out, to_write) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in to_write {
+                if stdin.write_all(line.as_bytes()).and_then(|()| stdin.write_all(b"\n")).is_err() {
+                    return;
+                }
+                let _ = stdin.flush();
+            }
+        });
+        let (sender, lines_in) = mpsc::channel();
+        std::thread::spawn(move || read_lines(BufReader::new(stdout), &sender));
+        self.running = Some(Running { child, lines_out, lines_in });
+        let hello = self.exchange(protocol::hello().to_string(), STARTUP_TIMEOUT)?;
+        self.name = Some(protocol::parse_hello(&hello)?);
+        Ok(())
+    }
+
+    /// Sends `line` and waits up to `timeout` for the planner's next line.
+    fn exchange(&mut self, line: String, timeout: Duration) -> Result<String, String> {
+        let running = self.running.as_mut().ok_or("the planner is not running")?;
+        running.lines_out.send(line).map_err(|_| "the planner closed its input".to_owned())?;
+        match running.lines_in.recv_timeout(timeout) {
+            Ok(Ok(line)) => Ok(line),
+            Ok(Err(reason)) => Err(reason),
+            Err(RecvTimeoutError::Timeout) => Err(format!("no answer within {:.1} s", timeout.as_secs_f64())),
+            Err(RecvTimeoutError::Disconnected) => Err("the planner's output ended".to_owned()),
+        }
+    }
+
+    /// Fails the case with `reason` and stops the process (the next case starts a fresh one).
+    fn broken(&mut self, reason: String) -> String {
+        if let Some(running) = self.running.take() {
+            stop(running.child);
+        }
+        let reason = self.failure.get_or_insert(reason).clone();
+        format!("{PROTOCOL_ERROR}: {reason}")
+    }
+
+    /// Sends the query `render(id)` and parses the answer with `parse(line, id)`, within the case's deadline.
+    fn ask(
+        &mut self,
+        render: impl FnOnce(u64, &str) -> serde_json::Value,
+        parse: impl FnOnce(&str, u64) -> Result<Answer, String>,
+    ) -> Result<Answer, String> {
+        if let Some(reason) = &self.failure {
+            return Err(format!("{PROTOCOL_ERROR}: {reason}"));
+        }
+        let answer = self.ensure_running().and_then(|()| {
+            let id = self.next_id;
+            self.next_id += 1;
+            let line = render(id, &self.case).to_string();
+            let left = self.case_timeout.saturating_sub(self.case_started.elapsed());
+            parse(&self.exchange(line, left)?, id)
+        });
+        answer.map_err(|reason| self.broken(reason))
+    }
+}
+
+impl Planner for ProcessPlanner {
+    fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), String> {
+        let answer = self.ask(|id, case| protocol::link_query(id, case, query), protocol::parse_link_answer)?;
+        match answer {
+            Answer::Linked => Ok(()),
+            Answer::Rejected(text) => Err(text),
+            Answer::Copies(_) => Err(self.broken("a link answer with copies".to_owned())),
+        }
+    }
+
+    fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
+        let chunks = query.request.chunks.len();
+        let parse = |line: &str, id| protocol::parse_answer(line, id, chunks);
+        match self.ask(|id, case| protocol::query(id, case, query), parse)? {
+            Answer::Copies(copies) => Ok(copies),
+            Answer::Rejected(text) => Err(text),
+            Answer::Linked => Err(self.broken("a plan answer without copies".to_owned())),
+        }
+    }
+}
+
+impl Drop for ProcessPlanner {
+    fn drop(&mut self) {
+        if let Some(running) = self.running.take() {
+            stop(running.child);
+        }
+    }
+}
+
+/// Kills the planner's whole process group (`kill -KILL -- -PGID`: no `unsafe` for a signal), then the planner.
+fn stop(mut child: Child) {
+    let group = format!("-{}", child.id());
+    let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Forwards each line of `reader` (at most [`MAX_LINE_BYTES`]) to `sender`, then why it stopped.
+fn read_lines(mut reader: impl BufRead, sender: &Sender<Result<String, String>>) {
+    loop {
+        let mut line = Vec::new();
+        let read = (&mut reader).take(MAX_LINE_BYTES).read_until(b'\n', &mut line);
+        let message = match read {
+            Ok(0) => Err("the planner exited (its output closed)".to_owned()),
+            Ok(_) if line.last() != Some(&b'\n') && line.len() as u64 >= MAX_LINE_BYTES => {
+                Err(format!("a line longer than {MAX_LINE_BYTES} bytes"))
+            }
+            Ok(_) => match String::from_utf8(line) {
+                Ok(text) => Ok(text.trim_end().to_owned()),
+                Err(_) => Err("a line that is not UTF-8".to_owned()),
+            },
+            Err(error) => Err(format!("reading the planner's output failed: {error}")),
+        };
+        let end = message.is_err();
+        if sender.send(message).is_err() || end {
+            return;
+        }
+    }
+}

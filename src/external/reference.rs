@@ -1,0 +1,82 @@
+//! kvrelay's own planner behind the plan protocol (`kvrelay planner`): the protocol's reference implementation,
+//! and the proof that a planner outside the process sees enough. It rebuilds each query from the case's scenario
+//! file (its own layout and request, as the prefill rank holds them) and from the wire frames the query carries
+//! (the peer's registration and the request's metadata), then answers with [`seat::kvrelay_copies`].
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+use serde_json::{json, Value};
+
+use super::protocol::{self, Answer};
+use crate::engine::seat::{self, SeatQuery};
+use crate::model::RankId;
+use crate::plan::Local;
+use crate::scenario::{self, Scenario};
+use crate::wire::{Registration, RequestMeta};
+
+/// Answers every query line of `input` on `output` until `input` ends.
+pub fn serve(input: impl BufRead, mut output: impl Write) -> std::io::Result<()> {
+    let mut scenarios: BTreeMap<String, Scenario> = BTreeMap::new();
+    for line in input.lines() {
+        let line = line?;
+        let reply = match serde_json::from_str::<Value>(&line) {
+            Ok(value) if value["type"] == "hello" => json!({
+                "type": "hello",
+                "protocol": protocol::NAME,
+                "version": protocol::VERSION,
+                "planner": format!("kvrelay reference planner {}", env!("CARGO_PKG_VERSION")),
+            })
+            .to_string(),
+            Ok(value) if value["type"] == "plan" || value["type"] == "link" => {
+                let id = value["id"].as_u64().unwrap_or(0);
+                let kind = value["type"].as_str().unwrap_or("plan");
+                let answer = answer(&value, &mut scenarios).unwrap_or_else(Answer::Rejected);
+                protocol::answer_line(kind, id, &answer)
+            }
+            _ => json!({ "type": "error", "error": "not a plan-protocol message" }).to_string(),
+        };
+        writeln!(output, "{reply}")?;
+        output.flush()?;
+    }
+    Ok(())
+}
+
+/// kvrelay's answer to one query, or why the query cannot be read (as a rejection).
+fn answer(query: &Value, scenarios: &mut BTreeMap<String, Scenario>) -> Result<Answer, String> {
+    let case = query["case"].as_str().ok_or("reference planner: the query names no case")?;
+    if !scenarios.contains_key(case) {
+        let scenario = scenario::load(Path::new(case)).map_err(|error| format!("reference planner: {error}"))?;
+        scenarios.insert(case.to_owned(), scenario);
+    }
+    let problem = &scenarios[case].problem;
+    let rank = RankId {
+        pp: query["rank"]["pp"].as_u64().unwrap_or(u64::MAX) as u32,
+        tp: query["rank"]["tp"].as_u64().unwrap_or(u64::MAX) as u32,
+    };
+    let layout =
+        problem.prefill.ranks.iter().find(|layout| layout.rank == rank).ok_or("reference planner: no such rank")?;
+    let frames =
+        |key: &str| protocol::unhex_frames(&query[key]).ok_or(format!("reference planner: `{key}` is not hex frames"));
+    let registration = Registration::decode(&frames("registration_frames")?).map_err(|error| error.to_string())?;
+    let local = Local { model: &problem.model, topology: &problem.prefill.topology, layout };
+    if query["type"] == "link" {
+        return Ok(match seat::kvrelay_link(local, &registration) {
+            Ok(_) => Answer::Linked,
+            Err(text) => Answer::Rejected(text),
+        });
+    }
+    let meta = RequestMeta::decode(&frames("meta_frames")?).map_err(|error| error.to_string())?;
+    let request = problem
+        .requests
+        .iter()
+        .find(|request| u64::from(request.id) == meta.room)
+        .ok_or("reference planner: no such request")?;
+    let view = seat::view(request, &meta, &problem.model);
+    let query = SeatQuery { rank, local, registration: &registration, meta: &meta, request: &view };
+    Ok(match seat::kvrelay_copies(&query) {
+        Ok(copies) => Answer::Copies(copies),
+        Err(text) => Answer::Rejected(text),
+    })
+}
