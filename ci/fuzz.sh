@@ -8,11 +8,14 @@
 #   one structure-aware seed per golden message. Keep a crash's frame list in tests/it/wire.rs::FUZZ_CRASHES.
 # - control: the control-plane frame decoder of the bootstrap hub and rank processes (src/control/frame.rs), with a
 #   round trip of each accepted frame.
-# A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120: 45 % each to scenario and wire, 10 % to control)
+# - planner: the parser of an external planner's lines (src/external/protocol.rs), with a round trip of each
+#   accepted plan answer.
+# A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120: 40 % each to scenario and wire, 10 % each to
+# control and planner)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-120}"
-half=$(( seconds * 45 / 100 > 0 ? seconds * 45 / 100 : 1 ))
+half=$(( seconds * 40 / 100 > 0 ? seconds * 40 / 100 : 1 ))
 tenth=$(( seconds / 10 > 0 ? seconds / 10 : 1 ))
 if ! cargo +nightly --version >/dev/null 2>&1; then
     echo "fuzz: no nightly toolchain on this machine; the fuzz smoke needs one (cargo-fuzz uses -Zsanitizer)" >&2
@@ -47,4 +50,13 @@ printf '\x01\x00\x00\x00\x00\xff\xff\xff\xff\x00\x00\x00\x00' > "$corpus/seed-he
 printf '\x03\x01\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x03\x00\x00\x00abc' > "$corpus/seed-message"
 printf '\x05\xff\xff\xff\xff\x02\x00\x00\x00\x00\x00\x00\x00' > "$corpus/seed-stop"
 cargo +nightly fuzz run --fuzz-dir tests/fuzz control "$corpus" -- \
+    -max_total_time="$tenth" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1
+
+# A plan answer with two copies, a rejection and a hello as seeds.
+corpus=tests/fuzz/corpus/planner
+mkdir -p "$corpus"
+printf '{"type":"plan","id":7,"copies":[[0,1,0,2,64,64],[2,0,8,0,0,8]]}' > "$corpus/seed-copies"
+printf '{"type":"plan","id":7,"error":"no"}' > "$corpus/seed-error"
+printf '{"type":"hello","protocol":"kvrelay-plan","version":1,"planner":"x"}' > "$corpus/seed-hello"
+cargo +nightly fuzz run --fuzz-dir tests/fuzz planner "$corpus" -- \
     -max_total_time="$tenth" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1

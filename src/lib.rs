@@ -18,6 +18,8 @@
 //! - [`engine`]: prefill and decode ranks as sans-IO engines (domain.md §6), the deterministic simulation that
 //!   drives them over [`fabric::world::SimWorld`], and the live driver ([`engine::live`]) that drives the same
 //!   engines on a real clock over a NIC.
+//! - [`external`]: other planners in the prefill ranks' seat over the plan protocol (JSON lines; the reference is
+//!   kvrelay's own planner).
 //! - [`control`]: the control plane between rank processes: the TCP bootstrap hub, its client and the frame codec.
 //! - [`process`]: ranks as processes: `serve` one rank, `launch` them all and gather the decode verdicts.
 //! - [`exec`]: the direct execution of a composed plan on one all-ranks [`exec::Transport`] (the benchmark's

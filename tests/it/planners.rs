@@ -84,3 +84,13 @@ fn a_hanging_planner_fails_each_case_at_its_deadline_and_the_run_goes_on() {
         assert!(line.contains("planner protocol error: no answer within"), "{line}");
     }
 }
+
+#[test]
+fn every_query_and_answer_keeps_the_json_schemas() {
+    // tests/planners/schema_proxy.py checks each line against src/external/schema/ and exits on a violation.
+    let proxied = format!("python3 tests/planners/schema_proxy.py {} planner", env!("CARGO_BIN_EXE_kvrelay"));
+    for dir in ["scenarios/basic", "scenarios/state", "scenarios/draft", "scenarios/engines"] {
+        let (passed, output) = check(dir, &proxied, "60");
+        assert!(passed, "{output}");
+    }
+}
