@@ -25,38 +25,35 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked --version 0.13.2
 fi
 
-corpus=tests/fuzz/corpus/scenario
-mkdir -p "$corpus"
-find scenarios tests/hostile -name '*.yaml' -size -64k -exec cp {} "$corpus"/ \;
+# fuzz TARGET SECONDS RSS_MB [libFuzzer flags...]: one target on its corpus (tests/fuzz/corpus/TARGET, git-ignored).
+fuzz() {
+    local target=$1 time=$2 rss=$3
+    shift 3
+    cargo +nightly fuzz run --fuzz-dir tests/fuzz "$target" "tests/fuzz/corpus/$target" -- \
+        -max_total_time="$time" -rss_limit_mb="$rss" -timeout=10 -print_final_stats=1 "$@"
+}
+mkdir -p tests/fuzz/corpus/{scenario,wire,control,planner}
+
+find scenarios tests/hostile -name '*.yaml' -size -64k -exec cp {} tests/fuzz/corpus/scenario/ \;
 for index in $(seq 0 14); do
-    printf "\xff\x$(printf %02x "$index")\x05\x03\x11\x0e" > "$corpus/seed-structured-$index"
+    printf "\xff\x$(printf %02x "$index")\x05\x03\x11\x0e" > "tests/fuzz/corpus/scenario/seed-structured-$index"
 done
-cargo +nightly fuzz run --fuzz-dir tests/fuzz scenario "$corpus" -- \
-    -dict=tests/fuzz/scenario.dict -max_total_time="$half" -rss_limit_mb=4096 -timeout=10 -print_final_stats=1
+fuzz scenario "$half" 4096 -dict=tests/fuzz/scenario.dict
 
 # Mode byte 0x80 + k starts from golden message k unchanged (tests/fuzz/fuzz_targets/wire.rs); 7 goldens.
-corpus=tests/fuzz/corpus/wire
-mkdir -p "$corpus"
 for index in $(seq 0 6); do
-    printf "\x$(printf %02x $(( 0x80 + index )))" > "$corpus/seed-golden-$index"
+    printf "\x$(printf %02x $(( 0x80 + index )))" > "tests/fuzz/corpus/wire/seed-golden-$index"
 done
-cargo +nightly fuzz run --fuzz-dir tests/fuzz wire "$corpus" -- \
-    -dict=tests/fuzz/wire.dict -max_total_time="$half" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1
+fuzz wire "$half" 2048 -dict=tests/fuzz/wire.dict
 
-# A hello, a message and a stop frame body (kind, from, to, parts) as seeds.
-corpus=tests/fuzz/corpus/control
-mkdir -p "$corpus"
-printf '\x01\x00\x00\x00\x00\xff\xff\xff\xff\x00\x00\x00\x00' > "$corpus/seed-hello"
-printf '\x03\x01\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x03\x00\x00\x00abc' > "$corpus/seed-message"
-printf '\x05\xff\xff\xff\xff\x02\x00\x00\x00\x00\x00\x00\x00' > "$corpus/seed-stop"
-cargo +nightly fuzz run --fuzz-dir tests/fuzz control "$corpus" -- \
-    -max_total_time="$tenth" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1
+# Control frame bodies (kind, from, to, parts): a hello, a message and a stop.
+printf '\x01\x00\x00\x00\x00\xff\xff\xff\xff\x00\x00\x00\x00' > tests/fuzz/corpus/control/seed-hello
+printf '\x03\x01\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x03\x00\x00\x00abc' > tests/fuzz/corpus/control/seed-message
+printf '\x05\xff\xff\xff\xff\x02\x00\x00\x00\x00\x00\x00\x00' > tests/fuzz/corpus/control/seed-stop
+fuzz control "$tenth" 2048
 
-# A plan answer with two copies, a rejection and a hello as seeds.
-corpus=tests/fuzz/corpus/planner
-mkdir -p "$corpus"
-printf '{"type":"plan","id":7,"copies":[[0,1,0,2,64,64],[2,0,8,0,0,8]]}' > "$corpus/seed-copies"
-printf '{"type":"plan","id":7,"error":"no"}' > "$corpus/seed-error"
-printf '{"type":"hello","protocol":"kvrelay-plan","version":1,"planner":"x"}' > "$corpus/seed-hello"
-cargo +nightly fuzz run --fuzz-dir tests/fuzz planner "$corpus" -- \
-    -max_total_time="$tenth" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1
+# Planner lines: a plan answer with two copies, a rejection and a hello.
+printf '{"type":"plan","id":7,"copies":[[0,1,0,2,64,64],[2,0,8,0,0,8]]}' > tests/fuzz/corpus/planner/seed-copies
+printf '{"type":"plan","id":7,"error":"no"}' > tests/fuzz/corpus/planner/seed-error
+printf '{"type":"hello","protocol":"kvrelay-plan","version":1,"planner":"x"}' > tests/fuzz/corpus/planner/seed-hello
+fuzz planner "$tenth" 2048

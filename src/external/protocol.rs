@@ -35,31 +35,30 @@ pub fn parse_hello(line: &str) -> Result<String, String> {
 
 /// The query when a decode peer registers: may this prefill rank serve it at all?
 pub fn link_query(id: u64, case: &str, query: &LinkQuery<'_>) -> Value {
-    json!({
-        "type": "link",
-        "id": id,
-        "case": case,
-        "rank": { "pp": query.rank.pp, "tp": query.rank.tp },
-        "local": local(query.local),
-        "registration": registration(query.registration),
-        "registration_frames": hex_frames(&query.registration.encode()),
-    })
+    head("link", id, case, query)
 }
 
 /// The query for one room and peer: what the prefill rank knows, as JSON, with the wire messages both decoded
 /// and as their frames (hex), so a planner may use either.
 pub fn query(id: u64, case: &str, query: &SeatQuery<'_>) -> Value {
+    let link = LinkQuery { rank: query.rank, local: query.local, registration: query.registration };
+    let mut value = head("plan", id, case, &link);
+    value["meta"] = meta(query.meta);
+    value["meta_frames"] = json!(hex_frames(&query.meta.encode()));
+    value["request"] = request(query.request);
+    value
+}
+
+/// The fields every query has: kind, id, case, this rank, its own side and the peer's registration.
+fn head(kind: &str, id: u64, case: &str, query: &LinkQuery<'_>) -> Value {
     json!({
-        "type": "plan",
+        "type": kind,
         "id": id,
         "case": case,
         "rank": { "pp": query.rank.pp, "tp": query.rank.tp },
         "local": local(query.local),
         "registration": registration(query.registration),
         "registration_frames": hex_frames(&query.registration.encode()),
-        "meta": meta(query.meta),
-        "meta_frames": hex_frames(&query.meta.encode()),
-        "request": request(query.request),
     })
 }
 
