@@ -90,7 +90,8 @@ pub fn serve(scenario: &Scenario, options: &ServeOptions) -> anyhow::Result<Opti
         anyhow::bail!("--rank {}: the scenario has {count} {:?} ranks (fix: 0..{count})", options.rank, options.role);
     };
     let run = serve_on_fabric(problem, node, options)?;
-    Ok((options.role == Role::Decode).then(|| rank_verdict(scenario, &run)))
+    let decode = (options.role == Role::Decode).then(|| problem.decode.ranks[options.rank as usize].rank);
+    Ok(decode.map(|rank| rank_verdict(scenario, rank, &run)))
 }
 
 /// Connects to the hub as `node` and waits for the start: the control and the published prefill topology.
@@ -128,10 +129,9 @@ const IN_ONE_PROCESS: &str =
     "the in-memory fabric lives inside one process: ranks as processes need --fabric rdma (use `kvrelay run` for the simulation)";
 
 /// The oracle's verdict on this decode process's own memory.
-fn rank_verdict(scenario: &Scenario, run: &SimRun) -> RankVerdict {
+fn rank_verdict(scenario: &Scenario, rank: RankId, run: &SimRun) -> RankVerdict {
     let problem = &scenario.problem;
-    let (rank, rooms) =
-        run.rooms.iter().next().map_or((RankId { pp: 0, tp: 0 }, Default::default()), |(r, m)| (*r, m.clone()));
+    let rooms = run.rooms.get(&rank).cloned().unwrap_or_default();
     let verdicts = harness::verdicts(&scenario.expect, run, rank);
     let violations = verify::check_rank(problem, rank, &run.observation, &verdicts);
     RankVerdict {
@@ -176,7 +176,7 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> anyh
     let problem = &scenario.problem;
     let hub = Hub::bind("127.0.0.1:0")?;
     let addr = hub.local_addr().ok_or_else(|| anyhow::anyhow!("the hub has no local address"))?.to_string();
-    let plan = hub_plan(problem, options);
+    let plan = hub_plan(problem, options.connect_timeout, options.live.time_limit);
     let mut children = Vec::new();
     for (role, count) in [(Role::Prefill, problem.prefill.ranks.len()), (Role::Decode, problem.decode.ranks.len())] {
         for index in (0..count as u32).filter(|index| !options.omit.contains(&(role, *index))) {
@@ -208,21 +208,21 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
-/// Who the hub of `problem` expects, and its deadlines.
-pub fn hub_plan(problem: &Problem, options: &LaunchOptions) -> HubPlan {
+/// Who the hub of `problem` expects (every rank, numbered as [`node_of`] does), and its deadlines: the run may last
+/// `run_limit` after the connect deadline.
+pub fn hub_plan(problem: &Problem, connect_timeout: Duration, run_limit: Duration) -> HubPlan {
     let mut nodes = BTreeMap::new();
     let mut decode = BTreeSet::new();
-    for (index, layout) in problem.prefill.ranks.iter().enumerate() {
-        nodes.insert(NodeId(index as u32), format!("prefill {}", layout.rank));
+    for (role, layouts) in [(Role::Prefill, &problem.prefill.ranks), (Role::Decode, &problem.decode.ranks)] {
+        for (index, layout) in layouts.iter().enumerate() {
+            let node = node_of(problem, role, index as u32).expect("every rank of the problem has a node");
+            nodes.insert(node, format!("{} {}", role_name(role), layout.rank));
+            if role == Role::Decode {
+                decode.insert(node);
+            }
+        }
     }
-    let prefill = problem.prefill.ranks.len() as u32;
-    for (index, layout) in problem.decode.ranks.iter().enumerate() {
-        let node = NodeId(prefill + index as u32);
-        nodes.insert(node, format!("decode {}", layout.rank));
-        decode.insert(node);
-    }
-    let time_limit = options.connect_timeout + options.live.time_limit;
-    HubPlan { nodes, decode, connect_timeout: options.connect_timeout, time_limit }
+    HubPlan { nodes, decode, connect_timeout, time_limit: connect_timeout + run_limit }
 }
 
 fn spawn_rank(path: &Path, role: Role, index: u32, addr: &str, options: &LaunchOptions) -> anyhow::Result<Child> {

@@ -85,14 +85,8 @@ pub(super) fn serve(scenario: &Scenario, options: &crate::process::ServeOptions)
 pub(super) fn hub(scenario: &Scenario, bootstrap: &str, deadlines: &Deadlines) -> anyhow::Result<ExitCode> {
     let hub = crate::control::Hub::bind(bootstrap)?;
     outln!("hub listening on {}", hub.local_addr().map_or_else(|| bootstrap.to_owned(), |addr| addr.to_string()));
-    let options = crate::process::LaunchOptions {
-        fabric: harness::Fabric::Rdma { device: None },
-        child_args: Vec::new(),
-        connect_timeout: Duration::from_secs(deadlines.connect_timeout),
-        live: deadlines.live(),
-        omit: Vec::new(),
-    };
-    let report = hub.run(&crate::process::hub_plan(&scenario.problem, &options));
+    let connect = Duration::from_secs(deadlines.connect_timeout);
+    let report = hub.run(&crate::process::hub_plan(&scenario.problem, connect, deadlines.live().time_limit));
     print_hub(&report)?;
     Ok(if report.missing.is_empty() && report.lost.is_empty() && !report.timed_out {
         ExitCode::SUCCESS

@@ -47,7 +47,7 @@ fn a_planner_that_sends_nothing_is_caught_by_the_oracle_in_coordinates() {
 }
 
 #[test]
-fn a_planner_that_accepts_what_must_be_rejected_fails_with_both_texts() {
+fn a_planner_that_accepts_what_must_be_rejected_is_reported_as_a_missing_rejection() {
     let reference = format!("{} planner", env!("CARGO_BIN_EXE_kvrelay"));
     // Links everything, then plans as kvrelay would: the registration-time rejection is missing.
     let planner = python_planner("a={'type':q['type'],'id':q['id']}\n    if q['type']=='plan': a['copies']=[]");
