@@ -26,9 +26,12 @@
 //!   baseline).
 //! - [`harness`]: one scenario end to end through the engines on a chosen fabric, its pass/fail judgement, and the
 //!   byte-for-byte `diff` of two fabrics.
+//! - [`certify`]: transport certification: the versioned case set run through a [`certify::Transport`], JUnit XML,
+//!   JSON report and manifest.
 //! - [`render`]: stable text for golden files and the CLI.
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
 
+pub mod certify;
 pub mod cli;
 pub mod control;
 pub mod engine;

@@ -364,3 +364,46 @@ pub trait Endpoint {
         false
     }
 }
+
+/// A boxed endpoint is an endpoint (the certification kit and the live driver take transports' endpoints boxed).
+impl<E: Endpoint + ?Sized> Endpoint for Box<E> {
+    fn caps(&self) -> Caps {
+        (**self).caps()
+    }
+
+    fn node(&self) -> NodeId {
+        (**self).node()
+    }
+
+    fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
+        (**self).register(bytes)
+    }
+
+    fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
+        (**self).deregister(region)
+    }
+
+    fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
+        (**self).read_local(region, offset, out)
+    }
+
+    fn create_qp(&mut self) -> Result<QpInfo, FabricError> {
+        (**self).create_qp()
+    }
+
+    fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
+        (**self).connect_qp(local, remote)
+    }
+
+    fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
+        (**self).post_send(qp, wrs)
+    }
+
+    fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        (**self).poll_cq(out, max)
+    }
+
+    fn wait(&mut self, timeout: std::time::Duration) -> bool {
+        (**self).wait(timeout)
+    }
+}

@@ -1,0 +1,40 @@
+//! Transport certification: a fixed, versioned case set (the seam's conformance cases, every golden scenario
+//! through the engines, out-of-bounds and error paths, a throughput run) run through a [`Transport`], with a
+//! JUnit XML file, a JSON report and a manifest as its result.
+//!
+//! A transport plugs in three ways: a Rust crate implementing [`Transport`] and calling [`certify`] (the library
+//! entry point), a C ABI plug-in loaded with `--fabric plugin:PATH` (`fabric::plugin`), or kvrelay's own fabrics
+//! (`sim`, and `rdma` with the cargo feature).
+
+use std::collections::BTreeMap;
+
+use crate::fabric::verbs::{Caps, Endpoint, NodeId};
+
+/// Who the transport is, for the report and the manifest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Identity {
+    /// Short name, e.g. `sim`, `rdma`, `plugin:memcpy-sample`.
+    pub name: String,
+    /// The transport's own version text (a plug-in's, or rdma-core's).
+    pub version: String,
+    /// Device and driver facts, by name (device, port, GID index, driver, firmware, ...), sorted.
+    pub facts: BTreeMap<String, String>,
+}
+
+/// A transport under certification: the endpoints it provides, and how to let time pass on it.
+///
+/// The endpoints obey the contract of [`Endpoint`]; [`Transport::open`] is called once per node, nodes numbered
+/// from 0 in every case. Endpoints of one transport reach each other through [`Endpoint::connect_qp`].
+pub trait Transport {
+    fn identity(&self) -> Identity;
+    /// A fresh endpoint for `node`, asking for `caps`; the transport may grant less (the endpoint's
+    /// [`Endpoint::caps`] says what it granted; a case needing more reports the capability as unsupported).
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String>;
+    /// Lets a little time pass (a simulated world executes its next delivery; hardware waits about a millisecond).
+    fn step(&mut self);
+    /// Lets every work request posted so far on this transport's endpoints execute and its completions become
+    /// pollable (bounded in time: a transport that never delivers fails the case instead of hanging it).
+    fn settle(&mut self);
+    /// Forgets every endpoint opened so far (the next case starts from nothing).
+    fn reset(&mut self);
+}
