@@ -5,7 +5,7 @@ use crate::engine::live::{self, LiveOptions};
 use crate::engine::seat::SharedPlanner;
 use crate::engine::sim::{self, SimOptions, SimRun};
 use crate::exec::{self, SimFabric};
-use crate::fabric::verbs::Caps;
+use crate::fabric::verbs::{Caps, Endpoint, NodeId};
 use crate::fabric::world::SimWorld;
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
 use std::collections::BTreeMap;
@@ -134,6 +134,19 @@ pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> R
 pub fn run_on(scenario: &Scenario, budget: &Budget, fabric: &Fabric, trace: bool) -> Result<Outcome, RunError> {
     check_budget(&scenario.problem, budget)?;
     Ok(judge(scenario, engine_run(&scenario.problem, fabric, trace), Judge::OwnPlan))
+}
+
+/// [`run_with`] on the live driver over endpoints `open` gives per node (a transport under certification): the
+/// same engines, plan and oracle.
+pub fn run_live<N: Endpoint>(
+    scenario: &Scenario,
+    budget: &Budget,
+    options: &LiveOptions,
+    open: impl FnMut(NodeId) -> Result<N, String>,
+) -> Result<Outcome, RunError> {
+    check_budget(&scenario.problem, budget)?;
+    let engine = live::run_local(&scenario.problem, options, open).map_err(|error| error.to_string());
+    Ok(judge(scenario, engine, Judge::OwnPlan))
 }
 
 /// Runs `scenario` through the engines on the in-memory fabric with `planner` in every prefill rank's seat, and

@@ -38,3 +38,14 @@ pub trait Transport {
     /// Forgets every endpoint opened so far (the next case starts from nothing).
     fn reset(&mut self);
 }
+
+pub mod conformance;
+pub mod report;
+mod run;
+mod sim;
+mod throughput;
+
+pub use report::{CaseResult, Host, Report, Verdict};
+pub use run::{certify, CaseSet, CertifyError, Group, Options, CASE_SET_VERSION, LARGE_SCENARIO_BYTES};
+pub use sim::SimTransport;
+pub use throughput::Throughput;

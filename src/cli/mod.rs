@@ -33,6 +33,7 @@ macro_rules! out {
 }
 
 mod bench;
+mod certify;
 mod planners;
 mod ranks;
 
@@ -133,6 +134,9 @@ pub enum Command {
         #[arg(long, default_value_t = 60)]
         planner_timeout: u64,
     },
+    /// Certify a transport: run the fixed, versioned case set (the seam's contract and error paths, every scenario,
+    /// a throughput run) through it and write junit.xml, report.json and manifest.txt.
+    Certify(certify::CertifyArgs),
     /// kvrelay's own planner behind the plan protocol, on stdin/stdout (the reference for `check --planner`).
     Planner,
     /// Time the planner on the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape.
@@ -334,6 +338,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             planners::check(&dir, &command, Duration::from_secs(planner_timeout))
         }
         Command::Check { dir, golden, .. } => check(&dir, &golden),
+        Command::Certify(args) => certify::certify(&args),
         Command::Planner => {
             crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)

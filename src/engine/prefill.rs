@@ -390,6 +390,13 @@ impl PrefillEngine {
         let depth = self.caps.sq_depth.max(1);
         let mut failures = Vec::new();
         for (qp, (_, queue)) in &mut self.queues {
+            if queue.broken {
+                // A queue pair in the error state never runs another write (verbs contract, **Errors**): the rooms
+                // of writes still waiting for it fail now rather than at the decode side's waiting timeout.
+                let reason = format!("{qp} is in the error state after a failed work request");
+                failures.extend(queue.waiting.drain(..).map(|pending| (pending.room, reason.clone())));
+                continue;
+            }
             while !queue.broken && !queue.waiting.is_empty() && queue.in_flight.len() < depth {
                 let room_in_batch = depth - queue.in_flight.len();
                 let batch: Vec<Pending> = queue.waiting.drain(..room_in_batch.min(queue.waiting.len())).collect();

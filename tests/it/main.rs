@@ -3,6 +3,8 @@
 
 /// Named planner and oracle cases (rstest): rejections, sender roles, deliberate corruption.
 mod cases;
+/// The certification kit: sound transports certified, broken ones not, with the JUnit, JSON and manifest files.
+mod certify;
 /// The `kvrelay` binary end to end.
 mod cli;
 /// The fabric seam's contract (`fabric::verbs::Endpoint`), one body per case run on every backend.

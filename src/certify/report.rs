@@ -1,0 +1,433 @@
+//! A certification's results as files: JUnit XML (for any CI system), a JSON report, and a manifest (the facts a
+//! reader needs to trust or reproduce the run, one per line).
+
+#![allow(clippy::disallowed_methods, reason = "a report is dated: the one wall-clock read of a certification")]
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use super::{Identity, Throughput};
+
+/// How a case ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    Fail,
+    /// The transport lacks a capability the case needs; `allowed` when the case set lets a certification pass
+    /// without it (never silently: it is listed as such in every file).
+    Unsupported {
+        allowed: bool,
+    },
+}
+
+impl Verdict {
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::Fail => "fail",
+            Verdict::Unsupported { allowed: true } => "unsupported (allowed)",
+            Verdict::Unsupported { allowed: false } => "unsupported (not allowed)",
+        }
+    }
+
+    /// Whether this verdict keeps a certification valid.
+    pub fn acceptable(self) -> bool {
+        matches!(self, Verdict::Pass | Verdict::Unsupported { allowed: true })
+    }
+}
+
+/// One case's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CaseResult {
+    pub id: String,
+    pub group: String,
+    pub claim: String,
+    pub verdict: Verdict,
+    /// Why it failed or is unsupported, or what it measured; empty for a plain pass.
+    pub detail: String,
+    pub seconds: f64,
+    /// One line that reruns this case alone.
+    pub reproduce: String,
+}
+
+/// The machine the certification ran on.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Host {
+    pub hostname: String,
+    pub kernel: String,
+    pub cpus: usize,
+    pub arch: String,
+}
+
+impl Host {
+    /// This machine, from /proc (fields that cannot be read stay empty).
+    pub fn this() -> Host {
+        let read = |path: &str| std::fs::read_to_string(path).map(|text| text.trim().to_owned()).unwrap_or_default();
+        Host {
+            hostname: read("/proc/sys/kernel/hostname"),
+            kernel: read("/proc/sys/kernel/osrelease"),
+            cpus: std::thread::available_parallelism().map_or(0, usize::from),
+            arch: std::env::consts::ARCH.to_owned(),
+        }
+    }
+}
+
+/// Everything a certification found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    pub kvrelay_version: String,
+    pub case_set_version: String,
+    pub case_set_hash: String,
+    /// Cases in the whole set (a run of fewer is partial).
+    pub case_set_size: usize,
+    pub transport: Identity,
+    pub host: Host,
+    /// UTC, RFC 3339.
+    pub date: String,
+    pub results: Vec<CaseResult>,
+    pub throughput: Option<Throughput>,
+}
+
+/// The paths [`Report::write`] wrote.
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub junit: PathBuf,
+    pub json: PathBuf,
+    pub manifest: PathBuf,
+}
+
+impl Report {
+    /// Whether every case of the set ran.
+    pub fn complete(&self) -> bool {
+        self.results.len() == self.case_set_size
+    }
+
+    /// Certified: the whole set ran, and every case passed or is unsupported in a way the set allows.
+    pub fn certified(&self) -> bool {
+        self.complete() && self.results.iter().all(|result| result.verdict.acceptable())
+    }
+
+    /// Cases with `verdict`.
+    pub fn count(&self, verdict: Verdict) -> usize {
+        self.results.iter().filter(|result| result.verdict == verdict).count()
+    }
+
+    /// One line: the verdict and the counts.
+    pub fn summary(&self) -> String {
+        let verdict = match (self.certified(), self.complete()) {
+            (true, _) => "CERTIFIED",
+            (false, true) => "NOT CERTIFIED",
+            (false, false) => "NOT CERTIFIED (partial run)",
+        };
+        format!(
+            "{verdict}: {} on {}: {} cases run of {}: {} passed, {} failed, {} unsupported (allowed), {} unsupported \
+             (not allowed); case set {} {}",
+            self.transport.name,
+            self.host.hostname,
+            self.results.len(),
+            self.case_set_size,
+            self.count(Verdict::Pass),
+            self.count(Verdict::Fail),
+            self.count(Verdict::Unsupported { allowed: true }),
+            self.count(Verdict::Unsupported { allowed: false }),
+            self.case_set_version,
+            &self.case_set_hash[..self.case_set_hash.len().min(16)],
+        )
+    }
+
+    /// Writes `junit.xml`, `report.json` and `manifest.txt` into `dir` (created if missing).
+    pub fn write(&self, dir: &Path) -> std::io::Result<Written> {
+        std::fs::create_dir_all(dir)?;
+        let written =
+            Written { junit: dir.join("junit.xml"), json: dir.join("report.json"), manifest: dir.join("manifest.txt") };
+        std::fs::write(&written.junit, self.junit())?;
+        std::fs::write(&written.json, self.json())?;
+        std::fs::write(&written.manifest, self.manifest())?;
+        Ok(written)
+    }
+
+    /// The manifest: one `key: value` fact per line, then one line per case (verdict, seconds, id, reproduce).
+    pub fn manifest(&self) -> String {
+        let mut text = String::new();
+        let mut fact = |key: &str, value: &str| {
+            let _ = writeln!(text, "{key}: {}", one_line(value));
+        };
+        fact("verdict", &self.summary());
+        fact("kvrelay-version", &self.kvrelay_version);
+        fact("case-set-version", &self.case_set_version);
+        fact("case-set-hash", &self.case_set_hash);
+        fact("transport", &self.transport.name);
+        fact("transport-version", &self.transport.version);
+        for (key, value) in &self.transport.facts {
+            fact(&format!("transport-fact.{key}"), value);
+        }
+        fact("host", &self.host.hostname);
+        fact("kernel", &self.host.kernel);
+        fact("cpus", &self.host.cpus.to_string());
+        fact("arch", &self.host.arch);
+        fact("date", &self.date);
+        if let Some(throughput) = &self.throughput {
+            fact("throughput", &throughput.to_string());
+        }
+        for result in &self.results {
+            let verdict = result.verdict.name().replace(' ', "-");
+            let _ = writeln!(text, "case: {verdict} {:.3}s {} | {}", result.seconds, result.id, result.reproduce);
+        }
+        text
+    }
+
+    /// The JSON report (schema: `report.schema` in src/certify/README.md).
+    pub fn json(&self) -> String {
+        let cases: Vec<JsonCase<'_>> = self.results.iter().map(JsonCase::from).collect();
+        let throughput = self.throughput.map(|figure| JsonThroughput {
+            bytes: figure.bytes,
+            message_bytes: figure.message_bytes,
+            work_requests: figure.work_requests,
+            seconds: figure.seconds,
+            mib_per_second: figure.mib_per_second(),
+            work_requests_per_second: figure.work_requests_per_second(),
+        });
+        let report = JsonReport {
+            format: "kvrelay-certification-report-1",
+            certified: self.certified(),
+            complete: self.complete(),
+            summary: self.summary(),
+            kvrelay_version: &self.kvrelay_version,
+            case_set: JsonCaseSet {
+                version: &self.case_set_version,
+                hash: &self.case_set_hash,
+                size: self.case_set_size,
+            },
+            transport: JsonTransport {
+                name: &self.transport.name,
+                version: &self.transport.version,
+                facts: &self.transport.facts,
+            },
+            host: &self.host,
+            date: &self.date,
+            throughput,
+            cases,
+        };
+        let mut text = serde_json::to_string_pretty(&report).expect("a report of strings and numbers serialises");
+        text.push('\n');
+        text
+    }
+
+    /// JUnit XML: one `<testsuite>` per group, one `<testcase>` per case; an allowed unsupported case is
+    /// `<skipped>` with its reason, a failure or a disallowed unsupported case is `<failure>`.
+    pub fn junit(&self) -> String {
+        let mut xml = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+        let failures = self.results.iter().filter(|result| !result.verdict.acceptable()).count();
+        let seconds: f64 = self.results.iter().map(|result| result.seconds).sum();
+        let _ = writeln!(
+            xml,
+            "<testsuites name=\"kvrelay certify {}\" tests=\"{}\" failures=\"{failures}\" errors=\"0\" time=\"{seconds:.3}\" timestamp=\"{}\">",
+            escape(&self.transport.name),
+            self.results.len(),
+            escape(&self.date)
+        );
+        let mut groups: Vec<&str> = self.results.iter().map(|result| result.group.as_str()).collect();
+        groups.dedup();
+        for group in groups {
+            self.junit_suite(&mut xml, group);
+        }
+        xml.push_str("</testsuites>\n");
+        xml
+    }
+
+    fn junit_suite(&self, xml: &mut String, group: &str) {
+        let cases: Vec<&CaseResult> = self.results.iter().filter(|result| result.group == group).collect();
+        let failures = cases.iter().filter(|result| !result.verdict.acceptable()).count();
+        let skipped = cases.iter().filter(|result| result.verdict == Verdict::Unsupported { allowed: true }).count();
+        let seconds: f64 = cases.iter().map(|result| result.seconds).sum();
+        let _ = writeln!(
+            xml,
+            "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{failures}\" errors=\"0\" skipped=\"{skipped}\" time=\"{seconds:.3}\" hostname=\"{}\" timestamp=\"{}\">",
+            escape(group),
+            cases.len(),
+            escape(&self.host.hostname),
+            escape(&self.date)
+        );
+        self.junit_properties(xml);
+        for case in cases {
+            junit_case(xml, case);
+        }
+        xml.push_str("  </testsuite>\n");
+    }
+
+    fn junit_properties(&self, xml: &mut String) {
+        xml.push_str("    <properties>\n");
+        let mut property = |name: &str, value: &str| {
+            let _ = writeln!(xml, "      <property name=\"{}\" value=\"{}\"/>", escape(name), escape(value));
+        };
+        property("kvrelay.version", &self.kvrelay_version);
+        property("case-set.version", &self.case_set_version);
+        property("case-set.hash", &self.case_set_hash);
+        property("transport.name", &self.transport.name);
+        property("transport.version", &self.transport.version);
+        for (key, value) in &self.transport.facts {
+            property(&format!("transport.{key}"), value);
+        }
+        property("host.kernel", &self.host.kernel);
+        xml.push_str("    </properties>\n");
+    }
+}
+
+fn junit_case(xml: &mut String, case: &CaseResult) {
+    let _ = write!(
+        xml,
+        "    <testcase classname=\"kvrelay.certify.{}\" name=\"{}\" time=\"{:.3}\">",
+        escape(&case.group),
+        escape(&case.id),
+        case.seconds
+    );
+    match case.verdict {
+        Verdict::Pass => {}
+        Verdict::Unsupported { allowed: true } => {
+            let _ =
+                write!(xml, "<skipped message=\"unsupported, allowed by the case set: {}\"/>", escape(&case.detail));
+        }
+        Verdict::Fail | Verdict::Unsupported { allowed: false } => {
+            let first = case.detail.lines().next().unwrap_or_default();
+            let message = format!("{}: {first}", case.verdict.name());
+            let _ = write!(
+                xml,
+                "<failure message=\"{}\" type=\"{}\">{}\nclaim: {}\nreproduce: {}</failure>",
+                escape(&message),
+                escape(case.verdict.name()),
+                escape(&case.detail),
+                escape(&case.claim),
+                escape(&case.reproduce)
+            );
+        }
+    }
+    let _ = writeln!(xml, "<system-out>reproduce: {}</system-out></testcase>", escape(&case.reproduce));
+}
+
+/// Text made safe for XML attribute and element content (control characters other than tab and newline become
+/// U+FFFD: XML 1.0 cannot carry them).
+fn escape(text: &str) -> String {
+    let mut res = String::with_capacity(text.len());
+    for char in text.chars() {
+        match char {
+            '&' => res.push_str("&amp;"),
+            '<' => res.push_str("&lt;"),
+            '>' => res.push_str("&gt;"),
+            '"' => res.push_str("&quot;"),
+            '\'' => res.push_str("&apos;"),
+            '\t' | '\n' => res.push(char),
+            char if char.is_control() => res.push('\u{FFFD}'),
+            char => res.push(char),
+        }
+    }
+    res
+}
+
+fn one_line(text: &str) -> String {
+    text.replace(['\n', '\r'], " ")
+}
+
+#[derive(Serialize)]
+struct JsonReport<'a> {
+    format: &'static str,
+    certified: bool,
+    complete: bool,
+    summary: String,
+    kvrelay_version: &'a str,
+    case_set: JsonCaseSet<'a>,
+    transport: JsonTransport<'a>,
+    host: &'a Host,
+    date: &'a str,
+    throughput: Option<JsonThroughput>,
+    cases: Vec<JsonCase<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonCaseSet<'a> {
+    version: &'a str,
+    hash: &'a str,
+    size: usize,
+}
+
+#[derive(Serialize)]
+struct JsonTransport<'a> {
+    name: &'a str,
+    version: &'a str,
+    facts: &'a std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Serialize)]
+struct JsonThroughput {
+    bytes: u64,
+    message_bytes: u64,
+    work_requests: u64,
+    seconds: f64,
+    mib_per_second: f64,
+    work_requests_per_second: f64,
+}
+
+#[derive(Serialize)]
+struct JsonCase<'a> {
+    id: &'a str,
+    group: &'a str,
+    claim: &'a str,
+    verdict: &'static str,
+    detail: &'a str,
+    seconds: f64,
+    reproduce: &'a str,
+}
+
+impl<'a> From<&'a CaseResult> for JsonCase<'a> {
+    fn from(result: &'a CaseResult) -> JsonCase<'a> {
+        JsonCase {
+            id: &result.id,
+            group: &result.group,
+            claim: &result.claim,
+            verdict: result.verdict.name(),
+            detail: &result.detail,
+            seconds: result.seconds,
+            reproduce: &result.reproduce,
+        }
+    }
+}
+
+/// Now, UTC, as RFC 3339 (`2026-12-01T05:24:30Z`).
+pub fn utc_now() -> String {
+    let seconds = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_secs());
+    rfc3339(seconds)
+}
+
+/// `seconds` since the Unix epoch as RFC 3339 UTC (the civil-from-days algorithm of H. Hinnant's date library).
+pub fn rfc3339(seconds: u64) -> String {
+    let days = (seconds / 86_400) as i64;
+    let (hour, minute, second) = (seconds % 86_400 / 3600, seconds % 3600 / 60, seconds % 60);
+    let shifted = days + 719_468;
+    let era = shifted.div_euclid(146_097);
+    let day_of_era = shifted - era * 146_097;
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_index = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
+    let month = if month_index < 10 { month_index + 3 } else { month_index - 9 };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{hour:02}:{minute:02}:{second:02}Z")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_dates_match_known_instants() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_102_670), "2026-12-01T05:24:30Z");
+    }
+
+    #[test]
+    fn xml_escaping_covers_markup_and_control_characters() {
+        assert_eq!(escape("a<b & \"c\" 'd'>\u{1}\n"), "a&lt;b &amp; &quot;c&quot; &apos;d&apos;&gt;\u{FFFD}\n");
+    }
+}

@@ -1,0 +1,157 @@
+//! `kvrelay certify --fabric NAME`: the certification kit's command line. Picks the transport, runs the case set,
+//! prints one line per case, and writes the JUnit XML, JSON report and manifest.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use crate::certify::{self, CaseResult, CaseSet, Options, Transport, Verdict};
+use crate::harness::Budget;
+
+/// `kvrelay certify`'s arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CertifyArgs {
+    /// The transport: `sim` (kvrelay's in-memory fabric), `rdma` (verbs; needs the `rdma` feature) or
+    /// `plugin:PATH` (a shared object implementing src/fabric/kvrelay_transport.h).
+    #[arg(long, default_value = "sim")]
+    pub fabric: String,
+    /// RDMA device (default: the first device with an active port).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// The scenario corpus whose every file is a case.
+    #[arg(long, default_value = "scenarios")]
+    pub scenarios: PathBuf,
+    /// Where junit.xml, report.json and manifest.txt go (default: target/certify/<transport>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Run only this case (repeatable); such a partial run is never a certification.
+    #[arg(long = "case")]
+    pub cases: Vec<String>,
+    /// List the case set (id, group, claim) and its hash, and run nothing.
+    #[arg(long)]
+    pub list: bool,
+    /// Bytes the throughput case moves.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub throughput_bytes: u64,
+    /// Message size of the throughput case, in bytes.
+    #[arg(long, default_value_t = 64 << 10)]
+    pub message_bytes: u64,
+    /// Seconds a scenario's decode request may wait for the prefill side before it fails.
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
+}
+
+impl CertifyArgs {
+    /// The command line that reruns this certification.
+    fn reproduce(&self) -> String {
+        let mut line = format!("kvrelay certify --fabric {}", self.fabric);
+        if let Some(device) = &self.device {
+            line.push_str(&format!(" --device {device}"));
+        }
+        if self.scenarios != PathBuf::from("scenarios") {
+            line.push_str(&format!(" --scenarios {}", self.scenarios.display()));
+        }
+        line
+    }
+
+    fn out_dir(&self, transport: &str) -> PathBuf {
+        let safe: String = transport
+            .chars()
+            .map(|char| if char.is_ascii_alphanumeric() || char == '-' { char } else { '_' })
+            .collect();
+        self.out.clone().unwrap_or_else(|| PathBuf::from("target/certify").join(safe))
+    }
+}
+
+/// Runs `kvrelay certify`.
+pub(super) fn certify(args: &CertifyArgs) -> anyhow::Result<ExitCode> {
+    let set = CaseSet::load(&args.scenarios)?;
+    set.check_ids(&args.cases)?;
+    if args.list {
+        list(&set)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut transport = transport(args)?;
+    let mut options = Options::new(Budget::from_env()?, &args.reproduce());
+    options.only = args.cases.clone();
+    options.throughput_bytes = args.throughput_bytes;
+    options.message_bytes = args.message_bytes;
+    options.live.waiting_timeout_ns = args.timeout.saturating_mul(1_000_000_000);
+    options.live.time_limit = Duration::from_secs(args.timeout.saturating_mul(2));
+    let identity = transport.identity();
+    outln!(
+        "certifying {} ({}) with case set {} {}",
+        identity.name,
+        identity.version,
+        certify::CASE_SET_VERSION,
+        set.hash
+    );
+    let mut printed = Ok(());
+    let report = certify::certify(&mut *transport, &set, &options, &mut |result| {
+        if printed.is_ok() {
+            printed = print_case(result);
+        }
+    });
+    printed?;
+    let written = report.write(&args.out_dir(&identity.name))?;
+    if let Some(throughput) = &report.throughput {
+        outln!("throughput: {throughput}");
+    }
+    outln!("{}", report.summary());
+    outln!("wrote {}, {} and {}", written.junit.display(), written.json.display(), written.manifest.display());
+    Ok(if report.certified() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+fn list(set: &CaseSet) -> std::io::Result<()> {
+    outln!("case set {} ({} cases), sha256 {}", certify::CASE_SET_VERSION, set.cases.len(), set.hash);
+    for case in &set.cases {
+        outln!("{:<64} {}", case.id, case.claim);
+    }
+    Ok(())
+}
+
+/// One line per case; a failure's detail and reproduce line follow it.
+fn print_case(result: &CaseResult) -> std::io::Result<()> {
+    let verdict = match result.verdict {
+        Verdict::Pass => "pass",
+        Verdict::Fail => "FAIL",
+        Verdict::Unsupported { allowed: true } => "unsupported (allowed)",
+        Verdict::Unsupported { allowed: false } => "UNSUPPORTED",
+    };
+    outln!("{verdict:<6} {:>8.3}s  {}", result.seconds, result.id);
+    if !result.detail.is_empty() && result.verdict != Verdict::Pass {
+        for line in result.detail.lines().take(8) {
+            outln!("         {line}");
+        }
+        outln!("         reproduce: {}", result.reproduce);
+    }
+    Ok(())
+}
+
+/// The transport `--fabric` names.
+fn transport(args: &CertifyArgs) -> anyhow::Result<Box<dyn Transport>> {
+    let fabric = args.fabric.as_str();
+    if let Some(path) = fabric.strip_prefix("plugin:") {
+        return plugin(path);
+    }
+    match fabric {
+        "sim" => Ok(Box::new(certify::SimTransport::eager())),
+        "rdma" => rdma(args.device.as_deref()),
+        other => anyhow::bail!("unknown transport `{other}` (fix: sim, rdma or plugin:PATH)"),
+    }
+}
+
+fn plugin(path: &str) -> anyhow::Result<Box<dyn Transport>> {
+    anyhow::bail!("plug-in {path}: not wired yet")
+}
+
+#[cfg(feature = "rdma")]
+fn rdma(device: Option<&str>) -> anyhow::Result<Box<dyn Transport>> {
+    anyhow::bail!("rdma {device:?}: not wired yet")
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma(_: Option<&str>) -> anyhow::Result<Box<dyn Transport>> {
+    anyhow::bail!(crate::harness::RDMA_MISSING)
+}

@@ -1,0 +1,224 @@
+//! The certification kit (`kvrelay::certify`): a sound transport is certified, a transport that misplaces bytes or
+//! lacks a capability is not, the case set is hashed over its contents, and the three files say the same.
+
+use std::path::{Path, PathBuf};
+
+use kvrelay::certify::{self, CaseSet, Identity, Options, Report, SimTransport, Transport, Verdict};
+use kvrelay::fabric::verbs::{
+    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, WorkCompletion, WorkRequest,
+};
+use kvrelay::harness::Budget;
+
+use crate::support::{kvrelay, text};
+
+/// A small corpus: four scenarios through the engines, including a failed registration.
+fn corpus() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/engines")
+}
+
+fn options() -> Options {
+    let mut options = Options::new(Budget::bytes(1 << 30), "kvrelay certify --fabric test");
+    options.throughput_bytes = 1 << 20;
+    options
+}
+
+fn run(transport: &mut dyn Transport, options: &Options) -> Report {
+    let set = CaseSet::load(&corpus()).unwrap();
+    certify::certify(transport, &set, options, &mut |_| {})
+}
+
+/// The in-memory fabric, with every WRITE landing `shift` bytes past where it was aimed (a transport bug).
+struct Shifted {
+    inner: SimTransport,
+    shift: u64,
+}
+
+struct ShiftedEndpoint {
+    inner: Box<dyn Endpoint>,
+    shift: u64,
+}
+
+impl Endpoint for ShiftedEndpoint {
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+    fn node(&self) -> NodeId {
+        self.inner.node()
+    }
+    fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
+        self.inner.register(bytes)
+    }
+    fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
+        self.inner.deregister(region)
+    }
+    fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
+        self.inner.read_local(region, offset, out)
+    }
+    fn create_qp(&mut self) -> Result<QpInfo, FabricError> {
+        self.inner.create_qp()
+    }
+    fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
+        self.inner.connect_qp(local, remote)
+    }
+    fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
+        let mut shifted = wrs.to_vec();
+        for wr in &mut shifted {
+            wr.remote.addr += self.shift;
+        }
+        self.inner.post_send(qp, &shifted)
+    }
+    fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        self.inner.poll_cq(out, max)
+    }
+}
+
+impl Transport for Shifted {
+    fn identity(&self) -> Identity {
+        Identity { name: "shifted".to_owned(), ..Identity::default() }
+    }
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
+        Ok(Box::new(ShiftedEndpoint { inner: self.inner.open(node, caps)?, shift: self.shift }))
+    }
+    fn step(&mut self) {
+        self.inner.step();
+    }
+    fn settle(&mut self) {
+        self.inner.settle();
+    }
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+}
+
+/// The in-memory fabric granting at most one scatter-gather entry per work request.
+struct OneSge(SimTransport);
+
+impl Transport for OneSge {
+    fn identity(&self) -> Identity {
+        Identity { name: "one-sge".to_owned(), ..Identity::default() }
+    }
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
+        self.0.open(node, Caps { max_sge: 1, ..caps })
+    }
+    fn step(&mut self) {
+        self.0.step();
+    }
+    fn settle(&mut self) {
+        self.0.settle();
+    }
+    fn reset(&mut self) {
+        self.0.reset();
+    }
+}
+
+#[test]
+fn the_in_memory_fabric_is_certified_on_every_case() {
+    let report = run(&mut SimTransport::eager(), &options());
+    let failed: Vec<_> = report.results.iter().filter(|result| result.verdict != Verdict::Pass).collect();
+    assert!(failed.is_empty(), "{failed:#?}");
+    assert!(report.certified() && report.complete(), "{}", report.summary());
+    let throughput = report.throughput.expect("the throughput case measured");
+    assert_eq!(throughput.bytes, 1 << 20);
+    for group in ["contract", "error-path", "scenario", "throughput"] {
+        assert!(report.results.iter().any(|result| result.group == group), "no {group} case ran");
+    }
+}
+
+#[test]
+fn a_transport_that_misplaces_writes_fails_with_decoded_coordinates() {
+    let report = run(&mut Shifted { inner: SimTransport::eager(), shift: 64 }, &options());
+    assert!(!report.certified(), "{}", report.summary());
+    let scenario = report
+        .results
+        .iter()
+        .find(|result| result.id == "scenario/dcp-relayout-two-stages")
+        .expect("the scenario case ran");
+    assert_eq!(scenario.verdict, Verdict::Fail);
+    assert!(scenario.detail.contains("oracle violations"), "{}", scenario.detail);
+    assert!(scenario.detail.contains("decode"), "violations are decoded into coordinates: {}", scenario.detail);
+    // Writes shifted past a region's end complete RemoteAccess and break their queue pair: the prefill rank fails
+    // the rooms of every write still waiting on it at once, not at the decode side's waiting timeout.
+    assert!(scenario.detail.contains("RemoteAccess"), "{}", scenario.detail);
+    assert!(!scenario.detail.contains("timed out"), "{}", scenario.detail);
+    assert_eq!(scenario.reproduce, "kvrelay certify --fabric test --case scenario/dcp-relayout-two-stages");
+    assert!(report.count(Verdict::Fail) >= 4, "{}", report.summary());
+}
+
+#[test]
+fn a_capability_the_transport_lacks_is_reported_and_fails_the_certification() {
+    let report = run(&mut OneSge(SimTransport::eager()), &options());
+    let unsupported: Vec<_> =
+        report.results.iter().filter(|result| result.verdict == Verdict::Unsupported { allowed: false }).collect();
+    assert!(!unsupported.is_empty(), "a multi-SGE case needs max_sge >= 2: {}", report.summary());
+    assert!(unsupported.iter().all(|result| result.detail.contains("max_sge")), "{unsupported:#?}");
+    assert!(!report.certified());
+}
+
+#[test]
+fn a_scenario_over_the_memory_budget_is_unsupported_and_allowed_only_when_large() {
+    let set = CaseSet::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/basic")).unwrap();
+    let mut options = Options::new(Budget::bytes(1 << 20), "kvrelay certify --fabric sim");
+    options.only = vec!["scenario/kimi-k3-pp8-tp1-to-tp8-dcp8".to_owned(), "scenario/kimi-k3-example-c".to_owned()];
+    let report = certify::certify(&mut SimTransport::eager(), &set, &options, &mut |_| {});
+    let verdict = |id: &str| report.results.iter().find(|result| result.id == id).unwrap().verdict;
+    // 2.9 GB registered: the case set lets a small host leave it out, saying so.
+    assert_eq!(verdict("scenario/kimi-k3-pp8-tp1-to-tp8-dcp8"), Verdict::Unsupported { allowed: true });
+    assert_eq!(verdict("scenario/kimi-k3-example-c"), Verdict::Unsupported { allowed: false });
+    assert!(!report.certified() && !report.complete(), "a partial run is never a certification");
+}
+
+#[test]
+fn the_junit_json_and_manifest_files_agree_with_the_report() {
+    let mut options = options();
+    options.only = vec!["scenario/legacy-registration".to_owned(), "throughput/write-bandwidth".to_owned()];
+    let report = run(&mut Shifted { inner: SimTransport::eager(), shift: 64 }, &options);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("certify-files-{}", std::process::id()));
+    let written = report.write(&dir).unwrap();
+    let junit = std::fs::read_to_string(&written.junit).unwrap();
+    assert!(junit.contains("<testsuites name=\"kvrelay certify shifted\" tests=\"2\" failures=\"2\""), "{junit}");
+    assert_eq!(junit.matches("<testcase ").count(), 2);
+    assert_eq!(junit.matches("<failure ").count(), 2);
+    assert!(junit.contains("case-set.hash"), "{junit}");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&written.json).unwrap()).unwrap();
+    assert_eq!(json["certified"], false);
+    assert_eq!(json["complete"], false);
+    assert_eq!(json["case_set"]["hash"], report.case_set_hash.as_str());
+    assert_eq!(json["cases"].as_array().unwrap().len(), 2);
+    assert_eq!(json["cases"][0]["verdict"], "fail");
+    let manifest = std::fs::read_to_string(&written.manifest).unwrap();
+    assert!(manifest.contains(&format!("case-set-hash: {}", report.case_set_hash)), "{manifest}");
+    assert!(manifest.contains("case: fail "), "{manifest}");
+    assert!(manifest.contains("--case scenario/legacy-registration"), "{manifest}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_case_set_hash_covers_every_scenario_byte() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("certify-hash-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let source = corpus().join("legacy-registration.yaml");
+    let copy = dir.join("legacy-registration.yaml");
+    std::fs::copy(&source, &copy).unwrap();
+    let before = CaseSet::load(&dir).unwrap().hash;
+    assert_eq!(CaseSet::load(&dir).unwrap().hash, before, "the hash is a function of the contents");
+    let mut bytes = std::fs::read(&copy).unwrap();
+    bytes.extend_from_slice(b"\n# one more comment byte\n");
+    std::fs::write(&copy, bytes).unwrap();
+    assert_ne!(CaseSet::load(&dir).unwrap().hash, before);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_cli_lists_the_case_set_and_refuses_unknown_cases_and_transports() {
+    let listed = kvrelay(&["certify", "--list", "--scenarios", "scenarios/engines"]);
+    assert!(listed.status.success(), "{}", text(&listed.stderr));
+    let out = text(&listed.stdout);
+    assert!(out.starts_with("case set kvrelay-certify-1 ("), "{out}");
+    assert!(out.contains("scenario/legacy-registration"), "{out}");
+    let unknown = kvrelay(&["certify", "--case", "scenario/nothing-here", "--scenarios", "scenarios/engines"]);
+    assert!(!unknown.status.success());
+    assert!(text(&unknown.stderr).contains("no case `scenario/nothing-here`"), "{}", text(&unknown.stderr));
+    let transport = kvrelay(&["certify", "--fabric", "carrier-pigeon", "--scenarios", "scenarios/engines"]);
+    assert!(!transport.status.success());
+    assert!(text(&transport.stderr).contains("unknown transport `carrier-pigeon`"), "{}", text(&transport.stderr));
+}
