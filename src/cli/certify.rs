@@ -49,7 +49,7 @@ impl CertifyArgs {
         if let Some(device) = &self.device {
             line.push_str(&format!(" --device {device}"));
         }
-        if self.scenarios != PathBuf::from("scenarios") {
+        if self.scenarios.as_os_str() != "scenarios" {
             line.push_str(&format!(" --scenarios {}", self.scenarios.display()));
         }
         line
