@@ -31,6 +31,7 @@ timeout_conformance=${KVRELAY_RDMA_TIMEOUT_CONFORMANCE:-600}
 timeout_diff=${KVRELAY_RDMA_TIMEOUT_DIFF:-900}
 timeout_launch=${KVRELAY_RDMA_TIMEOUT_LAUNCH:-300}
 timeout_bench=${KVRELAY_RDMA_TIMEOUT_BENCH:-300}
+timeout_certify=${KVRELAY_RDMA_TIMEOUT_CERTIFY:-900}
 runner=$PWD/ci/rdma/run-in-guest.sh
 # insta must fail on a golden mismatch, never write a .snap.new, in the guest as on the host (.ci/run sets the
 # same); run-in-guest.sh passes INSTA_* and CI into the guest.
@@ -130,6 +131,21 @@ step "kvrelay launch scenarios/engines/$LAUNCH_SCENARIO --fabric rdma --device r
     in_guest "$timeout_launch" target/release/kvrelay launch "scenarios/engines/$LAUNCH_SCENARIO" \
     --fabric rdma --device rxe0 \
     || failed+=("kvrelay launch $LAUNCH_SCENARIO")
+
+certify_run() {
+    rm -rf target/certify/rdma
+    in_guest "$timeout_certify" target/release/kvrelay certify --fabric rdma --device rxe0 --out target/certify/rdma \
+        | tee "$logs/certify.log"
+}
+if step "kvrelay certify --fabric rdma --device rxe0: the case set on Soft-RoCE, junit.xml and report.json" \
+    certify_run; then
+    grep '^CERTIFIED' "$logs/certify.log" | sed 's/^/rdma: /'
+    for file in junit.xml report.json manifest.txt; do
+        [ -s "target/certify/rdma/$file" ] || failed+=("kvrelay certify: no target/certify/rdma/$file")
+    done
+else
+    failed+=("kvrelay certify --fabric rdma")
+fi
 
 bench_run() {
     in_guest "$timeout_bench" ci/rdma/bench-in-guest.sh "$MESSAGE_BYTES" | tee "$logs/bench.log"
