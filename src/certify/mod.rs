@@ -5,10 +5,29 @@
 //! A transport plugs in three ways: a Rust crate implementing [`Transport`] and calling [`certify`] (the library
 //! entry point), a C ABI plug-in loaded with `--fabric plugin:PATH` (`fabric::plugin`), or kvrelay's own fabrics
 //! (`sim`, and `rdma` with the cargo feature).
+//!
+//! - [`conformance`]: the contract of [`Endpoint`] as library cases over `&mut dyn Transport`, each returning
+//!   [`conformance::CaseError`] (failed, or unsupported when the transport grants too little) instead of
+//!   panicking, and the registry [`conformance::cases`] (stable ids, `contract` and `error-path` groups, claims,
+//!   minimum caps). `tests/it/conformance.rs` runs it on every backend.
+//! - [`sim`]: [`SimTransport`], the in-memory fabric (`SimWorld`, simulated time).
+//! - `rdma` (cargo feature `rdma`): `RdmaTransport`, the verbs fabric on one device, settling on a quiet period
+//!   bounded on the wall clock.
+//!
+//! Library code here never prints; the caller (the `certify` command, a test) reports.
+
+pub mod conformance;
+#[cfg(feature = "rdma")]
+pub mod rdma;
+pub mod sim;
 
 use std::collections::BTreeMap;
 
 use crate::fabric::verbs::{Caps, Endpoint, NodeId};
+
+#[cfg(feature = "rdma")]
+pub use rdma::RdmaTransport;
+pub use sim::SimTransport;
 
 /// Who the transport is, for the report and the manifest.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
