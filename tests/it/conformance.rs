@@ -163,6 +163,8 @@ enum Sabotage {
     ShiftWrites,
     /// Every completion reports Success, whatever happened.
     ReportSuccess,
+    /// Refused calls claim success: posts, connects, reads and deregistrations never return an error.
+    HideErrors,
 }
 
 /// The in-memory fabric with one sabotage in every endpoint it opens.
@@ -199,6 +201,16 @@ impl Transport for Broken {
     }
 }
 
+impl BrokenEndpoint {
+    /// With [`Sabotage::HideErrors`], any outcome becomes success.
+    fn hide<T>(&self, res: Result<T, FabricError>) -> Result<(), FabricError> {
+        match res {
+            Err(_) if self.sabotage == Sabotage::HideErrors => Ok(()),
+            other => other.map(drop),
+        }
+    }
+}
+
 impl Endpoint for BrokenEndpoint {
     fn caps(&self) -> Caps {
         self.inner.caps()
@@ -213,11 +225,12 @@ impl Endpoint for BrokenEndpoint {
     }
 
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
-        self.inner.deregister(region)
+        let res = self.inner.deregister(region);
+        self.hide(res.clone()).map(|()| res.unwrap_or_default())
     }
 
     fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
-        self.inner.read_local(region, offset, out)
+        self.hide(self.inner.read_local(region, offset, out))
     }
 
     fn create_qp(&mut self) -> Result<QpInfo, FabricError> {
@@ -225,12 +238,14 @@ impl Endpoint for BrokenEndpoint {
     }
 
     fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
-        self.inner.connect_qp(local, remote)
+        let res = self.inner.connect_qp(local, remote);
+        self.hide(res)
     }
 
     fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
         if self.sabotage != Sabotage::ShiftWrites {
-            return self.inner.post_send(qp, wrs);
+            let res = self.inner.post_send(qp, wrs);
+            return self.hide(res);
         }
         let shifted: Vec<WorkRequest> = wrs
             .iter()
@@ -247,7 +262,7 @@ impl Endpoint for BrokenEndpoint {
         let count = self.inner.poll_cq(&mut taken, max);
         match self.sabotage {
             Sabotage::DropCompletions => return 0,
-            Sabotage::ShiftWrites => {}
+            Sabotage::ShiftWrites | Sabotage::HideErrors => {}
             Sabotage::ReportSuccess => taken.iter_mut().for_each(|wc| wc.status = WcStatus::Success),
         }
         out.extend(taken);
@@ -307,6 +322,30 @@ fn a_transport_that_reports_every_completion_successful_fails_every_case_expecti
         .map(|case| case.id)
         .collect();
     assert_eq!(failed, expected);
+}
+
+/// Hiding refusals fails the cases that expect a typed error from an endpoint call.
+#[test]
+fn a_transport_that_hides_refusals_fails_every_case_expecting_a_typed_error() {
+    let (failed, _) = outcome(Sabotage::HideErrors);
+    let expected = [
+        "posts_that_leave_a_full_queue_unsignalled_are_refused",
+        "posting_past_the_send_queue_depth_is_refused_until_completions_are_polled",
+        "misuse_of_qps_and_regions_is_an_error_not_a_panic",
+        "regions_are_owned_by_their_endpoint",
+        "deregister_returns_the_bytes_and_revokes_the_keys",
+        "an_empty_region_takes_zero_byte_writes_only",
+    ];
+    assert_eq!(failed, expected);
+}
+
+/// Every case fails on at least one of the broken transports: none is a test that cannot fail.
+#[test]
+fn every_case_fails_on_some_broken_transport() {
+    let sabotages = [Sabotage::DropCompletions, Sabotage::ShiftWrites, Sabotage::ReportSuccess, Sabotage::HideErrors];
+    let failed: Vec<&str> = sabotages.into_iter().flat_map(|sabotage| outcome(sabotage).0).collect();
+    let never: Vec<&str> = cases().iter().map(|case| case.id).filter(|id| !failed.contains(id)).collect();
+    assert!(never.is_empty(), "no broken transport fails {never:?}");
 }
 
 /// The verbs fabric on a real device: the transport, and what only `RdmaEndpoint` itself can be asked.
