@@ -5,10 +5,34 @@
 //! A transport plugs in three ways: a Rust crate implementing [`Transport`] and calling [`certify`] (the library
 //! entry point), a C ABI plug-in loaded with `--fabric plugin:PATH` (`fabric::plugin`), or kvrelay's own fabrics
 //! (`sim`, and `rdma` with the cargo feature).
+//!
+//! - [`conformance`]: the contract of [`Endpoint`] as library cases over `&mut dyn Transport`, each returning
+//!   [`conformance::CaseError`] (failed, or unsupported when the transport grants too little) instead of
+//!   panicking, and the registry [`conformance::cases`] (stable ids, `contract` and `error-path` groups, claims,
+//!   minimum caps). `tests/it/conformance.rs` runs it on every backend.
+//! - `run.rs`: the [`CaseSet`] (conformance cases, every scenario of a corpus through the engines, the throughput
+//!   run; versioned and hashed) and [`certify`], which runs it through a transport into a [`Report`].
+//! - [`report`]: the [`Report`] as JUnit XML, a JSON report and a manifest.
+//! - `throughput.rs`: streamed WRITEs between two endpoints, every byte checked, the figure reported.
+//! - [`sim`]: [`SimTransport`], the in-memory fabric (`SimWorld`, simulated time).
+//! - `rdma` (cargo feature `rdma`): `RdmaTransport`, the verbs fabric on one device, settling on a quiet period
+//!   bounded on the wall clock.
+//!
+//! Library code here never prints; the caller (the `certify` command, a test) reports.
+
+pub mod conformance;
+#[cfg(feature = "rdma")]
+pub mod rdma;
+pub mod report;
+pub mod sim;
 
 use std::collections::BTreeMap;
 
 use crate::fabric::verbs::{Caps, Endpoint, NodeId};
+
+#[cfg(feature = "rdma")]
+pub use rdma::RdmaTransport;
+pub use sim::SimTransport;
 
 /// Who the transport is, for the report and the manifest.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -39,13 +63,9 @@ pub trait Transport {
     fn reset(&mut self);
 }
 
-pub mod conformance;
-pub mod report;
 mod run;
-mod sim;
 mod throughput;
 
 pub use report::{CaseResult, Host, Report, Verdict};
 pub use run::{certify, CaseSet, CertifyError, Group, Options, CASE_SET_VERSION, LARGE_SCENARIO_BYTES};
-pub use sim::SimTransport;
 pub use throughput::Throughput;

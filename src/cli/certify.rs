@@ -148,7 +148,7 @@ fn plugin(path: &str) -> anyhow::Result<Box<dyn Transport>> {
 
 #[cfg(feature = "rdma")]
 fn rdma(device: Option<&str>) -> anyhow::Result<Box<dyn Transport>> {
-    anyhow::bail!("rdma {device:?}: not wired yet")
+    Ok(Box::new(certify::RdmaTransport::new(device)?))
 }
 
 #[cfg(not(feature = "rdma"))]

@@ -4,7 +4,7 @@
 //!
 //! This module is pure vocabulary and the contract; it knows nothing of plans, regions or the oracle.
 //! The in-memory implementation is [`super::world::SimWorld`]; a verbs backend implements the same trait, and both
-//! must pass the conformance suite in `tests/it/conformance.rs`.
+//! must pass the conformance suite, `crate::certify::conformance` (run by `tests/it/conformance.rs`).
 
 use std::fmt;
 

@@ -63,7 +63,7 @@ impl Endpoint for ShiftedEndpoint {
     fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
         let mut shifted = wrs.to_vec();
         for wr in &mut shifted {
-            wr.remote.addr += self.shift;
+            wr.remote.addr = wr.remote.addr.wrapping_add(self.shift);
         }
         self.inner.post_send(qp, &shifted)
     }

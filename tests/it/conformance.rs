@@ -1,66 +1,30 @@
-//! The transport conformance suite: the contract of `kvrelay::fabric::verbs::Endpoint`, written once over a
-//! [`Harness`] so every fabric runs the same bodies (house style 33).
+//! The transport conformance suite on kvrelay's own transports: every case of the library registry
+//! (`kvrelay::certify::conformance::cases`, the contract of `kvrelay::fabric::verbs::Endpoint`) on every backend,
+//! proof that the cases can fail (deliberately broken transports), and what stays test-only: the random-posts
+//! property over any `Transport` and the cases about simulated time (`SimWorld` directly, at the end).
 //!
-//! Backends: the in-memory `SimWorld` always, and with the cargo feature `rdma` the verbs fabric on a real device
-//! (`RdmaEndpoint`; `KVRELAY_RDMA_DEVICE` names it, default the first device with an active port). Every case over
-//! [`Backend`] runs on each; run the RDMA ones in the test guest (ci/rdma.sh does) with
-//! `KVRELAY_VM_SHARE=$PWD CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=$PWD/ci/rdma/run-in-guest.sh cargo test
-//! --features rdma --test it -- conformance rdma`. Cases about simulated time use `SimWorld` directly and sit at the end. Messages stay
-//! well within one MTU, so "a failed write changes no byte" holds on hardware too.
+//! Backends: the in-memory `SimTransport` always, and with the cargo feature `rdma` the verbs fabric on a real
+//! device (`RdmaTransport`; `KVRELAY_RDMA_DEVICE` names it, default the first device with an active port). Run the
+//! RDMA ones in the test guest (ci/rdma.sh does) with `KVRELAY_VM_SHARE=$PWD
+//! CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=$PWD/ci/rdma/run-in-guest.sh cargo test --features rdma --test it --
+//! conformance rdma`.
 
+use kvrelay::certify::conformance::{
+    cases, expected_target, on_qp, read_all, CaseError, Group, Link, SENTINEL, SUITE_CAPS, TARGET_LEN,
+};
+use kvrelay::certify::{Identity, SimTransport, Transport};
 use kvrelay::fabric::verbs::{
-    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpNum, RemoteAddr, Sge, WcKind, WcStatus, WorkCompletion,
+    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcStatus, WorkCompletion,
     WorkRequest,
 };
 use kvrelay::fabric::world::{self, SimWorld};
 use proptest::prelude::*;
 use rstest::rstest;
 
-/// What every backend is asked for: a shallow send queue keeps the credit cases short.
-const CAPS: Caps = Caps { max_sge: 3, max_message: 1 << 16, sq_depth: 4 };
-/// What unwritten target memory holds.
-const SENTINEL: u8 = 0xEE;
-const SOURCE_LEN: usize = 256;
-const TARGET_LEN: usize = 256;
-/// Bounds every wait, so a backend that never delivers fails instead of hanging.
-const SETTLE_ROUNDS: usize = 100;
+/// What every backend is asked for (the suite's caps).
+const CAPS: Caps = SUITE_CAPS;
 
-/// A fabric under test.
-trait Harness {
-    /// `count` fresh endpoints, each on its own node.
-    fn endpoints(&mut self, count: usize) -> Vec<Box<dyn Endpoint>>;
-    /// Lets a little time pass (the sim executes its next pending delivery).
-    fn step(&mut self);
-    /// Lets every work request posted so far execute and its completions become pollable (the sim runs until
-    /// idle; hardware waits a bounded time).
-    fn settle(&mut self);
-}
-
-/// The in-memory fabric.
-struct Sim {
-    world: SimWorld,
-    nodes: u32,
-}
-
-impl Harness for Sim {
-    fn endpoints(&mut self, count: usize) -> Vec<Box<dyn Endpoint>> {
-        let first = self.nodes;
-        self.nodes += count as u32;
-        (first..self.nodes).map(|node| Box::new(self.world.endpoint(NodeId(node))) as Box<dyn Endpoint>).collect()
-    }
-
-    fn step(&mut self) {
-        if let Some(time_ns) = self.world.next_event() {
-            self.world.advance_to(time_ns);
-        }
-    }
-
-    fn settle(&mut self) {
-        self.world.run_until_idle();
-    }
-}
-
-/// Every fabric the suite runs on.
+/// Every transport the suite runs on.
 #[derive(Debug, Clone, Copy)]
 enum Backend {
     Sim,
@@ -69,172 +33,359 @@ enum Backend {
 }
 
 impl Backend {
-    fn harness(self) -> Box<dyn Harness> {
+    fn transport(self) -> Box<dyn Transport> {
         match self {
-            Backend::Sim => Box::new(Sim { world: SimWorld::new(CAPS), nodes: 0 }),
+            Backend::Sim => Box::new(SimTransport::new(CAPS)),
             #[cfg(feature = "rdma")]
-            Backend::Rdma => Box::new(rdma::Rdma::default()),
+            Backend::Rdma => Box::new(rdma::transport()),
         }
     }
 }
 
-/// The verbs fabric on a real device. The harness keeps a handle on every endpoint it hands out, so that `step` and
-/// `settle` can wait on their completion channels; waiting never takes a completion away from the test.
+/// Runs every registered case on `transport`: the id and error of each that did not pass.
+fn run_suite(transport: &mut dyn Transport) -> Vec<(&'static str, CaseError)> {
+    cases().iter().filter_map(|case| (case.run)(transport).err().map(|error| (case.id, error))).collect()
+}
+
+/// Each failing case's id and error, one a line.
+fn listing(failures: &[(&'static str, CaseError)]) -> String {
+    failures.iter().map(|(id, error)| format!("  {id}: {error}\n")).collect()
+}
+
+/// Every case of the registry passes on the backend: none fails, none is unsupported with the suite's caps.
+#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
+#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
+fn every_conformance_case_passes(backend: Backend) {
+    let failures = run_suite(&mut *backend.transport());
+    assert!(failures.is_empty(), "{} of {} cases did not pass:\n{}", failures.len(), cases().len(), listing(&failures));
+}
+
+/// One named test per case on the in-memory fabric, so a failure names its case (the list is checked against the
+/// registry by `the_named_sim_tests_cover_the_registry`).
+macro_rules! sim_cases {
+    ($($id:ident),* $(,)?) => {
+        const SIM_CASE_IDS: &[&str] = &[$(stringify!($id)),*];
+
+        mod sim_case {
+            $(
+                #[test]
+                fn $id() {
+                    super::passes_on_the_sim(stringify!($id));
+                }
+            )*
+        }
+    };
+}
+
+sim_cases![
+    completions_of_one_qp_arrive_in_post_order,
+    only_signalled_work_requests_complete_and_free_the_slots_before_them,
+    posts_that_leave_a_full_queue_unsignalled_are_refused,
+    posting_past_the_send_queue_depth_is_refused_until_completions_are_polled,
+    out_of_bounds_remote_range_completes_remote_access_and_writes_nothing_past_the_end,
+    out_of_bounds_remote_range_completes_remote_access_and_writes_nothing_before_the_start,
+    out_of_bounds_remote_range_completes_remote_access_and_writes_nothing_one_byte_past_the_end,
+    out_of_bounds_remote_range_completes_remote_access_and_writes_nothing_wrapping_the_address_space,
+    bad_local_range_or_lkey_completes_local_protection_past_the_end,
+    bad_local_range_or_lkey_completes_local_protection_before_the_start,
+    bad_local_range_or_lkey_completes_local_protection_revoked_lkey,
+    after_an_error_later_work_requests_flush_and_other_qps_continue,
+    work_requests_posted_on_a_failing_qp_all_flush,
+    misuse_of_qps_and_regions_is_an_error_not_a_panic,
+    regions_are_owned_by_their_endpoint,
+    a_wrong_rkey_completes_remote_access_revoked_rkey,
+    a_wrong_rkey_completes_remote_access_rkey_of_another_region,
+    guard_bytes_around_a_refused_write_stay_unchanged_past_the_end,
+    guard_bytes_around_a_refused_write_stay_unchanged_unknown_rkey,
+    a_peer_that_is_not_connected_back_exceeds_retries,
+    duplicate_wr_ids_are_reported_as_given,
+    write_with_imm_notifies_the_receiver_after_the_data_landed,
+    multi_sge_writes_land_as_the_gathered_bytes,
+    deregister_returns_the_bytes_and_revokes_the_keys,
+    a_zero_byte_write_completes_and_changes_nothing,
+    many_qp_pairs_each_deliver_their_writes,
+    an_empty_region_takes_zero_byte_writes_only,
+];
+
+#[track_caller]
+fn passes_on_the_sim(id: &str) {
+    let case = kvrelay::certify::conformance::case_by_id(id).unwrap_or_else(|| panic!("no case {id}"));
+    let result = (case.run)(&mut SimTransport::new(CAPS));
+    assert_eq!(result, Ok(()), "{id}: {}", case.claim);
+}
+
+#[test]
+fn the_named_sim_tests_cover_the_registry() {
+    let registered: Vec<&str> = cases().iter().map(|case| case.id).collect();
+    assert_eq!(SIM_CASE_IDS, registered, "sim_cases! lists the registry's ids in its order");
+}
+
+/// Ids are the report's keys: unique and snake_case; claims are one line; the error paths are their own group.
+#[test]
+fn registry_ids_are_unique_snake_case_and_claims_are_one_line() {
+    let mut ids: Vec<&str> = cases().iter().map(|case| case.id).collect();
+    for id in &ids {
+        let snake = id.bytes().all(|byte| byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'_');
+        assert!(snake && id.starts_with(|first: char| first.is_ascii_lowercase()) && !id.contains("__"), "{id}");
+    }
+    ids.sort_unstable();
+    let count = ids.len();
+    ids.dedup();
+    assert_eq!(ids.len(), count, "duplicate case ids");
+    for case in cases() {
+        assert!(!case.claim.is_empty() && !case.claim.contains('\n'), "{}: {:?}", case.id, case.claim);
+        let error_path =
+            ["out_of_bounds", "local_protection", "flush", "misuse", "owned", "rkey", "guard", "not_connected"]
+                .iter()
+                .any(|word| case.id.contains(word));
+        assert_eq!(case.group == Group::ErrorPath, error_path, "{} is in {}", case.id, case.group.as_str());
+    }
+}
+
+/// A transport granting less than a case needs gets Unsupported naming the limit, and the other cases still pass.
+#[test]
+fn a_transport_granting_one_sge_makes_the_gather_case_unsupported() {
+    let mut transport = SimTransport::new(Caps { max_sge: 1, ..CAPS });
+    let failures = run_suite(&mut transport);
+    let expected = CaseError::Unsupported("needs max_sge >= 3, the transport grants 1".to_owned());
+    assert_eq!(failures, [("multi_sge_writes_land_as_the_gathered_bytes", expected)], "{}", listing(&failures));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The cases can fail: deliberately broken transports.
+
+/// What a broken transport's endpoints get wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sabotage {
+    /// `poll_cq` takes completions off the fabric and hands out none.
+    DropCompletions,
+    /// Every WRITE lands one byte after its remote address.
+    ShiftWrites,
+    /// Every completion reports Success, whatever happened.
+    ReportSuccess,
+    /// Refused calls claim success: posts, connects, reads and deregistrations never return an error.
+    HideErrors,
+}
+
+/// The in-memory fabric with one sabotage in every endpoint it opens.
+struct Broken {
+    inner: SimTransport,
+    sabotage: Sabotage,
+}
+
+struct BrokenEndpoint {
+    inner: Box<dyn Endpoint>,
+    sabotage: Sabotage,
+}
+
+impl Transport for Broken {
+    fn identity(&self) -> Identity {
+        Identity { name: format!("broken-{:?}", self.sabotage), ..self.inner.identity() }
+    }
+
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
+        let inner = self.inner.open(node, caps)?;
+        Ok(Box::new(BrokenEndpoint { inner, sabotage: self.sabotage }))
+    }
+
+    fn step(&mut self) {
+        self.inner.step();
+    }
+
+    fn settle(&mut self) {
+        self.inner.settle();
+    }
+
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+}
+
+impl BrokenEndpoint {
+    /// With [`Sabotage::HideErrors`], any outcome becomes success.
+    fn hide<T>(&self, res: Result<T, FabricError>) -> Result<(), FabricError> {
+        match res {
+            Err(_) if self.sabotage == Sabotage::HideErrors => Ok(()),
+            other => other.map(drop),
+        }
+    }
+}
+
+impl Endpoint for BrokenEndpoint {
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+
+    fn node(&self) -> NodeId {
+        self.inner.node()
+    }
+
+    fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
+        self.inner.register(bytes)
+    }
+
+    fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
+        let res = self.inner.deregister(region);
+        self.hide(res.clone()).map(|()| res.unwrap_or_default())
+    }
+
+    fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
+        self.hide(self.inner.read_local(region, offset, out))
+    }
+
+    fn create_qp(&mut self) -> Result<QpInfo, FabricError> {
+        self.inner.create_qp()
+    }
+
+    fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
+        let res = self.inner.connect_qp(local, remote);
+        self.hide(res)
+    }
+
+    fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
+        if self.sabotage != Sabotage::ShiftWrites {
+            let res = self.inner.post_send(qp, wrs);
+            return self.hide(res);
+        }
+        let shifted: Vec<WorkRequest> = wrs
+            .iter()
+            .map(|wr| WorkRequest {
+                remote: RemoteAddr { addr: wr.remote.addr.wrapping_add(1), ..wr.remote },
+                ..wr.clone()
+            })
+            .collect();
+        self.inner.post_send(qp, &shifted)
+    }
+
+    fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        let mut taken = Vec::new();
+        let count = self.inner.poll_cq(&mut taken, max);
+        match self.sabotage {
+            Sabotage::DropCompletions => return 0,
+            Sabotage::ShiftWrites | Sabotage::HideErrors => {}
+            Sabotage::ReportSuccess => taken.iter_mut().for_each(|wc| wc.status = WcStatus::Success),
+        }
+        out.extend(taken);
+        count
+    }
+}
+
+/// The ids of the cases that fail, and of those that pass, on a transport with `sabotage` (none may be
+/// unsupported).
+fn outcome(sabotage: Sabotage) -> (Vec<&'static str>, Vec<&'static str>) {
+    let mut transport = Broken { inner: SimTransport::new(CAPS), sabotage };
+    let failures = run_suite(&mut transport);
+    let unsupported: Vec<_> = failures.iter().filter(|(_, error)| matches!(error, CaseError::Unsupported(_))).collect();
+    assert!(unsupported.is_empty(), "{unsupported:?}");
+    let failed: Vec<&str> = failures.iter().map(|(id, _)| *id).collect();
+    let passed = cases().iter().map(|case| case.id).filter(|id| !failed.contains(id)).collect();
+    (failed, passed)
+}
+
+/// Dropping completions fails every case except the two that expect none (ownership and refused posts).
+#[test]
+fn a_transport_that_drops_completions_fails_every_case_that_awaits_one() {
+    let (failed, passed) = outcome(Sabotage::DropCompletions);
+    assert_eq!(passed, ["misuse_of_qps_and_regions_is_an_error_not_a_panic", "regions_are_owned_by_their_endpoint"]);
+    assert_eq!(failed.len(), cases().len() - 2);
+}
+
+/// Writes landing one byte late fail every case that checks where a successful write's bytes land.
+#[test]
+fn a_transport_that_misplaces_writes_fails_every_case_that_checks_landed_bytes() {
+    let (failed, _) = outcome(Sabotage::ShiftWrites);
+    let expected = [
+        "only_signalled_work_requests_complete_and_free_the_slots_before_them",
+        "posts_that_leave_a_full_queue_unsignalled_are_refused",
+        "posting_past_the_send_queue_depth_is_refused_until_completions_are_polled",
+        "after_an_error_later_work_requests_flush_and_other_qps_continue",
+        "duplicate_wr_ids_are_reported_as_given",
+        "write_with_imm_notifies_the_receiver_after_the_data_landed",
+        "multi_sge_writes_land_as_the_gathered_bytes",
+        "deregister_returns_the_bytes_and_revokes_the_keys",
+        "many_qp_pairs_each_deliver_their_writes",
+        "an_empty_region_takes_zero_byte_writes_only",
+    ];
+    assert_eq!(failed, expected);
+}
+
+/// Completions that always claim Success fail every case that expects an error completion: every error-path case
+/// but the two that expect none, and the two contract cases that write to a revoked or empty region.
+#[test]
+fn a_transport_that_reports_every_completion_successful_fails_every_case_expecting_an_error_status() {
+    let (failed, _) = outcome(Sabotage::ReportSuccess);
+    let quiet = ["misuse_of_qps_and_regions_is_an_error_not_a_panic", "regions_are_owned_by_their_endpoint"];
+    let contract = ["deregister_returns_the_bytes_and_revokes_the_keys", "an_empty_region_takes_zero_byte_writes_only"];
+    let expected: Vec<&str> = cases()
+        .iter()
+        .filter(|case| (case.group == Group::ErrorPath && !quiet.contains(&case.id)) || contract.contains(&case.id))
+        .map(|case| case.id)
+        .collect();
+    assert_eq!(failed, expected);
+}
+
+/// Hiding refusals fails the cases that expect a typed error from an endpoint call.
+#[test]
+fn a_transport_that_hides_refusals_fails_every_case_expecting_a_typed_error() {
+    let (failed, _) = outcome(Sabotage::HideErrors);
+    let expected = [
+        "posts_that_leave_a_full_queue_unsignalled_are_refused",
+        "posting_past_the_send_queue_depth_is_refused_until_completions_are_polled",
+        "misuse_of_qps_and_regions_is_an_error_not_a_panic",
+        "regions_are_owned_by_their_endpoint",
+        "deregister_returns_the_bytes_and_revokes_the_keys",
+        "an_empty_region_takes_zero_byte_writes_only",
+    ];
+    assert_eq!(failed, expected);
+}
+
+/// Every case fails on at least one of the broken transports: none is a test that cannot fail.
+#[test]
+fn every_case_fails_on_some_broken_transport() {
+    let sabotages = [Sabotage::DropCompletions, Sabotage::ShiftWrites, Sabotage::ReportSuccess, Sabotage::HideErrors];
+    let failed: Vec<&str> = sabotages.into_iter().flat_map(|sabotage| outcome(sabotage).0).collect();
+    let never: Vec<&str> = cases().iter().map(|case| case.id).filter(|id| !failed.contains(id)).collect();
+    assert!(never.is_empty(), "no broken transport fails {never:?}");
+}
+
+/// The verbs fabric on a real device: the transport, and what only `RdmaEndpoint` itself can be asked.
 #[cfg(feature = "rdma")]
 mod rdma {
-    use std::cell::RefCell;
-    use std::rc::Rc;
     use std::time::{Duration, Instant};
 
+    use kvrelay::certify::{RdmaTransport, Transport};
     use kvrelay::fabric::rdma::{write_bandwidth, RdmaEndpoint, RdmaError};
-    use kvrelay::fabric::verbs::{
-        Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcKind, WcStatus,
-        WorkCompletion, WorkRequest,
-    };
+    use kvrelay::fabric::verbs::{Caps, Endpoint, NodeId, RemoteAddr, Sge, WcKind, WcStatus, WorkRequest};
 
-    use super::{Harness, CAPS};
-
-    /// `settle` returns once no endpoint awaits a certain completion and none has taken a new one for this long,
-    /// counting each wait as at most two slices (a guest that was not scheduled for a while is not quiet)...
-    const QUIET: Duration = Duration::from_millis(150);
-    /// ...or after this long in any case (`drain` settles again while completions are missing).
-    const SETTLE_LIMIT: Duration = Duration::from_secs(5);
-    /// How long one blocking wait on a completion channel lasts inside `settle`.
-    const SLICE: Duration = Duration::from_millis(5);
-    /// What `step` lets pass.
-    const STEP: Duration = Duration::from_millis(1);
-
-    /// An endpoint and how many completions the test has polled from it.
-    struct Tracked {
-        endpoint: RdmaEndpoint,
-        polled: u64,
-    }
-
-    /// The test's handle on a [`Tracked`] endpoint.
-    struct Shared(Rc<RefCell<Tracked>>);
-
-    impl Endpoint for Shared {
-        fn caps(&self) -> Caps {
-            self.0.borrow().endpoint.caps()
-        }
-
-        fn node(&self) -> NodeId {
-            self.0.borrow().endpoint.node()
-        }
-
-        fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
-            self.0.borrow_mut().endpoint.register(bytes)
-        }
-
-        fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
-            self.0.borrow_mut().endpoint.deregister(region)
-        }
-
-        fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
-            self.0.borrow().endpoint.read_local(region, offset, out)
-        }
-
-        fn create_qp(&mut self) -> Result<QpInfo, FabricError> {
-            self.0.borrow_mut().endpoint.create_qp()
-        }
-
-        fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
-            self.0.borrow_mut().endpoint.connect_qp(local, remote)
-        }
-
-        fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
-            self.0.borrow_mut().endpoint.post_send(qp, wrs)
-        }
-
-        fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-            let mut tracked = self.0.borrow_mut();
-            let count = tracked.endpoint.poll_cq(out, max);
-            tracked.polled += count as u64;
-            count
-        }
-    }
-
-    #[derive(Default)]
-    pub(super) struct Rdma {
-        endpoints: Vec<Rc<RefCell<Tracked>>>,
-        nodes: u32,
-    }
-
-    impl Rdma {
-        /// Completions taken off the devices so far (polled by the test, or waiting in an endpoint): grows exactly
-        /// when a new completion arrives.
-        fn arrived(&self) -> u64 {
-            let mut total = 0;
-            for tracked in &self.endpoints {
-                let mut tracked = tracked.borrow_mut();
-                tracked.endpoint.wait(Duration::ZERO);
-                total += tracked.polled + tracked.endpoint.ready() as u64;
-            }
-            total
-        }
-
-        /// Sleeps up to `slice` on the completion channel of an endpoint with nothing ready (or plainly, if all have
-        /// something ready: their channels would not block).
-        fn block(&self, slice: Duration) {
-            match self.endpoints.iter().find(|tracked| tracked.borrow().endpoint.ready() == 0) {
-                Some(tracked) => {
-                    tracked.borrow_mut().endpoint.wait(slice);
-                }
-                None => std::thread::sleep(slice),
-            }
-        }
-    }
-
-    impl Harness for Rdma {
-        fn endpoints(&mut self, count: usize) -> Vec<Box<dyn Endpoint>> {
-            let mut res: Vec<Box<dyn Endpoint>> = Vec::new();
-            for _ in 0..count {
-                let node = NodeId(self.nodes);
-                self.nodes += 1;
-                let endpoint = open(node.0, CAPS);
-                assert_eq!(endpoint.caps(), CAPS, "{} cannot give the suite its caps", endpoint.device());
-                let tracked = Rc::new(RefCell::new(Tracked { endpoint, polled: 0 }));
-                self.endpoints.push(Rc::clone(&tracked));
-                res.push(Box::new(Shared(tracked)));
-            }
-            res
-        }
-
-        fn step(&mut self) {
-            self.block(STEP);
-        }
-
-        /// Waits until no endpoint awaits a certain completion and none has taken a new one for [`QUIET`] (at most
-        /// [`SETTLE_LIMIT`]).
-        #[allow(clippy::disallowed_methods, reason = "waiting for a device is bounded on the wall clock")]
-        fn settle(&mut self) {
-            let start = Instant::now();
-            let mut arrived = self.arrived();
-            let mut quiet = Duration::ZERO;
-            while start.elapsed() < SETTLE_LIMIT {
-                let awaited = self.endpoints.iter().any(|tracked| tracked.borrow().endpoint.awaits_completions());
-                if !awaited && quiet >= QUIET {
-                    return;
-                }
-                let slice_start = Instant::now();
-                self.block(SLICE);
-                quiet += slice_start.elapsed().min(2 * SLICE);
-                let now = self.arrived();
-                if now != arrived {
-                    arrived = now;
-                    quiet = Duration::ZERO;
-                }
-            }
-        }
-    }
+    use super::CAPS;
 
     fn device() -> Option<String> {
         std::env::var("KVRELAY_RDMA_DEVICE").ok().filter(|name| !name.is_empty())
     }
 
+    /// The suite's transport on the device, or a panic that says what was found and how to fix it.
+    pub(super) fn transport() -> RdmaTransport {
+        RdmaTransport::new(device().as_deref()).unwrap_or_else(|error| panic!("{error}"))
+    }
+
     /// An endpoint on the suite's device, or a panic that says what was found and how to fix it.
     fn open(node: u32, caps: Caps) -> RdmaEndpoint {
         RdmaEndpoint::open(NodeId(node), device().as_deref(), caps).unwrap_or_else(|error| panic!("{error}"))
+    }
+
+    /// The transport's identity names the device, port and GID index an endpoint of it reports.
+    #[test]
+    fn rdma_transport_identity_names_its_device_port_and_gid_index() {
+        let mut transport = transport();
+        let identity = transport.identity();
+        let endpoint = open(0, CAPS);
+        assert_eq!(identity.name, "rdma");
+        assert_eq!(identity.facts.get("device").map(String::as_str), Some(endpoint.device()), "{identity:?}");
+        assert_eq!(identity.facts.get("port"), Some(&endpoint.port().to_string()), "{identity:?}");
+        let gid_index = endpoint.gid_index().map(|index| index.to_string());
+        assert!(gid_index.is_none_or(|index| identity.facts.get("gid_index") == Some(&index)), "{identity:?}");
+        let opened = transport.open(NodeId(3), CAPS).unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!((opened.node(), opened.caps()), (NodeId(3), CAPS), "the device grants the suite's caps");
     }
 
     /// Open failures say what was found and how to fix it.
@@ -310,584 +461,6 @@ mod rdma {
         assert_eq!((run.bytes, run.work_requests), (4096 * 300, 300));
         assert!(run.seconds > 0.0 && run.bytes_per_second() > 0.0, "{run:?}");
     }
-}
-
-/// A sender and a receiver with a patterned source region, a sentinel target region and connected QP pairs.
-struct Link {
-    sender: Box<dyn Endpoint>,
-    receiver: Box<dyn Endpoint>,
-    /// (sender QP, receiver QP), connected both ways.
-    qps: Vec<(QpNum, QpNum)>,
-    source: MemoryRegion,
-    target: MemoryRegion,
-}
-
-fn link(harness: &mut dyn Harness, qp_count: usize) -> Link {
-    let mut endpoints = harness.endpoints(2);
-    let mut receiver = endpoints.pop().unwrap();
-    let mut sender = endpoints.pop().unwrap();
-    let source = sender.register(pattern(SOURCE_LEN)).unwrap();
-    let target = receiver.register(vec![SENTINEL; TARGET_LEN]).unwrap();
-    let qps = (0..qp_count).map(|_| connect(&mut *sender, &mut *receiver)).collect();
-    Link { sender, receiver, qps, source, target }
-}
-
-/// Creates a QP on each side and connects them to each other (the bootstrap's job).
-fn connect(first: &mut dyn Endpoint, second: &mut dyn Endpoint) -> (QpNum, QpNum) {
-    let first_info = first.create_qp().unwrap();
-    let second_info = second.create_qp().unwrap();
-    first.connect_qp(first_info.qpn, second_info).unwrap();
-    second.connect_qp(second_info.qpn, first_info).unwrap();
-    (first_info.qpn, second_info.qpn)
-}
-
-/// Source bytes: distinct from their neighbours and never equal to the sentinel.
-fn pattern(len: usize) -> Vec<u8> {
-    (0..len).map(|index| (index % 251) as u8).collect()
-}
-
-impl Link {
-    /// A signalled WRITE of `len` source bytes from `source_offset` to `target_offset`.
-    fn write(&self, wr_id: u64, source_offset: u64, target_offset: u64, len: u64) -> WorkRequest {
-        WorkRequest {
-            wr_id,
-            sges: vec![Sge { addr: self.source.addr + source_offset, len, lkey: self.source.lkey }],
-            remote: RemoteAddr { addr: self.target.addr + target_offset, rkey: self.target.rkey },
-            imm: None,
-            signaled: true,
-        }
-    }
-
-    /// The sender's QP of pair `index`.
-    fn qp(&self, index: usize) -> QpNum {
-        self.qps[index].0
-    }
-
-    fn target_bytes(&self) -> Vec<u8> {
-        read_all(&*self.receiver, &self.target)
-    }
-}
-
-fn unsignaled(wr: WorkRequest) -> WorkRequest {
-    WorkRequest { signaled: false, ..wr }
-}
-
-fn read_all(endpoint: &dyn Endpoint, region: &MemoryRegion) -> Vec<u8> {
-    let mut res = vec![0; region.len as usize];
-    endpoint.read_local(region, 0, &mut res).unwrap();
-    res
-}
-
-/// The target image after the given `(source_offset, target_offset, len)` writes of the source pattern.
-fn expected_target(writes: &[(usize, usize, usize)]) -> Vec<u8> {
-    let source = pattern(SOURCE_LEN);
-    let mut res = vec![SENTINEL; TARGET_LEN];
-    for &(source_offset, target_offset, len) in writes {
-        res[target_offset..target_offset + len].copy_from_slice(&source[source_offset..source_offset + len]);
-    }
-    res
-}
-
-/// Polls `endpoint` until exactly `count` completions have arrived (settling in between), then checks no more come.
-#[track_caller]
-fn drain(harness: &mut dyn Harness, endpoint: &mut dyn Endpoint, count: usize) -> Vec<WorkCompletion> {
-    let mut res = Vec::new();
-    for _ in 0..SETTLE_ROUNDS {
-        endpoint.poll_cq(&mut res, usize::MAX);
-        if res.len() >= count {
-            break;
-        }
-        harness.settle();
-    }
-    harness.settle();
-    endpoint.poll_cq(&mut res, usize::MAX);
-    assert_eq!(res.len(), count, "expected {count} completions, got:\n{res:#?}");
-    res
-}
-
-/// `(wr_id, status)` of the completions of `qp`, in arrival order.
-fn on_qp(completions: &[WorkCompletion], qp: QpNum) -> Vec<(u64, WcStatus)> {
-    completions.iter().filter(|wc| wc.qp == qp).map(|wc| (wc.wr_id, wc.status)).collect()
-}
-
-#[track_caller]
-fn assert_depth_at_least(link: &Link, depth: usize) {
-    assert!(link.sender.caps().sq_depth >= depth, "this case needs a send queue of at least {depth}");
-}
-
-/// Completions of one QP follow post order even when a large write precedes a small one; two QPs interleave.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn completions_of_one_qp_arrive_in_post_order(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 2);
-    assert_depth_at_least(&link, 3);
-    let (first, second) = (link.qp(0), link.qp(1));
-    for (index, len) in [200u64, 1, 50].into_iter().enumerate() {
-        let index = index as u64;
-        let wr = link.write(1 + index, 0, 0, len);
-        link.sender.post_send(first, &[wr]).unwrap();
-        let wr = link.write(11 + index, 0, 200, 50 - 20 * index);
-        link.sender.post_send(second, &[wr]).unwrap();
-    }
-    let completions = drain(&mut *harness, &mut *link.sender, 6);
-    let success = WcStatus::Success;
-    assert_eq!(on_qp(&completions, first), [(1, success), (2, success), (3, success)]);
-    assert_eq!(on_qp(&completions, second), [(11, success), (12, success), (13, success)]);
-    let lens: Vec<u64> = completions.iter().filter(|wc| wc.qp == first).map(|wc| wc.byte_len).collect();
-    assert_eq!(lens, [200, 1, 50], "byte_len reports each write's length");
-}
-
-/// Unsignalled writes execute without completing; the signalled one behind them frees all their slots.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn only_signalled_work_requests_complete_and_free_the_slots_before_them(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let depth = link.sender.caps().sq_depth;
-    let qp = link.qp(0);
-    let mut batch: Vec<WorkRequest> =
-        (0..depth as u64 - 1).map(|index| unsignaled(link.write(index, index, index, 1))).collect();
-    batch.push(link.write(99, 50, 50, 1));
-    link.sender.post_send(qp, &batch).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!(on_qp(&completions, qp), [(99, WcStatus::Success)]);
-    let mut writes: Vec<(usize, usize, usize)> = (0..depth - 1).map(|index| (index, index, 1)).collect();
-    writes.push((50, 50, 1));
-    assert_eq!(link.target_bytes(), expected_target(&writes), "unsignalled writes executed too");
-    // A full queue's worth of new posts is accepted only if polling the one completion freed every slot.
-    let batch: Vec<WorkRequest> = (0..depth as u64).map(|index| link.write(200 + index, 0, 100, 1)).collect();
-    link.sender.post_send(qp, &batch).unwrap();
-    drain(&mut *harness, &mut *link.sender, depth);
-}
-
-/// A send queue holding only unsignalled work requests would never free a slot, so such a post is refused.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn posts_that_leave_a_full_queue_unsignalled_are_refused(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let depth = link.sender.caps().sq_depth;
-    let qp = link.qp(0);
-    let batch: Vec<WorkRequest> = (0..depth as u64).map(|index| unsignaled(link.write(index, 0, 0, 8))).collect();
-    assert_eq!(link.sender.post_send(qp, &batch), Err(FabricError::SignalRequired { qp, depth }));
-    link.sender.post_send(qp, &batch[1..]).unwrap();
-    let one_more = unsignaled(link.write(50, 0, 100, 8));
-    assert_eq!(link.sender.post_send(qp, &[one_more]), Err(FabricError::SignalRequired { qp, depth }));
-    link.sender.post_send(qp, &[link.write(51, 0, 100, 8)]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!(on_qp(&completions, qp), [(51, WcStatus::Success)], "the refused unsignalled writes never ran");
-    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 8), (0, 100, 8)]));
-}
-
-/// Posting past the depth fails with QueueFull and posts nothing, even the part of a batch that would fit;
-/// polling completions returns the credits.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn posting_past_the_send_queue_depth_is_refused_until_completions_are_polled(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let depth = link.sender.caps().sq_depth;
-    let qp = link.qp(0);
-    for index in 0..depth as u64 - 1 {
-        link.sender.post_send(qp, &[link.write(index, 0, 0, 4)]).unwrap();
-    }
-    let straddling = [link.write(100, 0, 100, 4), link.write(101, 0, 110, 4)];
-    assert_eq!(link.sender.post_send(qp, &straddling), Err(FabricError::QueueFull { qp, depth }));
-    link.sender.post_send(qp, &[link.write(depth as u64, 0, 0, 4)]).unwrap();
-    assert_eq!(link.sender.post_send(qp, &[link.write(102, 0, 120, 4)]), Err(FabricError::QueueFull { qp, depth }));
-    let completions = drain(&mut *harness, &mut *link.sender, depth);
-    assert!(completions.iter().all(|wc| wc.wr_id < 100), "a refused batch must not run: {completions:#?}");
-    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 4)]), "the refused writes left no byte");
-    link.sender.post_send(qp, &straddling).unwrap();
-    drain(&mut *harness, &mut *link.sender, 2);
-}
-
-/// A remote range that leaves the rkey's region completes RemoteAccess and changes no byte of the target, of its
-/// neighbours or of the source.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-#[case::past_the_end(|addr| addr + TARGET_LEN as u64 - 4, 8)]
-#[case::before_the_start(|addr| addr - 4, 8)]
-#[case::one_byte_past_the_end(|addr| addr + TARGET_LEN as u64, 1)]
-#[case::wrapping_the_address_space(|_| u64::MAX - 8, 16)]
-fn out_of_bounds_remote_range_completes_remote_access_and_writes_nothing(
-    backend: Backend,
-    #[case] remote_addr: fn(u64) -> u64,
-    #[case] len: u64,
-) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let neighbours =
-        [link.receiver.register(vec![SENTINEL; 64]).unwrap(), link.receiver.register(vec![SENTINEL; 64]).unwrap()];
-    let mut wr = link.write(1, 0, 0, len);
-    wr.remote.addr = remote_addr(link.target.addr);
-    link.sender.post_send(link.qp(0), &[wr]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!(on_qp(&completions, link.qp(0)), [(1, WcStatus::RemoteAccess)]);
-    assert_eq!(completions[0].byte_len, 0);
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
-    for neighbour in &neighbours {
-        assert_eq!(read_all(&*link.receiver, neighbour), vec![SENTINEL; 64], "a neighbouring region changed");
-    }
-    assert_eq!(read_all(&*link.sender, &link.source), pattern(SOURCE_LEN));
-}
-
-/// An SGE outside the region of its lkey (or with a revoked lkey) completes LocalProtection and writes nothing.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-#[case::past_the_end(|addr| addr + SOURCE_LEN as u64 - 4, false)]
-#[case::before_the_start(|addr| addr - 4, false)]
-#[case::revoked_lkey(|addr| addr, true)]
-fn bad_local_range_or_lkey_completes_local_protection(
-    backend: Backend,
-    #[case] source_addr: fn(u64) -> u64,
-    #[case] revoked: bool,
-) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let mut wr = link.write(1, 0, 0, 8);
-    wr.sges[0].addr = source_addr(link.source.addr);
-    if revoked {
-        let stale = link.sender.register(pattern(64)).unwrap();
-        link.sender.deregister(&stale).unwrap();
-        wr.sges[0] = Sge { addr: stale.addr, len: 8, lkey: stale.lkey };
-    }
-    link.sender.post_send(link.qp(0), &[wr]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!(on_qp(&completions, link.qp(0)), [(1, WcStatus::LocalProtection)]);
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
-}
-
-/// The first failure moves its QP to the error state: every later work request on it, queued or posted later,
-/// completes Flushed (unsignalled ones too) and writes nothing; another QP keeps working.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn after_an_error_later_work_requests_flush_and_other_qps_continue(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 2);
-    assert_depth_at_least(&link, 4);
-    let (broken, healthy) = (link.qp(0), link.qp(1));
-    let out_of_bounds = link.write(2, 0, TARGET_LEN as u64, 8);
-    let batch = [link.write(1, 0, 0, 8), out_of_bounds, unsignaled(link.write(3, 0, 20, 8)), link.write(4, 0, 30, 8)];
-    link.sender.post_send(broken, &batch).unwrap();
-    link.sender.post_send(healthy, &[link.write(11, 0, 100, 8)]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 5);
-    let flushed = WcStatus::Flushed;
-    assert_eq!(
-        on_qp(&completions, broken),
-        [(1, WcStatus::Success), (2, WcStatus::RemoteAccess), (3, flushed), (4, flushed)]
-    );
-    assert_eq!(on_qp(&completions, healthy), [(11, WcStatus::Success)]);
-    link.sender.post_send(broken, &[unsignaled(link.write(5, 0, 40, 8))]).unwrap();
-    link.sender.post_send(healthy, &[link.write(12, 0, 110, 8)]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 2);
-    assert_eq!(on_qp(&completions, broken), [(5, flushed)], "posting on a QP in error flushes, signalled or not");
-    assert_eq!(on_qp(&completions, healthy), [(12, WcStatus::Success)]);
-    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 8), (0, 100, 8), (0, 110, 8)]));
-}
-
-/// Work requests posted while their QP is failing, and after its failure was polled, all complete Flushed in post
-/// order, signalled or not (Soft-RoCE before Linux 6.9 needs the verbs fabric's help for this).
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn work_requests_posted_on_a_failing_qp_all_flush(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    assert_depth_at_least(&link, 4);
-    let qp = link.qp(0);
-    let mut bad_lkey = unsignaled(link.write(0, 0, 0, 8));
-    bad_lkey.sges[0].lkey = link.source.lkey ^ 0x8000_0000;
-    link.sender.post_send(qp, &[bad_lkey]).unwrap();
-    link.sender
-        .post_send(qp, &[link.write(1, 0, 8, 8), link.write(2, 0, 16, 8), unsignaled(link.write(3, 0, 24, 8))])
-        .unwrap();
-    let flushed = WcStatus::Flushed;
-    let completions = drain(&mut *harness, &mut *link.sender, 4);
-    assert_eq!(on_qp(&completions, qp), [(0, WcStatus::LocalProtection), (1, flushed), (2, flushed), (3, flushed)]);
-    let batch = [unsignaled(link.write(4, 0, 32, 8)), unsignaled(link.write(5, 0, 40, 8)), link.write(6, 0, 48, 8)];
-    link.sender.post_send(qp, &batch).unwrap();
-    link.sender.post_send(qp, &[link.write(7, 0, 56, 8)]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 4);
-    assert_eq!(on_qp(&completions, qp), [(4, flushed), (5, flushed), (6, flushed), (7, flushed)]);
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
-}
-
-/// Misuse is a typed error, never a panic, and a refused batch posts nothing.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn misuse_of_qps_and_regions_is_an_error_not_a_panic(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let wr = link.write(1, 0, 0, 8);
-    let never_created = QpNum(0xdead_beef);
-    assert_eq!(
-        link.sender.post_send(never_created, std::slice::from_ref(&wr)),
-        Err(FabricError::UnknownQp(never_created))
-    );
-    let lonely = link.sender.create_qp().unwrap();
-    assert_eq!(link.sender.connect_qp(never_created, lonely), Err(FabricError::UnknownQp(never_created)));
-    assert_eq!(
-        link.sender.post_send(lonely.qpn, std::slice::from_ref(&wr)),
-        Err(FabricError::NotConnected(lonely.qpn))
-    );
-    let peer = link.receiver.create_qp().unwrap();
-    assert_eq!(link.sender.connect_qp(link.qp(0), peer), Err(FabricError::AlreadyConnected(link.qp(0))));
-    let too_many = WorkRequest { sges: vec![wr.sges[0]; link.sender.caps().max_sge + 1], ..wr.clone() };
-    assert!(matches!(
-        link.sender.post_send(link.qp(0), &[wr.clone(), too_many]),
-        Err(FabricError::TooManySges { wr_id: 1, .. })
-    ));
-    let max = link.sender.caps().max_message;
-    let huge = WorkRequest { sges: vec![Sge { len: max + 1, ..wr.sges[0] }], ..wr.clone() };
-    assert!(matches!(link.sender.post_send(link.qp(0), &[wr, huge]), Err(FabricError::MessageTooLarge { .. })));
-    // The valid first halves of the refused batches never ran.
-    harness.settle();
-    assert_eq!(link.sender.poll_cq(&mut Vec::new(), usize::MAX), 0);
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
-}
-
-/// Regions belong to their endpoint: another endpoint cannot read or deregister them, and reads stay inside.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn regions_are_owned_by_their_endpoint(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let target = link.target;
-    assert_eq!(link.sender.read_local(&target, 0, &mut [0; 4]), Err(FabricError::UnknownRegion { addr: target.addr }));
-    assert_eq!(link.sender.deregister(&target), Err(FabricError::UnknownRegion { addr: target.addr }));
-    let forged = MemoryRegion { len: target.len + 1, ..target };
-    assert_eq!(
-        link.receiver.read_local(&forged, 0, &mut [0; 4]),
-        Err(FabricError::UnknownRegion { addr: target.addr })
-    );
-    let out_of_region = link.receiver.read_local(&target, target.len - 2, &mut [0; 4]);
-    assert_eq!(out_of_region, Err(FabricError::OutOfRegion { offset: target.len - 2, len: 4, region_len: target.len }));
-    let mut tail = [0; 2];
-    link.receiver.read_local(&target, target.len - 2, &mut tail).unwrap();
-    assert_eq!(tail, [SENTINEL; 2]);
-}
-
-/// An rkey reaches only its own region: a revoked rkey, or a valid rkey with another region's address, completes
-/// RemoteAccess and writes nothing.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-#[case::revoked_rkey(true)]
-#[case::rkey_of_another_region(false)]
-fn a_wrong_rkey_completes_remote_access(backend: Backend, #[case] revoked: bool) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let other = link.receiver.register(vec![SENTINEL; 64]).unwrap();
-    let mut wr = link.write(1, 0, 0, 8);
-    if revoked {
-        wr.remote = RemoteAddr { addr: other.addr, rkey: other.rkey };
-        link.receiver.deregister(&other).unwrap();
-    } else {
-        wr.remote.addr = other.addr;
-    }
-    link.sender.post_send(link.qp(0), &[wr]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!(on_qp(&completions, link.qp(0)), [(1, WcStatus::RemoteAccess)]);
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
-    if !revoked {
-        assert_eq!(read_all(&*link.receiver, &other), vec![SENTINEL; 64]);
-    }
-}
-
-/// A write that runs past the end of its region, or carries an rkey no region has, completes RemoteAccess: the
-/// target region's bytes outside the write's range, a region registered right after it and the source keep their
-/// bytes (the range itself is undefined by the contract; within one MTU hardware writes none of it either). The QP
-/// is then in the error state: a valid write behind it flushes.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-#[case::past_the_end(false, TARGET_LEN as u64 - 16, 32)]
-#[case::unknown_rkey(true, 96, 32)]
-fn guard_bytes_around_a_refused_write_stay_unchanged(
-    backend: Backend,
-    #[case] unknown_rkey: bool,
-    #[case] target_offset: u64,
-    #[case] len: u64,
-) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let neighbour = link.receiver.register(vec![SENTINEL; TARGET_LEN]).unwrap();
-    let mut wr = link.write(1, 8, target_offset, len);
-    if unknown_rkey {
-        wr.remote.rkey = link.target.rkey ^ 0x8000_0000;
-        assert!(![link.target.rkey, neighbour.rkey].contains(&wr.remote.rkey));
-    }
-    let behind = link.write(2, 0, 0, 8);
-    link.sender.post_send(link.qp(0), &[wr, behind]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 2);
-    assert_eq!(on_qp(&completions, link.qp(0)), [(1, WcStatus::RemoteAccess), (2, WcStatus::Flushed)]);
-    assert_eq!(completions[0].byte_len, 0);
-    let target = link.target_bytes();
-    let (start, end) = (target_offset as usize, (target_offset + len).min(TARGET_LEN as u64) as usize);
-    assert_eq!(target[..start], [SENTINEL; TARGET_LEN][..start], "bytes before the refused write changed");
-    assert_eq!(target[end..], [SENTINEL; TARGET_LEN][end..], "bytes after the refused write changed");
-    assert_eq!(read_all(&*link.receiver, &neighbour), vec![SENTINEL; TARGET_LEN], "the neighbouring region changed");
-    assert_eq!(read_all(&*link.sender, &link.source), pattern(SOURCE_LEN), "the source changed");
-}
-
-/// An RC QP answers only the QP it is connected to: a peer that never connected back makes writes time out.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn a_peer_that_is_not_connected_back_exceeds_retries(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 0);
-    let local = link.sender.create_qp().unwrap();
-    let remote = link.receiver.create_qp().unwrap();
-    link.sender.connect_qp(local.qpn, remote).unwrap();
-    link.sender.post_send(local.qpn, &[link.write(1, 0, 0, 8), link.write(2, 0, 8, 8)]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 2);
-    assert_eq!(on_qp(&completions, local.qpn), [(1, WcStatus::RetryExceeded), (2, WcStatus::Flushed)]);
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
-}
-
-/// The fabric neither interprets nor deduplicates wr_ids.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn duplicate_wr_ids_are_reported_as_given(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    assert_depth_at_least(&link, 3);
-    let batch = [link.write(7, 0, 0, 4), link.write(7, 4, 4, 4), link.write(7, 8, 8, 4)];
-    link.sender.post_send(link.qp(0), &batch).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 3);
-    assert_eq!(on_qp(&completions, link.qp(0)), [(7, WcStatus::Success); 3]);
-    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 12)]));
-}
-
-/// WRITE_WITH_IMM: the receiver's RecvImm carries the immediate and, when polled, the data of that write and of
-/// every earlier write on the QP has landed.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn write_with_imm_notifies_the_receiver_after_the_data_landed(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let (qp, receiver_qp) = link.qps[0];
-    let with_imm = WorkRequest { imm: Some(0xC0FFEE), ..link.write(2, 16, 64, 32) };
-    link.sender.post_send(qp, &[unsignaled(link.write(1, 0, 0, 16)), with_imm]).unwrap();
-    let notes = drain(&mut *harness, &mut *link.receiver, 1);
-    let note = notes[0];
-    assert_eq!(
-        (note.kind, note.status, note.imm, note.qp),
-        (WcKind::RecvImm, WcStatus::Success, Some(0xC0FFEE), receiver_qp)
-    );
-    assert_eq!(note.byte_len, 32);
-    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 16), (16, 64, 32)]));
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!((completions[0].wr_id, completions[0].kind, completions[0].imm), (2, WcKind::Write, None));
-}
-
-/// The bytes that land are the SGEs gathered in order, across regions, contiguously at the remote address.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn multi_sge_writes_land_as_the_gathered_bytes(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    assert!(link.sender.caps().max_sge >= 3, "this case needs three SGEs per work request");
-    let second: Vec<u8> = (0..32).map(|index| 200 - index).collect();
-    let second_region = link.sender.register(second.clone()).unwrap();
-    let sges = vec![
-        Sge { addr: link.source.addr + 3, len: 5, lkey: link.source.lkey },
-        Sge { addr: second_region.addr + 10, len: 7, lkey: second_region.lkey },
-        Sge { addr: link.source.addr + 100, len: 2, lkey: link.source.lkey },
-    ];
-    let wr = WorkRequest { sges, ..link.write(1, 0, 40, 0) };
-    link.sender.post_send(link.qp(0), &[wr]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!((completions[0].status, completions[0].byte_len), (WcStatus::Success, 14));
-    let source = pattern(SOURCE_LEN);
-    let gathered = [&source[3..8], &second[10..17], &source[100..102]].concat();
-    let mut expected = vec![SENTINEL; TARGET_LEN];
-    expected[40..54].copy_from_slice(&gathered);
-    assert_eq!(link.target_bytes(), expected);
-}
-
-/// Deregistering hands back the current bytes and revokes the keys.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn deregister_returns_the_bytes_and_revokes_the_keys(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    link.sender.post_send(link.qp(0), &[link.write(1, 10, 20, 30)]).unwrap();
-    drain(&mut *harness, &mut *link.sender, 1);
-    let target = link.target;
-    assert_eq!(link.receiver.deregister(&target).unwrap(), expected_target(&[(10, 20, 30)]));
-    assert_eq!(link.receiver.deregister(&target), Err(FabricError::UnknownRegion { addr: target.addr }));
-    assert_eq!(
-        link.receiver.read_local(&target, 0, &mut [0; 1]),
-        Err(FabricError::UnknownRegion { addr: target.addr })
-    );
-    link.sender.post_send(link.qp(0), &[link.write(2, 0, 0, 8)]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!(on_qp(&completions, link.qp(0)), [(2, WcStatus::RemoteAccess)]);
-}
-
-/// A zero-byte write is a valid message: it completes with byte_len 0 and changes nothing.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn a_zero_byte_write_completes_and_changes_nothing(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 1);
-    let wr = WorkRequest { sges: Vec::new(), ..link.write(1, 0, 0, 0) };
-    link.sender.post_send(link.qp(0), &[wr]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 1);
-    assert_eq!((completions[0].status, completions[0].byte_len), (WcStatus::Success, 0));
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
-}
-
-/// Many QP pairs between two endpoints each carry their own writes and notifications (on hardware the shared CQ
-/// grows as QPs are created).
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn many_qp_pairs_each_deliver_their_writes(backend: Backend) {
-    const PAIRS: usize = 12;
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, PAIRS);
-    for index in 0..PAIRS {
-        let offset = 16 * index as u64;
-        let wr = WorkRequest { imm: Some(index as u32), ..link.write(index as u64, offset, offset, 16) };
-        link.sender.post_send(link.qp(index), &[wr]).unwrap();
-    }
-    let completions = drain(&mut *harness, &mut *link.sender, PAIRS);
-    for index in 0..PAIRS {
-        assert_eq!(on_qp(&completions, link.qp(index)), [(index as u64, WcStatus::Success)]);
-    }
-    let mut notes = drain(&mut *harness, &mut *link.receiver, PAIRS);
-    notes.sort_by_key(|note| note.imm);
-    let expected: Vec<(QpNum, Option<u32>)> = (0..PAIRS).map(|index| (link.qps[index].1, Some(index as u32))).collect();
-    assert_eq!(notes.iter().map(|note| (note.qp, note.imm)).collect::<Vec<_>>(), expected);
-    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 16 * PAIRS)]));
-}
-
-/// An empty region is a real registration: it has an address and keys, a zero-byte write to it completes, a
-/// one-byte write does not, and deregistering hands back the same (empty) vector.
-#[cfg_attr(not(feature = "rdma"), rstest(backend => [Backend::Sim]))]
-#[cfg_attr(feature = "rdma", rstest(backend => [Backend::Sim, Backend::Rdma]))]
-fn an_empty_region_takes_zero_byte_writes_only(backend: Backend) {
-    let mut harness = backend.harness();
-    let mut link = link(&mut *harness, 2);
-    let empty = link.receiver.register(Vec::with_capacity(64)).unwrap();
-    assert_eq!(empty.len, 0);
-    assert_ne!(empty.addr, 0);
-    link.receiver.read_local(&empty, 0, &mut []).unwrap();
-    assert_eq!(
-        link.receiver.read_local(&empty, 0, &mut [0]),
-        Err(FabricError::OutOfRegion { offset: 0, len: 1, region_len: 0 })
-    );
-    let remote = RemoteAddr { addr: empty.addr, rkey: empty.rkey };
-    let zero_bytes = WorkRequest { sges: Vec::new(), remote, ..link.write(1, 0, 0, 0) };
-    link.sender.post_send(link.qp(0), &[zero_bytes]).unwrap();
-    let one_byte = WorkRequest { remote, ..link.write(2, 0, 0, 1) };
-    link.sender.post_send(link.qp(1), &[one_byte]).unwrap();
-    let completions = drain(&mut *harness, &mut *link.sender, 2);
-    assert_eq!(on_qp(&completions, link.qp(0)), [(1, WcStatus::Success)]);
-    assert_eq!(on_qp(&completions, link.qp(1)), [(2, WcStatus::RemoteAccess)]);
-    let bytes = link.receiver.deregister(&empty).unwrap();
-    assert!(bytes.is_empty() && bytes.capacity() >= 64, "the registered vector comes back as it was");
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -998,8 +571,8 @@ struct Accepted {
 }
 
 impl RandomRun {
-    fn new(harness: &mut dyn Harness) -> RandomRun {
-        let mut link = link(harness, RANDOM_QPS);
+    fn new(transport: &mut dyn Transport) -> RandomRun {
+        let mut link = Link::open(transport, RANDOM_QPS, CAPS).unwrap_or_else(|error| panic!("{error}"));
         let mut sources = Vec::new();
         let mut targets = Vec::new();
         for index in 0..3u8 {
@@ -1080,21 +653,21 @@ impl RandomRun {
     }
 }
 
-fn random_posts_keep_the_contract(harness: &mut dyn Harness, ops: &[Op]) -> Result<(), TestCaseError> {
-    let mut run = RandomRun::new(harness);
+fn random_posts_keep_the_contract(transport: &mut dyn Transport, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut run = RandomRun::new(transport);
     for op in ops {
         match op {
             Op::Post { qp, wrs } => run.post(*qp, wrs)?,
             Op::Poll => run.poll(),
-            Op::Step => harness.step(),
+            Op::Step => transport.step(),
         }
     }
-    harness.settle();
+    transport.settle();
     run.poll();
     check_completions(&run)?;
     check_target_bytes(&run)?;
     for (region, bytes) in &run.sources[..2] {
-        prop_assert_eq!(&read_all(&*run.link.sender, region), bytes, "source memory changed");
+        prop_assert_eq!(&read_all(&*run.link.sender, region).unwrap(), bytes, "source memory changed");
     }
     Ok(())
 }
@@ -1134,7 +707,7 @@ fn check_completions(run: &RandomRun) -> Result<(), TestCaseError> {
 /// writes carried there; a successful write had valid SGEs.
 fn check_target_bytes(run: &RandomRun) -> Result<(), TestCaseError> {
     for (target_index, target) in run.targets[..2].iter().enumerate() {
-        let bytes = read_all(&*run.link.receiver, target);
+        let bytes = read_all(&*run.link.receiver, target).unwrap();
         for (offset, &byte) in bytes.iter().enumerate() {
             let mut candidates = vec![];
             for (wr_id, accepted) in run.accepted.iter().enumerate() {
@@ -1166,7 +739,7 @@ proptest! {
     /// every successful write's target range.
     #[test]
     fn random_posts_keep_the_contract_on_the_sim(ops in ops()) {
-        random_posts_keep_the_contract(&mut *Backend::Sim.harness(), &ops)?;
+        random_posts_keep_the_contract(&mut *Backend::Sim.transport(), &ops)?;
     }
 }
 
@@ -1184,7 +757,7 @@ proptest! {
     /// The same random sequences on the verbs fabric.
     #[test]
     fn random_posts_keep_the_contract_on_rdma(ops in ops()) {
-        random_posts_keep_the_contract(&mut *Backend::Rdma.harness(), &ops)?;
+        random_posts_keep_the_contract(&mut *Backend::Rdma.transport(), &ops)?;
     }
 }
 
@@ -1193,9 +766,9 @@ proptest! {
 
 /// A world with a sender and a receiver, one connected QP pair and the usual regions.
 fn sim_link() -> (SimWorld, Link) {
-    let mut harness = Sim { world: SimWorld::new(CAPS), nodes: 0 };
-    let link = link(&mut harness, 2);
-    (harness.world, link)
+    let mut transport = SimTransport::new(CAPS);
+    let link = Link::open(&mut transport, 2, CAPS).unwrap_or_else(|error| panic!("{error}"));
+    (transport.world().expect("Link::open opened the world").clone(), link)
 }
 
 /// Posting executes nothing: bytes and completions appear exactly at the delivery time.
@@ -1209,10 +782,10 @@ fn completions_wait_for_the_world_to_reach_the_delivery_time() {
     assert_eq!(link.sender.poll_cq(&mut completions, usize::MAX), 0, "nothing completes at post time");
     world.advance_to(delivery_ns - 1);
     assert_eq!(link.sender.poll_cq(&mut completions, usize::MAX), 0, "nothing completes before delivery");
-    assert_eq!(link.target_bytes(), vec![SENTINEL; TARGET_LEN], "no byte lands before delivery");
+    assert_eq!(link.target_bytes().unwrap(), vec![SENTINEL; TARGET_LEN], "no byte lands before delivery");
     world.advance_to(delivery_ns);
     assert_eq!(link.sender.poll_cq(&mut completions, usize::MAX), 1);
-    assert_eq!(link.target_bytes(), expected_target(&[(0, 0, 100)]));
+    assert_eq!(link.target_bytes().unwrap(), expected_target(&[(0, 0, 100)]));
     assert_eq!((world.now(), world.next_event()), (delivery_ns, None));
 }
 

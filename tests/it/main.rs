@@ -7,7 +7,7 @@ mod cases;
 mod certify;
 /// The `kvrelay` binary end to end.
 mod cli;
-/// The fabric seam's contract (`fabric::verbs::Endpoint`), one body per case run on every backend.
+/// The fabric seam's conformance suite (`certify::conformance`) on every backend, and proof its cases can fail.
 mod conformance;
 /// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
 mod golden;
