@@ -49,10 +49,11 @@
  *  - Work request ids. The `wr_id` a plug-in sees is the work request's position on its QP (0 for the first work
  *    request ever posted on that QP, then 1, 2, ...); the loader maps it back to the caller's id and length.
  *  - Checking completions. The loader checks every completion it polls: a status or kind outside the codes below,
- *    a QP the endpoint never created, a position that is not outstanding or out of order, or a byte_len other
- *    than the work request's length turns into a completion in error (KVRELAY_WC_LOCAL_PROTECTION for that work
- *    request and KVRELAY_WC_FLUSHED for the QP's later ones, made by the loader) and the QP is no longer handed to
- *    the plug-in. Such faults are recorded and can be read back (PluginEndpoint::faults in Rust).
+ *    a position that is not outstanding or out of order, or a successful byte_len other than the work request's
+ *    length turns into a completion in error (KVRELAY_WC_LOCAL_PROTECTION for that work request and
+ *    KVRELAY_WC_FLUSHED for the QP's later ones, made by the loader) and the QP is no longer handed to the
+ *    plug-in; a completion naming a QP the endpoint never created does that to every QP with work outstanding.
+ *    Such faults are recorded and can be read back (PluginEndpoint::faults in Rust).
  *  - Reading registered memory back, handing it back on deregistration, and the registered-bytes limit
  *    (`max_registered_bytes`, checked before `register_memory`).
  *  - Region bookkeeping: `deregister_memory` is only called with a region `register_memory` returned on the same

@@ -17,11 +17,12 @@
 //!   unconnected QP, SGE count, message size, and the send-queue credits with the same [`SendQueue`] accounting
 //!   as every fabric), so the plug-in never sees a refused batch. The plug-in sees each work request's position
 //!   on its QP as `wr_id`; the caller's `wr_id` and message length wait in a table indexed by position.
-//! - **Completions.** Every completion the plug-in returns is checked: a completion for a QP the endpoint never
-//!   created is dropped; an unknown status or kind, a position that is not outstanding or comes out of post
-//!   order, or a successful `byte_len` other than the work request's length makes the loader speak for the QP
-//!   from then on: the offending work request completes [`WcStatus::LocalProtection`], every later one
-//!   [`WcStatus::Flushed`] (made here, the plug-in is no longer called for that QP). Each such fault is kept in
+//! - **Completions.** Every completion the plug-in returns is checked: an unknown status or kind, a position that
+//!   is not outstanding or comes out of post order, or a successful `byte_len` other than the work request's
+//!   length makes the loader speak for the QP from then on: the offending work request (or the first unreported
+//!   one) completes [`WcStatus::LocalProtection`], every later one [`WcStatus::Flushed`] (made here, the plug-in
+//!   is no longer called for that QP). A completion for a QP the endpoint never created does the same to every QP
+//!   with work outstanding (whichever work request it was is lost). Each such fault is kept in
 //!   [`PluginEndpoint::faults`]. A successful completion of an unsignalled work request is not handed out.
 //!   Send-queue slots are freed when a completion is handed out by [`Endpoint::poll_cq`], as the contract says.
 //! - **Memory.** A registration keeps the `Vec`'s heap buffer in place as raw parts (pointer, length, capacity):
@@ -868,7 +869,21 @@ impl EndpointState {
     fn accept(&mut self, raw: RawCompletion) {
         let qpn = QpNum(raw.qpn);
         let Some(qp) = self.qps.get(&qpn) else {
-            self.faults.push(format!("poll: a completion for {qpn}, which this endpoint never created, was dropped"));
+            // The plug-in's CQ is corrupt: whichever work request this was is lost, so every QP with work still
+            // outstanding completes it in error rather than waiting for it forever.
+            let message = format!("a completion for {qpn}, which this endpoint never created");
+            let waiting: Vec<QpNum> = self
+                .qps
+                .iter()
+                .filter(|(_, qp)| !qp.taken_over && qp.completed_end < qp.queue.posted())
+                .map(|(qpn, _)| *qpn)
+                .collect();
+            if waiting.is_empty() {
+                self.faults.push(format!("poll: {message} was dropped"));
+            }
+            for waiting in waiting {
+                self.take_over(waiting, None, message.clone());
+            }
             return;
         };
         if qp.taken_over {

@@ -332,3 +332,57 @@ fn a_shared_object_without_the_entry_symbol_is_refused() {
     assert!(matches!(error, PluginError::MissingSymbol { .. }), "{error:?}");
     assert!(error.to_string().contains("kvrelay_transport_v1"), "{error}");
 }
+
+/// The sample built with test hook `SAMPLE_MISBEHAVE=<mode>` (see memcpy_transport.c).
+fn misbehaving(mode: u32) -> PathBuf {
+    let define = format!("-DSAMPLE_MISBEHAVE={mode}");
+    compile(&format!("libkvrelay_memcpy_misbehave{mode}.so"), &sample_source(), &[&define])
+}
+
+/// Posts two signalled writes and one more afterwards on a misbehaving plug-in: what completes, and the faults.
+fn misbehaving_run(mode: u32) -> (Vec<(u64, WcStatus)>, Vec<String>) {
+    let plugin = Plugin::load(misbehaving(mode)).unwrap();
+    let mut sender = plugin.open(NodeId(0), CAPS).unwrap();
+    let mut receiver = plugin.open(NodeId(1), CAPS).unwrap();
+    let send = sender.create_qp().unwrap();
+    let recv = receiver.create_qp().unwrap();
+    sender.connect_qp(send.qpn, recv).unwrap();
+    receiver.connect_qp(recv.qpn, send).unwrap();
+    let source = sender.register(vec![7; 64]).unwrap();
+    let target = receiver.register(vec![0; 64]).unwrap();
+    let wr = |wr_id: u64| WorkRequest {
+        wr_id,
+        sges: vec![Sge { addr: source.addr, len: 8, lkey: source.lkey }],
+        remote: RemoteAddr { addr: target.addr, rkey: target.rkey },
+        imm: None,
+        signaled: true,
+    };
+    sender.post_send(send.qpn, &[wr(1), wr(2)]).unwrap();
+    let mut completions = poll(&mut sender);
+    sender.post_send(send.qpn, &[wr(3)]).unwrap();
+    completions.extend(poll(&mut sender));
+    assert!(completions.iter().all(|wc| wc.byte_len == 0 && wc.kind == WcKind::Write && wc.qp == send.qpn));
+    (completions.iter().map(|wc| (wc.wr_id, wc.status)).collect(), sender.faults())
+}
+
+#[test]
+fn a_plugin_that_breaks_its_completions_gets_completions_in_error_and_faults() {
+    let in_error = vec![(1, WcStatus::LocalProtection), (2, WcStatus::Flushed), (3, WcStatus::Flushed)];
+    for (mode, fault) in
+        [(1, "unknown status code 77"), (2, "never created"), (3, "byte_len 9 for a work request of 8")]
+    {
+        let (completions, faults) = misbehaving_run(mode);
+        assert_eq!(completions, in_error, "SAMPLE_MISBEHAVE={mode}");
+        assert!(faults[0].contains(fault), "SAMPLE_MISBEHAVE={mode}: {faults:?}");
+    }
+}
+
+#[test]
+fn a_plugin_with_a_null_info_or_a_null_function_is_refused() {
+    let error = Plugin::load(misbehaving(4)).unwrap_err();
+    assert!(matches!(error, PluginError::BadInfo { .. }), "{error:?}");
+    assert!(error.to_string().contains("returned NULL"), "{error}");
+    let error = Plugin::load(misbehaving(5)).unwrap_err();
+    assert!(matches!(error, PluginError::NullFunction { function: "post", .. }), "{error:?}");
+    assert!(error.to_string().contains("only `wait` and `last_error` may be NULL"), "{error}");
+}

@@ -37,8 +37,18 @@
 #define SAMPLE_PLANTED "0"
 #endif
 
-#ifndef SAMPLE_ABI_VERSION /* overridden only by kvrelay's tests, to build a plug-in of the wrong ABI version */
+/* Test hooks, for kvrelay's loader tests only (tests/it/plugin.rs); a normal build defines none of them.
+ *   SAMPLE_ABI_VERSION=N   announce ABI version N
+ *   SAMPLE_MISBEHAVE=1     every completion carries an unknown status code (77)
+ *   SAMPLE_MISBEHAVE=2     every completion names a QP the endpoint never created
+ *   SAMPLE_MISBEHAVE=3     every successful completion reports one byte more than the work request moved
+ *   SAMPLE_MISBEHAVE=4     info returns NULL
+ *   SAMPLE_MISBEHAVE=5     the table's `post` is NULL */
+#ifndef SAMPLE_ABI_VERSION
 #define SAMPLE_ABI_VERSION KVRELAY_TRANSPORT_ABI_VERSION
+#endif
+#ifndef SAMPLE_MISBEHAVE
+#define SAMPLE_MISBEHAVE 0
 #endif
 
 /* Offsets at or past this within a region are shifted by the planted bug. */
@@ -244,6 +254,9 @@ static uint32_t execute(kvrelay_endpoint *ep, qp *q, const kvrelay_work_request 
 }
 
 static const char *sample_info(void) {
+#if SAMPLE_MISBEHAVE == 4
+    return NULL;
+#endif
     return "name=" SAMPLE_NAME "\n"
            "version=1.0.0\n"
            "kind=in-process memcpy\n"
@@ -411,6 +424,13 @@ static int sample_post(kvrelay_endpoint *ep, uint32_t qpn, const kvrelay_work_re
         if ((wr->flags & KVRELAY_WR_SIGNALED) || status != KVRELAY_WC_SUCCESS) {
             kvrelay_completion wc = {wr->wr_id, status == KVRELAY_WC_SUCCESS ? moved : 0, qpn, status,
                                      KVRELAY_WC_WRITE, 0};
+#if SAMPLE_MISBEHAVE == 1
+            wc.status = 77;
+#elif SAMPLE_MISBEHAVE == 2
+            wc.qpn += 1000;
+#elif SAMPLE_MISBEHAVE == 3
+            wc.byte_len += status == KVRELAY_WC_SUCCESS;
+#endif
             push_completion(ep, wc);
         }
     }
@@ -461,7 +481,11 @@ static const kvrelay_transport_ops sample_ops = {
     sample_deregister,
     sample_create_qp,
     sample_connect_qp,
+#if SAMPLE_MISBEHAVE == 5
+    0 ? sample_post : NULL,
+#else
     sample_post,
+#endif
     sample_poll,
     sample_wait,
     sample_last_error,
