@@ -52,7 +52,8 @@
  *    a position that is not outstanding or out of order, or a successful byte_len other than the work request's
  *    length turns into a completion in error (KVRELAY_WC_LOCAL_PROTECTION for that work request and
  *    KVRELAY_WC_FLUSHED for the QP's later ones, made by the loader) and the QP is no longer handed to the
- *    plug-in; a completion naming a QP the endpoint never created does that to every QP with work outstanding.
+ *    plug-in; a completion naming a QP the endpoint never created, or a failed `poll`, does that to every QP
+ *    with work outstanding.
  *    Such faults are recorded and can be read back (PluginEndpoint::faults in Rust).
  *  - Reading registered memory back, handing it back on deregistration, and the registered-bytes limit
  *    (`max_registered_bytes`, checked before `register_memory`).

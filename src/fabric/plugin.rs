@@ -21,8 +21,8 @@
 //!   is not outstanding or comes out of post order, or a successful `byte_len` other than the work request's
 //!   length makes the loader speak for the QP from then on: the offending work request (or the first unreported
 //!   one) completes [`WcStatus::LocalProtection`], every later one [`WcStatus::Flushed`] (made here, the plug-in
-//!   is no longer called for that QP). A completion for a QP the endpoint never created does the same to every QP
-//!   with work outstanding (whichever work request it was is lost). Each such fault is kept in
+//!   is no longer called for that QP). A completion for a QP the endpoint never created, or a failed `poll`, does
+//!   the same to every QP with work outstanding (whichever work request it was is lost). Each such fault is kept in
 //!   [`PluginEndpoint::faults`]. A successful completion of an unsignalled work request is not handed out.
 //!   Send-queue slots are freed when a completion is handed out by [`Endpoint::poll_cq`], as the contract says.
 //! - **Memory.** A registration keeps the `Vec`'s heap buffer in place as raw parts (pointer, length, capacity):
@@ -833,6 +833,23 @@ impl EndpointState {
         self.complete_in_error(qpn, from, end);
     }
 
+    /// The plug-in's CQ is corrupt: whichever work request a bad completion was is lost, so every QP with work
+    /// still outstanding completes it in error rather than waiting for it forever.
+    fn take_over_all(&mut self, message: String) {
+        let waiting: Vec<QpNum> = self
+            .qps
+            .iter()
+            .filter(|(_, qp)| !qp.taken_over && qp.completed_end < qp.queue.posted())
+            .map(|(qpn, _)| *qpn)
+            .collect();
+        if waiting.is_empty() {
+            self.faults.push(format!("poll: {message}; no QP awaits a completion, so it was dropped"));
+        }
+        for waiting in waiting {
+            self.take_over(waiting, None, message.clone());
+        }
+    }
+
     /// Takes up to about `want` completions off the plug-in's CQ into `ready`, checking each.
     fn fetch(&mut self, want: usize) {
         let Some(raw) = self.raw else { return };
@@ -847,8 +864,7 @@ impl EndpointState {
             let code = unsafe { (self.loaded.ops.poll)(raw.as_ptr(), self.fetched.as_mut_ptr(), batch, &mut polled) };
             if code != 0 {
                 let error = self.error("poll", code);
-                self.faults.push(error.to_string());
-                return;
+                return self.take_over_all(format!("poll failed: {error}"));
             }
             if polled > batch {
                 self.faults.push(format!("poll: the plug-in returned {polled} completions into room for {batch}"));
@@ -869,22 +885,7 @@ impl EndpointState {
     fn accept(&mut self, raw: RawCompletion) {
         let qpn = QpNum(raw.qpn);
         let Some(qp) = self.qps.get(&qpn) else {
-            // The plug-in's CQ is corrupt: whichever work request this was is lost, so every QP with work still
-            // outstanding completes it in error rather than waiting for it forever.
-            let message = format!("a completion for {qpn}, which this endpoint never created");
-            let waiting: Vec<QpNum> = self
-                .qps
-                .iter()
-                .filter(|(_, qp)| !qp.taken_over && qp.completed_end < qp.queue.posted())
-                .map(|(qpn, _)| *qpn)
-                .collect();
-            if waiting.is_empty() {
-                self.faults.push(format!("poll: {message} was dropped"));
-            }
-            for waiting in waiting {
-                self.take_over(waiting, None, message.clone());
-            }
-            return;
+            return self.take_over_all(format!("a completion for {qpn}, which this endpoint never created"));
         };
         if qp.taken_over {
             return;
@@ -905,7 +906,9 @@ impl EndpointState {
                     let message = format!("a completion for position {position}, which is not outstanding");
                     return self.take_over(qpn, None, message);
                 }
-                let slot = qp.slots[&position];
+                let Some(&slot) = qp.slots.get(&position) else {
+                    return self.take_over(qpn, None, format!("a completion for position {position}, already freed"));
+                };
                 let Some(status) = status else {
                     return self.take_over(qpn, Some(position), format!("unknown status code {}", raw.status));
                 };
