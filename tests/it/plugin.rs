@@ -75,7 +75,7 @@ struct Link {
     recv_qp: QpNum,
     source: MemoryRegion,
     target: MemoryRegion,
-    _transport: PluginTransport,
+    transport: PluginTransport,
 }
 
 /// A link whose source region holds `source_len` bytes 1, 2, 3, ... and whose target region is `target_len` zeros.
@@ -89,7 +89,7 @@ fn link(path: &Path, source_len: usize, target_len: usize) -> Link {
     receiver.connect_qp(recv.qpn, send).unwrap();
     let source = sender.register((0..source_len).map(|index| (index % 251 + 1) as u8).collect()).unwrap();
     let target = receiver.register(vec![0; target_len]).unwrap();
-    Link { sender, receiver, send_qp: send.qpn, recv_qp: recv.qpn, source, target, _transport: transport }
+    Link { sender, receiver, send_qp: send.qpn, recv_qp: recv.qpn, source, target, transport }
 }
 
 impl Link {
@@ -385,4 +385,23 @@ fn a_plugin_with_a_null_info_or_a_null_function_is_refused() {
     let error = Plugin::load(misbehaving(5)).unwrap_err();
     assert!(matches!(error, PluginError::NullFunction { function: "post", .. }), "{error:?}");
     assert!(error.to_string().contains("only `wait` and `last_error` may be NULL"), "{error}");
+}
+
+#[test]
+fn reset_closes_the_endpoints_which_still_hand_their_memory_back() {
+    let mut link = link(clean(), 64, 64);
+    link.sender.post_send(link.send_qp, &[link.write(1, 0, 0, 8)]).unwrap();
+    link.transport.settle();
+    link.transport.step();
+    assert_eq!(poll(link.sender.as_mut())[0].status, WcStatus::Success);
+    link.transport.reset();
+    let error = link.sender.post_send(link.send_qp, &[link.write(2, 0, 0, 8)]).unwrap_err();
+    assert!(error.to_string().contains("closed"), "{error}");
+    assert!(link.sender.create_qp().is_err());
+    let mut landed = vec![0; 8];
+    link.receiver.read_local(&link.target, 0, &mut landed).unwrap();
+    assert_eq!(landed, link.source_bytes(0, 8));
+    assert_eq!(link.receiver.deregister(&link.target).unwrap()[..8], landed[..]);
+    // The transport opens fresh endpoints after a reset.
+    assert!(link.transport.open(NodeId(0), CAPS).is_ok());
 }
