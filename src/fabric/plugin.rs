@@ -979,17 +979,16 @@ impl EndpointState {
             // SAFETY: a live endpoint; the plug-in's optional function of this signature.
             return unsafe { wait(raw.as_ptr(), micros) } != 0;
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
         loop {
             self.fetch(FETCH_BATCH);
             if !self.ready.is_empty() {
                 return true;
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
+            match deadline.left() {
+                Some(left) => std::thread::sleep(POLL_INTERVAL.min(left)),
+                None => return false,
             }
-            std::thread::sleep(POLL_INTERVAL.min(deadline - now));
         }
     }
 
@@ -1065,6 +1064,23 @@ impl Endpoint for PluginEndpoint {
 
     fn wait(&mut self, timeout: Duration) -> bool {
         self.state.borrow_mut().wait(timeout)
+    }
+}
+
+/// The end of a bounded wait on the real clock (`None`: so far away that `Instant` cannot hold it).
+struct Deadline(Option<Instant>);
+
+impl Deadline {
+    fn after(timeout: Duration) -> Deadline {
+        Deadline(Instant::now().checked_add(timeout))
+    }
+
+    /// The time left, or `None` once it has passed.
+    fn left(&self) -> Option<Duration> {
+        match self.0 {
+            Some(deadline) => deadline.checked_duration_since(Instant::now()).filter(|left| !left.is_zero()),
+            None => Some(Duration::MAX),
+        }
     }
 }
 
@@ -1144,7 +1160,7 @@ impl Transport for PluginTransport {
     }
 
     fn settle(&mut self) {
-        let deadline = Instant::now() + self.settle_timeout;
+        let deadline = Deadline::after(self.settle_timeout);
         loop {
             let live = self.live();
             let mut settled = true;
@@ -1153,11 +1169,12 @@ impl Transport for PluginTransport {
                 state.fetch(usize::MAX);
                 settled &= state.raw.is_none() || state.settled();
             }
-            let now = Instant::now();
-            if settled || now >= deadline {
-                return;
+            match deadline.left() {
+                Some(left) if !settled => {
+                    self.wait_all(STEP.min(left));
+                }
+                _ => return,
             }
-            self.wait_all(STEP.min(deadline - now));
         }
     }
 
@@ -1182,6 +1199,13 @@ mod tests {
         assert_eq!(parse_info("name=\nversion=1").unwrap_err(), "it has no `name=` line");
         assert_eq!(parse_info("name=x").unwrap_err(), "it has no `version=` line");
         assert_eq!(parse_info("name=x\njunk").unwrap_err(), "line 2 `junk` is not key=value");
+    }
+
+    #[test]
+    fn a_deadline_too_far_for_the_clock_never_passes_and_a_zero_one_has() {
+        assert!(Deadline::after(Duration::MAX).left().is_some());
+        assert!(Deadline::after(Duration::ZERO).left().is_none());
+        assert!(Deadline::after(Duration::from_secs(60)).left().is_some_and(|left| left <= Duration::from_secs(60)));
     }
 
     #[test]
