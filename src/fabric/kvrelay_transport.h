@@ -63,8 +63,9 @@
  * Threads. The loader calls a plug-in from one thread at a time (the thread that loaded it, in practice), never
  * re-entrantly, and never concurrently on two endpoints. Endpoints of one plug-in may live in one process and reach
  * each other (the sample plug-in does exactly that), so a plug-in may keep process-global state without locks.
- * A plug-in that moves bytes from its own threads must not write registered memory after deregister_memory has
- * returned for it, nor after close has returned.
+ * The dynamic loader keeps one instance of a shared object per process however often it is loaded, so kvrelay
+ * uses every load of one plug-in from one thread at a time too. A plug-in that moves bytes from its own threads
+ * must not write registered memory after deregister_memory has returned for it, nor after close has returned.
  *
  * Return codes. Every function returning `int` returns KVRELAY_OK (0) on success or one of the KVRELAY_ERR_*
  * codes below; any other value is treated as KVRELAY_ERR_INTERNAL. After an error, `last_error` (optional) may

@@ -35,7 +35,9 @@
 //!   the registered memory; the shared object stays loaded while any endpoint of it is alive.
 //!
 //! Threads: a plug-in is called from one thread, never re-entrantly (the header's assumption); [`Plugin`] and its
-//! endpoints are neither `Send` nor `Sync`, so the compiler keeps it so.
+//! endpoints are neither `Send` nor `Sync`, so the compiler keeps it so. The dynamic loader shares one instance of
+//! a shared object between every load of its path in the process (its global state too): load one plug-in on one
+//! thread at a time.
 #![allow(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![allow(

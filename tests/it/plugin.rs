@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use kvrelay::certify::Transport;
 use kvrelay::engine::live::{self, LiveOptions};
@@ -45,6 +45,13 @@ fn compile(name: &str, source: &Path, defines: &[&str]) -> PathBuf {
     );
     std::fs::rename(&partial, &out).unwrap();
     out
+}
+
+/// Holds off the other tests of this file: the dynamic loader shares one instance of a shared object between every
+/// load of it in the process, and a plug-in is called from one thread at a time (kvrelay_transport.h, "Threads").
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn sample_source() -> PathBuf {
@@ -125,6 +132,7 @@ fn poll(endpoint: &mut dyn Endpoint) -> Vec<WorkCompletion> {
 
 #[test]
 fn the_sample_plugin_reads_back_its_identity_and_caps() {
+    let _serial = serial();
     let transport = PluginTransport::load(clean()).unwrap();
     let identity = transport.identity();
     assert_eq!(identity.name, "plugin:memcpy-sample");
@@ -146,6 +154,7 @@ fn the_sample_plugin_reads_back_its_identity_and_caps() {
 
 #[test]
 fn a_write_lands_and_completes() {
+    let _serial = serial();
     let mut link = link(clean(), 256, 512);
     let wr = link.write(7, 16, 100, 64);
     link.sender.post_send(link.send_qp, &[wr]).unwrap();
@@ -169,6 +178,7 @@ fn a_write_lands_and_completes() {
 
 #[test]
 fn a_write_out_of_the_remote_region_completes_remote_access_writes_nothing_and_flushes_what_follows() {
+    let _serial = serial();
     let mut link = link(clean(), 256, 512);
     let mut straddling = link.write(1, 0, 500, 16);
     straddling.signaled = false;
@@ -186,6 +196,7 @@ fn a_write_out_of_the_remote_region_completes_remote_access_writes_nothing_and_f
 
 #[test]
 fn a_write_with_a_bad_lkey_completes_local_protection() {
+    let _serial = serial();
     let mut link = link(clean(), 256, 512);
     let mut wr = link.write(4, 0, 0, 16);
     wr.sges[0].lkey = link.target.lkey; // a key of the other node
@@ -195,6 +206,7 @@ fn a_write_with_a_bad_lkey_completes_local_protection() {
 
 #[test]
 fn write_with_imm_notifies_the_receiver_after_the_data() {
+    let _serial = serial();
     let mut link = link(clean(), 256, 512);
     let mut wr = link.write(9, 0, 32, 128);
     wr.imm = Some(0xfeed);
@@ -210,6 +222,7 @@ fn write_with_imm_notifies_the_receiver_after_the_data() {
 
 #[test]
 fn a_peer_that_is_not_connected_back_completes_retry_exceeded() {
+    let _serial = serial();
     let mut transport = PluginTransport::load(clean()).unwrap();
     let mut sender = transport.open(NodeId(0), CAPS).unwrap();
     let mut receiver = transport.open(NodeId(1), CAPS).unwrap();
@@ -232,6 +245,7 @@ fn a_peer_that_is_not_connected_back_completes_retry_exceeded() {
 
 #[test]
 fn deregistration_revokes_the_keys_and_hands_the_bytes_back() {
+    let _serial = serial();
     let mut link = link(clean(), 64, 64);
     link.sender.post_send(link.send_qp, &[link.write(1, 0, 0, 8)]).unwrap();
     assert_eq!(poll(link.sender.as_mut())[0].status, WcStatus::Success);
@@ -256,6 +270,7 @@ fn landing(path: &Path, offset: u64) -> usize {
 
 #[test]
 fn the_planted_variant_misplaces_a_write_at_offset_4096_or_more_and_the_clean_one_does_not() {
+    let _serial = serial();
     assert_eq!(landing(clean(), 8192), 8192);
     assert_eq!(landing(clean(), 4096), 4096);
     assert_eq!(landing(planted(), 8192), 8192 + 64);
@@ -285,6 +300,7 @@ fn engines_over(plugin: &Path, scenario: &str) -> (Vec<verify::Violation>, Vec<(
 
 #[test]
 fn the_engines_over_the_clean_plugin_pass_the_oracle_and_over_the_planted_one_fail_it() {
+    let _serial = serial();
     let scenario = "scenarios/basic/baseline-tp1-to-tp1.yaml";
     let (violations, failures) = engines_over(clean(), scenario);
     assert!(violations.is_empty(), "{}", kvrelay::render::violations(&violations));
@@ -295,6 +311,7 @@ fn the_engines_over_the_clean_plugin_pass_the_oracle_and_over_the_planted_one_fa
 
 #[test]
 fn a_missing_file_is_refused_with_its_path_and_the_fix() {
+    let _serial = serial();
     let path = build_dir().join("no-such-plugin.so");
     let error = Plugin::load(&path).unwrap_err();
     assert!(matches!(error, PluginError::NotFound { .. }), "{error:?}");
@@ -304,6 +321,7 @@ fn a_missing_file_is_refused_with_its_path_and_the_fix() {
 
 #[test]
 fn a_file_that_is_not_a_shared_object_is_refused() {
+    let _serial = serial();
     let path = build_dir().join(format!("not-a-plugin.{}.so", std::process::id()));
     std::fs::write(&path, "#!/bin/sh\necho this is not ELF\n").unwrap();
     let error = Plugin::load(&path).unwrap_err();
@@ -315,6 +333,7 @@ fn a_file_that_is_not_a_shared_object_is_refused() {
 
 #[test]
 fn a_plugin_of_another_abi_version_is_refused() {
+    let _serial = serial();
     let path = compile("libkvrelay_memcpy_abi999.so", &sample_source(), &["-DSAMPLE_ABI_VERSION=999u"]);
     let error = Plugin::load(&path).unwrap_err();
     assert!(matches!(error, PluginError::AbiMismatch { found: 999, expected: ABI_VERSION, .. }), "{error:?}");
@@ -324,6 +343,7 @@ fn a_plugin_of_another_abi_version_is_refused() {
 
 #[test]
 fn a_shared_object_without_the_entry_symbol_is_refused() {
+    let _serial = serial();
     let source = build_dir().join(format!("no_entry.{}.c", std::process::id()));
     std::fs::write(&source, "int kvrelay_something_else(void) { return 1; }\n").unwrap();
     let path = compile("libkvrelay_no_entry.so", &source, &[]);
@@ -367,6 +387,7 @@ fn misbehaving_run(mode: u32) -> (Vec<(u64, WcStatus)>, Vec<String>) {
 
 #[test]
 fn a_plugin_that_breaks_its_completions_gets_completions_in_error_and_faults() {
+    let _serial = serial();
     let in_error = vec![(1, WcStatus::LocalProtection), (2, WcStatus::Flushed), (3, WcStatus::Flushed)];
     for (mode, fault) in
         [(1, "unknown status code 77"), (2, "never created"), (3, "byte_len 9 for a work request of 8")]
@@ -379,6 +400,7 @@ fn a_plugin_that_breaks_its_completions_gets_completions_in_error_and_faults() {
 
 #[test]
 fn a_plugin_with_a_null_info_or_a_null_function_is_refused() {
+    let _serial = serial();
     let error = Plugin::load(misbehaving(4)).unwrap_err();
     assert!(matches!(error, PluginError::BadInfo { .. }), "{error:?}");
     assert!(error.to_string().contains("returned NULL"), "{error}");
@@ -389,6 +411,7 @@ fn a_plugin_with_a_null_info_or_a_null_function_is_refused() {
 
 #[test]
 fn reset_closes_the_endpoints_which_still_hand_their_memory_back() {
+    let _serial = serial();
     let mut link = link(clean(), 64, 64);
     link.sender.post_send(link.send_qp, &[link.write(1, 0, 0, 8)]).unwrap();
     link.transport.settle();
