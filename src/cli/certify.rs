@@ -143,7 +143,7 @@ fn transport(args: &CertifyArgs) -> anyhow::Result<Box<dyn Transport>> {
 }
 
 fn plugin(path: &str) -> anyhow::Result<Box<dyn Transport>> {
-    anyhow::bail!("plug-in {path}: not wired yet")
+    Ok(Box::new(crate::fabric::plugin::PluginTransport::load(path)?))
 }
 
 #[cfg(feature = "rdma")]

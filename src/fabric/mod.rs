@@ -1,9 +1,11 @@
-//! The fabric seam, shaped like RDMA verbs ([`verbs`]), the in-memory fabric behind it ([`world`]) and, with the
-//! cargo feature `rdma`, the RDMA verbs fabric (`rdma`, the crate's only `unsafe` code).
+//! The fabric seam, shaped like RDMA verbs ([`verbs`]), the in-memory fabric behind it ([`world`]), C ABI transport
+//! plug-ins loaded as shared objects ([`plugin`], header `kvrelay_transport.h`) and, with the cargo feature `rdma`,
+//! the RDMA verbs fabric (`rdma`). `plugin` and `rdma` are the crate's only `unsafe` code.
 //!
 //! Nothing here knows plans, models or the oracle: a fabric moves bytes between addresses it was given keys for.
 //! The RDMA fabric (feature `rdma`) implements the same [`verbs::Endpoint`] and passes the same conformance suite.
 
+pub mod plugin;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod verbs;

@@ -233,6 +233,10 @@ pub enum FabricError {
         std::io::Error::from_raw_os_error(*errno)
     )]
     Device { call: &'static str, errno: i32 },
+    /// A C ABI transport plug-in (`super::plugin`) refused a call, or broke its contract in its answer; `code` is
+    /// its `KVRELAY_ERR_*` return code (src/fabric/kvrelay_transport.h) and `message` its own text for the error.
+    #[error("the transport plug-in failed {call} (code {code}): {message}: see the plug-in's documentation and src/fabric/kvrelay_transport.h")]
+    Plugin { call: &'static str, code: i32, message: String },
 }
 
 /// The send-queue credits of one QP, kept the same way by every fabric so that all refuse exactly the same posts

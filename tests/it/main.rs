@@ -19,6 +19,8 @@ mod live;
 mod loader;
 /// External planners over the plan protocol: the reference passes, broken ones fail with reasons.
 mod planners;
+/// C ABI transport plug-ins: the sample in C built with `cc`, its contract, its planted bug caught, load errors.
+mod plugin;
 /// Proptest invariants over random topologies (domain.md §12).
 mod props;
 /// Real RDMA verbs: engines over the verbs fabric, ranks as processes (feature `rdma`, run in the CI guest).

@@ -114,17 +114,24 @@ fn fabric_seam_knows_no_plan() {
     }
 }
 
-/// The RDMA fabric may name the clock and the file system (waiting, sysfs GID types) but nothing above the seam.
+/// The RDMA and plug-in fabrics may name the clock and the file system (waiting, sysfs GID types, loading a shared
+/// object) but nothing above the seam (the plug-in fabric implements the certification kit's `Transport`, its one
+/// import from above).
 #[test]
-fn rdma_fabric_knows_no_plan() {
-    let text = read(&root().join(RDMA_FABRIC));
-    for word in ["crate::verify", "crate::plan", "crate::model", "crate::engine", "crate::exec", "HashMap", "SimRng"] {
-        assert!(!text.contains(word), "{RDMA_FABRIC} uses `{word}`: the verbs fabric takes only the seam's types");
+fn unsafe_fabrics_know_no_plan() {
+    for path in UNSAFE_MODULES {
+        let text = read(&root().join(path));
+        for word in
+            ["crate::verify", "crate::plan", "crate::model", "crate::engine", "crate::exec", "HashMap", "SimRng"]
+        {
+            assert!(!text.contains(word), "{path} uses `{word}`: a fabric takes only the seam's types");
+        }
     }
 }
 
-/// The one module allowed `unsafe` code (ARCHITECTURE.md, "Unsafe code").
-const RDMA_FABRIC: &str = "src/fabric/rdma.rs";
+/// The modules allowed `unsafe` code (ARCHITECTURE.md, "Unsafe code"): the RDMA verbs fabric and the C ABI plug-in
+/// loader.
+const UNSAFE_MODULES: [&str; 2] = ["src/fabric/rdma.rs", "src/fabric/plugin.rs"];
 
 /// How many times the keyword `unsafe` occurs in the code of one line (comments and words like `unsafe_code`
 /// excluded).
@@ -139,54 +146,61 @@ fn unsafe_keywords(line: &str) -> usize {
         .count()
 }
 
-/// ARCHITECTURE.md: `unsafe` lives in src/fabric/rdma.rs alone, which alone allows the `unsafe_code` lint that
-/// Cargo.toml denies.
+/// ARCHITECTURE.md: `unsafe` lives in src/fabric/rdma.rs and src/fabric/plugin.rs alone, which alone allow the
+/// `unsafe_code` lint that Cargo.toml denies (and deny undocumented unsafe blocks).
 #[test]
-fn unsafe_code_lives_only_in_the_rdma_fabric() {
+fn unsafe_code_lives_only_in_the_rdma_and_plugin_fabrics() {
     let manifest = read(&root().join("Cargo.toml"));
     assert!(manifest.contains("unsafe_code = \"deny\""), "Cargo.toml must deny unsafe_code for the whole crate");
     for path in files(&root().join("src"), "rs") {
         let relative = path.strip_prefix(root()).unwrap().to_string_lossy().replace('\\', "/");
         let text = read(&path);
-        if relative == RDMA_FABRIC {
-            assert!(text.contains("#![allow(unsafe_code)]"), "{RDMA_FABRIC} must allow unsafe_code at its top");
+        if UNSAFE_MODULES.contains(&relative.as_str()) {
+            assert!(text.contains("#![allow(unsafe_code)]"), "{relative} must allow unsafe_code at its top");
+            assert!(
+                text.contains("#![deny(clippy::undocumented_unsafe_blocks)]"),
+                "{relative} must deny clippy::undocumented_unsafe_blocks at its top"
+            );
             continue;
         }
         assert!(
             !text.contains("allow(unsafe_code)"),
-            "{relative} allows unsafe_code: only {RDMA_FABRIC} may (move the verbs call there)"
+            "{relative} allows unsafe_code: only {UNSAFE_MODULES:?} may (move the foreign call there)"
         );
         for (number, line) in text.lines().enumerate() {
             assert_eq!(
                 unsafe_keywords(line),
                 0,
-                "{relative}:{} uses `unsafe`: only {RDMA_FABRIC} may (move the code there, with a SAFETY comment)",
+                "{relative}:{} uses `unsafe`: only {UNSAFE_MODULES:?} may (move the code there, with a SAFETY comment)",
                 number + 1
             );
         }
     }
 }
 
-/// Every `unsafe` in the RDMA fabric sits right under a comment block holding `// SAFETY:` that says why it is sound.
+/// Every `unsafe` in the RDMA and plug-in fabrics sits right under a comment block holding `// SAFETY:` that says
+/// why it is sound.
 #[test]
-fn every_unsafe_in_the_rdma_fabric_says_why_it_is_sound() {
-    let text = read(&root().join(RDMA_FABRIC));
-    let lines: Vec<&str> = text.lines().collect();
-    let mut count = 0;
-    for (index, line) in lines.iter().enumerate() {
-        if unsafe_keywords(line) == 0 {
-            continue;
+fn every_unsafe_in_the_unsafe_fabrics_says_why_it_is_sound() {
+    for path in UNSAFE_MODULES {
+        let text = read(&root().join(path));
+        let lines: Vec<&str> = text.lines().collect();
+        let mut count = 0;
+        for (index, line) in lines.iter().enumerate() {
+            if unsafe_keywords(line) == 0 {
+                continue;
+            }
+            count += 1;
+            let comments = lines[..index].iter().rev().take_while(|above| above.trim_start().starts_with("//"));
+            let documented = comments.into_iter().any(|above| above.trim_start().starts_with("// SAFETY:"));
+            assert!(
+                documented,
+                "{path}:{} has `unsafe` without a `// SAFETY:` comment right above it: say why it is sound",
+                index + 1
+            );
         }
-        count += 1;
-        let comments = lines[..index].iter().rev().take_while(|above| above.trim_start().starts_with("//"));
-        let documented = comments.into_iter().any(|above| above.trim_start().starts_with("// SAFETY:"));
-        assert!(
-            documented,
-            "{RDMA_FABRIC}:{} has `unsafe` without a `// SAFETY:` comment right above it: say why it is sound",
-            index + 1
-        );
+        assert!(count > 0, "{path} has no `unsafe`: drop its `#![allow(unsafe_code)]` and this test's exception");
     }
-    assert!(count > 0, "{RDMA_FABRIC} has no `unsafe`: drop its `#![allow(unsafe_code)]` and this test's exception");
 }
 
 #[test]
