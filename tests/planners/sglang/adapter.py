@@ -37,11 +37,19 @@ import types
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_VERSION = "0.5.23"
 REGION_STRIDE = 1 << 40
+LOGGED: set = set()
 
 
 def die(message: str) -> None:
     print(f"sglang adapter: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def warn(message: str) -> None:
+    """The connector's logger.warning, once per text."""
+    if message not in LOGGED:
+        LOGGED.add(message)
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def find_wheel(version: str, wheel: str | None) -> str:
@@ -126,6 +134,16 @@ class Local:
                     self.state_dims[c].append(0)
                     self.state_outer[c].append(1)
                     self.state_groups[c].append(None)
+        # What this rank advertises of itself (its kv_args lists) wins over the model's truth: a rank may publish
+        # no layer ids, or conv groups that do not add up, and SGLang's code then works from what it published.
+        advertised = q["local"].get("advertised")
+        if advertised is not None:
+            self.kv_layer_ids = list(advertised["kv_layer_ids"] or [])
+            for c, meta in enumerate(advertised["state"][:ncomp]):
+                self.state_layer_ids[c] = list(meta["layer_ids"] or [])
+                self.state_dims[c] = list(meta["dims"] or [])
+                self.state_groups[c] = list(meta["conv_groups"] or [])
+                self.state_outer[c] = list(meta["outer_counts"] or [])
         # Stage layer range (get_pp_indices, domain.md section 4.1); only the id-less legacy paths read it.
         layers = model["layers"]
         base, rem = divmod(layers, self.pp)
@@ -264,8 +282,8 @@ class Adapter:
             else:
                 chunk_dst = dst_kv_indices[index_slice]
                 if len(chunk_dst) < len(src):  # mooncake/conn.py:2633-2643: warn and truncate
-                    print(f"warning: len(chunked_dst_kv_indice) = {len(chunk_dst)}, "
-                          f"len(kv_chunk.prefill_kv_indices) = {len(src)}", file=sys.stderr)
+                    warn(f"len(chunked_dst_kv_indice) = {len(chunk_dst)}, "
+                          f"len(kv_chunk.prefill_kv_indices) = {len(src)}")
                     src = src[: len(chunk_dst)]
             if len(src) == 0 or not local.kv or skip_kv:
                 pass
@@ -514,8 +532,7 @@ class Adapter:
                 if st == "swa_ring":  # _requires_exact_state_index_match, 1918-1926
                     raise RuntimeError(f"{st.upper()} state index length mismatch: prefill={len(src_idx)}, "
                                        f"dst={len(dst_idx)}")
-                print(f"warning: len(prefill_state_indices) = {len(src_idx)}, "
-                      f"len(dst_state_indices) = {len(dst_idx)}", file=sys.stderr)
+                warn(f"len(prefill_state_indices) = {len(src_idx)}, len(dst_state_indices) = {len(dst_idx)}")
                 m = min(len(src_idx), len(dst_idx))
                 src_idx, dst_idx = src_idx[:m], dst_idx[:m]
             if slice_heads:
@@ -595,7 +612,10 @@ def answer(adapter: Adapter, q: dict) -> dict:
     except Exception as error:  # noqa: BLE001 - any exception of SGLang's code fails the room with its text
         reply.pop("copies", None)
         reply["error"] = str(error) or type(error).__name__
-        print(f"{q.get('case')}: {kind} {qid} rejected: {type(error).__name__}: {error}", file=sys.stderr)
+        note = f"{q.get('case')}: {kind} rejected: {type(error).__name__}: {error}"
+        if note not in LOGGED:  # once per case and text, not once per rank
+            LOGGED.add(note)
+            print(note, file=sys.stderr)
     return reply
 
 
