@@ -40,12 +40,16 @@ struct KnownDifference {
 /// naming the file, the entry and the field).
 fn load_known(path: &Path) -> anyhow::Result<Vec<KnownDifference>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let entries: Vec<KnownDifference> =
-        serde_yaml_ng::from_str(&text).with_context(|| format!("{}: not a list of known differences", path.display()))?;
+    let entries: Vec<KnownDifference> = serde_yaml_ng::from_str(&text)
+        .with_context(|| format!("{}: not a list of known differences", path.display()))?;
     let mut seen = BTreeMap::new();
     for (index, entry) in entries.iter().enumerate() {
         let at = |field: &str, problem: String| {
-            anyhow::anyhow!("{}: entry {index} ({}): field `{field}`: {problem}", path.display(), entry.scenario.display())
+            anyhow::anyhow!(
+                "{}: entry {index} ({}): field `{field}`: {problem}",
+                path.display(),
+                entry.scenario.display()
+            )
         };
         if !entry.scenario.is_file() {
             return Err(at("scenario", "no such scenario file".to_owned()));
@@ -88,7 +92,10 @@ fn canonical(path: &Path) -> PathBuf {
 enum Verdict {
     Pass,
     /// Failed as a known difference records: its reason and upstream source lines, each on one line.
-    Known { reason: String, upstream: String },
+    Known {
+        reason: String,
+        upstream: String,
+    },
     /// A failure to report, its lines (the first is the summary).
     Fail(Vec<String>),
 }
