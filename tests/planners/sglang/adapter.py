@@ -263,11 +263,11 @@ class Adapter:
         prefill_pages = request["prefill_pages"]
         dst_kv_indices = np.asarray(meta["kv_indices"], dtype=np.int32)
         decode_prefix = meta["decode_prefix_len"] or 0
-        # Chunk pages (prefill.py:1731-1779): each chunk's pages from the send range's start, index_slice counted
+        # No SGLang helper: chunk pages as prefill.py:1731-1779 cuts them, each chunk's pages from the send range's start, index_slice counted
         # in prefill pages from decode_prefix_len (common/conn.py:2270).
         first_page = decode_prefix // P
         curr = 0
-        # _get_dsa_cache_transfer_skip_flags (mooncake/conn.py:1873-1901), inlined: a Mooncake method whose only
+        # No SGLang helper: _get_dsa_cache_transfer_skip_flags (mooncake/conn.py:1873-1901), inlined: a method whose only
         # input beyond the ranks is CP state; hybrid-MLA KV is written by sub-rank 0 of an aggregation group.
         skip_kv = (local.is_hybrid_mla and local.tp > peer.tp
                    and (local.tp_rank % local.tp) % (local.tp // peer.tp) != 0)
@@ -343,13 +343,13 @@ class Adapter:
                          for p, d in zip(src_blocks, dst_blocks)])
 
     def flat(self, local, has_layer_ids, state_type, n_src, n_dst) -> bool:
-        """_uses_flat_entry_layout, mooncake/conn.py:232-251 (a module function of the connector, inlined)."""
+        """No SGLang helper: _uses_flat_entry_layout, mooncake/conn.py:232-251 (a connector module function), inlined."""
         single_swa = state_type == "swa" and n_src == 1 and n_dst == 1
         return local.is_mla or local.is_hybrid_mla or has_layer_ids or single_swa
 
     def state_stride_mismatch(self, local, mgr, src_ptrs, dst_ptrs, item_lens, dst_item_lens, state_type,
                               src_ids, dst_ids):
-        """_state_stride_mismatch, mooncake/conn.py:826-912 (a Mooncake method, inlined)."""
+        """No SGLang helper: _state_stride_mismatch, mooncake/conn.py:826-912 (a Mooncake method), inlined."""
         H = self.H
         has_layer_ids = bool(src_ids or dst_ids)
         if not self.flat(local, has_layer_ids, state_type, len(src_ptrs), len(dst_ptrs)):
@@ -487,7 +487,8 @@ class Adapter:
 
     # ----------------------------------------------------------------------------------------------------------
     def prefill_state_indices(self, local, request) -> list:
-        """state_indices per state type as prefill.py:1680-1711 builds them: the Mamba slot, or the pages."""
+        """No SGLang helper: state_indices per state type as prefill.py:1680-1711 builds them (the Mamba slot, or the
+        pages)."""
         state = request["prefill_state"]
         return [[state["slot"]] if st == "mamba" else list(state["pages"][c]) if c < len(state["pages"]) else []
                 for c, st in enumerate(local.state_types)]
@@ -584,7 +585,8 @@ class Adapter:
         out.add(ci, blocks)
 
     def send_aux(self, out, ci, local, peer, prefill_aux_index, dst_aux_index):
-        """send_aux, mooncake/conn.py:1780-1803: the shorter list, the prefill item length on both sides."""
+        """No SGLang helper: send_aux, mooncake/conn.py:1780-1803, inlined: the shorter list, the prefill item length on
+        both sides, no PP-stage or TP-rank election."""
         if dst_aux_index is None:
             return
         blocks = []
