@@ -69,7 +69,9 @@ def find_wheel(version: str, wheel: str | None) -> str:
 # What the query says, in SGLang's kv_args terms
 # --------------------------------------------------------------------------------------------------------------
 STATE_KINDS = {"Mamba": "mamba", "Swa": "swa", "Dsa": "dsa", "SwaRing": "swa_ring"}
-_SLICED = re.compile(r"Sliced \{ full_dim: (\d+), unit_bytes: (\d+), outer_count: (\d+), groups: (None|Some\(\[([\d, ]*)\]\))")
+_SLICED = re.compile(
+    r"Sliced \{ full_dim: (\d+), unit_bytes: (\d+), outer_count: (\d+), groups: (None|Some\(\[([\d, ]*)\]\))"
+)
 _STATE_REGION = re.compile(r"State \{ component: (\d+), tensor: (\d+) \}")
 _MHA = re.compile(r"Mha \{ kv_heads: (\d+), head_dim: (\d+) \}")
 
@@ -263,12 +265,12 @@ class Adapter:
         prefill_pages = request["prefill_pages"]
         dst_kv_indices = np.asarray(meta["kv_indices"], dtype=np.int32)
         decode_prefix = meta["decode_prefix_len"] or 0
-        # No SGLang helper: chunk pages as prefill.py:1731-1779 cuts them, each chunk's pages from the send range's start, index_slice counted
-        # in prefill pages from decode_prefix_len (common/conn.py:2270).
+        # No SGLang helper: chunk pages as prefill.py:1731-1779 cuts them, each chunk's pages from the send range's
+        # start, index_slice counted in prefill pages from decode_prefix_len (common/conn.py:2270).
         first_page = decode_prefix // P
         curr = 0
-        # No SGLang helper: _get_dsa_cache_transfer_skip_flags (mooncake/conn.py:1873-1901), inlined: a method whose only
-        # input beyond the ranks is CP state; hybrid-MLA KV is written by sub-rank 0 of an aggregation group.
+        # No SGLang helper: _get_dsa_cache_transfer_skip_flags (mooncake/conn.py:1873-1901), inlined: a method whose
+        # only input beyond the ranks is CP state; hybrid-MLA KV is written by sub-rank 0 of an aggregation group.
         skip_kv = (local.is_hybrid_mla and local.tp > peer.tp
                    and (local.tp_rank % local.tp) % (local.tp // peer.tp) != 0)
         for ci, tokens in enumerate(chunks):
@@ -343,13 +345,13 @@ class Adapter:
                          for p, d in zip(src_blocks, dst_blocks)])
 
     def flat(self, local, has_layer_ids, state_type, n_src, n_dst) -> bool:
-        """No SGLang helper: _uses_flat_entry_layout, mooncake/conn.py:232-251 (a connector module function), inlined."""
+        """No SGLang helper: _uses_flat_entry_layout, mooncake/conn.py:232-251 (a connector function), inlined."""
         single_swa = state_type == "swa" and n_src == 1 and n_dst == 1
         return local.is_mla or local.is_hybrid_mla or has_layer_ids or single_swa
 
     def state_stride_mismatch(self, local, mgr, src_ptrs, dst_ptrs, item_lens, dst_item_lens, state_type,
                               src_ids, dst_ids):
-        """No SGLang helper: _state_stride_mismatch, mooncake/conn.py:826-912 (a Mooncake method), inlined."""
+        """No SGLang helper: _state_stride_mismatch, mooncake/conn.py:826-912 (a connector method), inlined."""
         H = self.H
         has_layer_ids = bool(src_ids or dst_ids)
         if not self.flat(local, has_layer_ids, state_type, len(src_ptrs), len(dst_ptrs)):
