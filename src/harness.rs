@@ -8,7 +8,7 @@ use crate::exec::{self, SimFabric};
 use crate::fabric::verbs::{Caps, Endpoint, NodeId};
 use crate::fabric::world::SimWorld;
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::{Problem, RankId};
 use crate::plan::{self, Plan, PlanError};
@@ -369,9 +369,12 @@ fn room_failures(expect: &Expectation, ends: &RoomEnds) -> Vec<String> {
         }
     }
     if let Expectation::Error(message) = expect {
-        let mut reasons = ends.values().flat_map(|rooms| rooms.values()).filter_map(|(_, reason)| reason.as_ref());
-        if failures.is_empty() && !ends.is_empty() && !reasons.any(|reason| reason == message) {
-            failures.push(format!("no decode rank failed with `{message}`"));
+        let reasons: BTreeSet<&String> =
+            ends.values().flat_map(|rooms| rooms.values()).filter_map(|(_, reason)| reason.as_ref()).collect();
+        if failures.is_empty() && !ends.is_empty() && !reasons.contains(message) {
+            // Name what they failed with instead, so a differently worded rejection can be told from a missing one.
+            let got: Vec<String> = reasons.iter().take(3).map(|reason| format!("`{reason}`")).collect();
+            failures.push(format!("no decode rank failed with `{message}` (they failed with {})", got.join(", ")));
         }
     }
     if failures.len() > 3 {

@@ -133,6 +133,11 @@ pub enum Command {
         /// Seconds the planner may spend on one scenario in all.
         #[arg(long, default_value_t = 60)]
         planner_timeout: u64,
+        /// With --planner: a YAML list of known upstream differences (`scenario`, `reason`, `sglang` source lines,
+        /// `failure` substring). A listed case that fails as recorded is reported as known; one that passes or
+        /// fails otherwise fails the run.
+        #[arg(long, requires = "planner")]
+        known: Option<PathBuf>,
     },
     /// Certify a transport: run the fixed, versioned case set (the seam's contract and error paths, every scenario,
     /// a throughput run) through it and write junit.xml, report.json and manifest.txt.
@@ -334,8 +339,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Check { .. } | Command::Bench { .. } if seed.is_some() => {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
-        Command::Check { dir, planner: Some(command), planner_timeout, .. } => {
-            planners::check(&dir, &command, Duration::from_secs(planner_timeout))
+        Command::Check { dir, planner: Some(command), planner_timeout, known, .. } => {
+            planners::check(&dir, &command, Duration::from_secs(planner_timeout), known.as_deref())
         }
         Command::Check { dir, golden, .. } => check(&dir, &golden),
         Command::Certify(args) => certify::certify(&args),

@@ -85,6 +85,23 @@ fn local(local: Local<'_>) -> Value {
             "draft": model.draft.as_ref().map(|draft| json!({ "entries": draft.entries, "token_len": draft.token_len })),
         },
         "regions": local.layout.regions.iter().map(region).collect::<Vec<_>>(),
+        "advertised": advertised(local.layout),
+    })
+}
+
+/// What this rank advertises of itself (its own `kv_args`): KV layer ids (`null` when it sends none) and, per state
+/// component, the layer ids, sliced-axis dims, conv shard groups and outer counts, as they may differ from the
+/// model's truth (an older or misconfigured rank).
+fn advertised(layout: &crate::model::RankLayout) -> Value {
+    let state = &layout.state;
+    json!({
+        "kv_layer_ids": layout.advertised_layer_ids,
+        "state": (0..state.regions.len()).map(|component| json!({
+            "layer_ids": state.layer_ids.get(component),
+            "dims": state.dims.get(component),
+            "conv_groups": state.conv_groups.get(component),
+            "outer_counts": state.outer_counts.get(component),
+        })).collect::<Vec<_>>(),
     })
 }
 

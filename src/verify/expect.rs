@@ -78,19 +78,22 @@ pub(crate) fn pieces(
                     // [d*k, (d+1)*k) (domain.md §3.1); the first replica it contacts writes.
                     (head * (prefill_tp / kv_heads)).max(target.tp * (prefill_tp / decode_tp))
                 };
-                let holder_local = head - rank_heads(kv_heads, prefill_tp, holder_tp).0;
                 let Some((source, source_region)) =
                     holder(problem, holder_tp, target, RegionKind::Kv(part), layer, None)
                 else {
                     continue;
                 };
                 let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
-                // Rows must hold the heads at their local positions; otherwise no byte-exact placement exists.
+                // Rows must hold the heads at their local positions (and the holder the head at all, which a head
+                // count that does not divide the TP sizes can break); otherwise no byte-exact placement exists.
                 let fits = |len: u64, heads: u32| u64::from(heads) * head_len <= len;
-                if !fits(target_len, head_count) || !fits(source_len, holder_local + 1) {
+                let holder_local = head
+                    .checked_sub(rank_heads(kv_heads, prefill_tp, holder_tp).0)
+                    .filter(|local| fits(target_len, head_count) && fits(source_len, local + 1));
+                let Some(holder_local) = holder_local else {
                     notes.push((0, ViolationKind::Geometry { source_len, target_len }));
                     continue;
-                }
+                };
                 for request in &problem.requests {
                     for (target_row, source_row) in token_rows(problem, target, request, notes) {
                         res.push(Piece {

@@ -329,6 +329,8 @@ _CONN_METHODS = [
     "CommonKVManager.prepare_dcp_token_item_lens",
     "CommonKVManager.requires_dcp_relayout",
     "CommonKVManager._resolve_rank_mapping",
+    "CommonKVManager.get_mla_kv_ptrs_with_pp",
+    "CommonKVManager._mla_kv_entry_span_with_pp",
 ]
 
 
