@@ -179,6 +179,8 @@ pub enum Fabric {
     /// The live driver on RDMA verbs (cargo feature `rdma`), one endpoint per rank on `device` (default: the
     /// first device with an active port).
     Rdma { device: Option<String> },
+    /// The live driver on a C ABI transport plug-in (`fabric::plugin`), one endpoint per rank.
+    Plugin { path: String },
 }
 
 impl Fabric {
@@ -188,18 +190,22 @@ impl Fabric {
             "sim" => Ok(Fabric::Sim),
             "live-sim" => Ok(Fabric::LiveSim),
             "rdma" => Ok(Fabric::Rdma { device }),
-            other => Err(format!("unknown fabric `{other}` (fix: sim, live-sim or rdma)")),
+            other => match other.strip_prefix("plugin:") {
+                Some(path) => Ok(Fabric::Plugin { path: path.to_owned() }),
+                None => Err(format!("unknown fabric `{other}` (fix: sim, live-sim, rdma or plugin:PATH)")),
+            },
         }
     }
 
     /// The command-line flags that select this fabric.
     pub fn flags(&self) -> Vec<String> {
         let name = match self {
-            Fabric::Sim => "sim",
-            Fabric::LiveSim => "live-sim",
-            Fabric::Rdma { .. } => "rdma",
+            Fabric::Sim => "sim".to_owned(),
+            Fabric::LiveSim => "live-sim".to_owned(),
+            Fabric::Rdma { .. } => "rdma".to_owned(),
+            Fabric::Plugin { path } => format!("plugin:{path}"),
         };
-        let mut flags = vec!["--fabric".to_owned(), name.to_owned()];
+        let mut flags = vec!["--fabric".to_owned(), name];
         if let Fabric::Rdma { device: Some(device) } = self {
             flags.extend(["--device".to_owned(), device.clone()]);
         }
@@ -212,6 +218,7 @@ impl Fabric {
             Fabric::LiveSim => "live-sim".to_owned(),
             Fabric::Rdma { device: Some(device) } => format!("rdma ({device})"),
             Fabric::Rdma { device: None } => "rdma".to_owned(),
+            Fabric::Plugin { path } => format!("plugin:{path}"),
         }
     }
 }
@@ -227,6 +234,11 @@ pub fn engine_run(problem: &Problem, fabric: &Fabric, trace: bool) -> Result<Sim
             live::run_local(problem, &live, |node| Ok(world.eager_endpoint(node))).map_err(|error| error.to_string())
         }
         Fabric::Rdma { device } => rdma_run(problem, &live, device.as_deref(), RDMA_CAPS),
+        Fabric::Plugin { path } => {
+            let plugin = crate::fabric::plugin::Plugin::load(path).map_err(|error| error.to_string())?;
+            let open = |node| plugin.open(node, RDMA_CAPS).map_err(|error| error.to_string());
+            live::run_local(problem, &live, open).map_err(|error| format!("the plug-in {path} failed: {error}"))
+        }
     }
 }
 

@@ -57,7 +57,7 @@ impl Group {
 #[derive(Debug)]
 enum Kind {
     Conformance(&'static ConformanceCase),
-    Scenario { scenario: Box<Scenario>, registered: u64 },
+    Scenario { file: PathBuf, scenario: Box<Scenario>, registered: u64 },
     Throughput,
 }
 
@@ -150,7 +150,12 @@ fn scenario_case(corpus: &Path, file: PathBuf) -> Result<Case, CertifyError> {
     let registered = harness::simulated_bytes(&scenario.problem).unwrap_or(u64::MAX);
     let claim = format!("{}: every decode byte lands where domain.md says, or the expected failure", scenario.name);
     let id = format!("scenario/{}", relative.display());
-    Ok(Case { id, group: Group::Scenario, claim, kind: Kind::Scenario { scenario: Box::new(scenario), registered } })
+    Ok(Case {
+        id,
+        group: Group::Scenario,
+        claim,
+        kind: Kind::Scenario { file, scenario: Box::new(scenario), registered },
+    })
 }
 
 /// Every `*.yaml`/`*.yml` file below `dir`, sorted; symbolic links are not followed.
@@ -188,6 +193,9 @@ pub struct Options {
     pub message_bytes: u64,
     /// The command that reruns this certification; `--case ID` is appended for one case.
     pub reproduce: String,
+    /// The `kvrelay run` flags that put one scenario on this transport (e.g. `--fabric plugin:PATH`), when the
+    /// `kvrelay` binary can: a failed scenario case then says how to trace it.
+    pub run_flags: Option<String>,
 }
 
 impl Options {
@@ -202,6 +210,7 @@ impl Options {
             throughput_bytes: 64 << 20,
             message_bytes: 64 << 10,
             reproduce: reproduce.to_owned(),
+            run_flags: None,
         }
     }
 }
@@ -221,7 +230,13 @@ pub fn certify(
         let start = Instant::now();
         let (verdict, detail) = match &case.kind {
             Kind::Conformance(conformance) => judge_conformance(transport, conformance),
-            Kind::Scenario { scenario, registered, .. } => judge_scenario(transport, scenario, *registered, options),
+            Kind::Scenario { file, scenario, registered } => {
+                let (verdict, mut detail) = judge_scenario(transport, scenario, *registered, options);
+                if let (Verdict::Fail, Some(flags)) = (verdict, &options.run_flags) {
+                    detail.push_str(&format!("\ntrace it: kvrelay run {} {flags} --trace", file.display()));
+                }
+                (verdict, detail)
+            }
             Kind::Throughput => {
                 let (verdict, detail, figure) = judge_throughput(transport, options);
                 measured = figure;

@@ -55,6 +55,16 @@ impl CertifyArgs {
         line
     }
 
+    /// The `kvrelay run` flags for the same transport.
+    fn run_flags(&self) -> String {
+        let fabric = if self.fabric == "sim" { "live-sim" } else { self.fabric.as_str() };
+        let mut flags = format!("--fabric {fabric}");
+        if let Some(device) = &self.device {
+            flags.push_str(&format!(" --device {device}"));
+        }
+        flags
+    }
+
     fn out_dir(&self, transport: &str) -> PathBuf {
         let safe: String = transport
             .chars()
@@ -75,6 +85,7 @@ pub(super) fn certify(args: &CertifyArgs) -> anyhow::Result<ExitCode> {
     let mut transport = transport(args)?;
     let mut options = Options::new(Budget::from_env()?, &args.reproduce());
     options.only = args.cases.clone();
+    options.run_flags = Some(args.run_flags());
     options.throughput_bytes = args.throughput_bytes;
     options.message_bytes = args.message_bytes;
     options.live.waiting_timeout_ns = args.timeout.saturating_mul(1_000_000_000);

@@ -171,8 +171,8 @@ pub enum Command {
 /// Which fabric moves the bytes.
 #[derive(Debug, Clone, clap::Args)]
 pub struct FabricArgs {
-    /// `sim` (in-memory, simulated time), `live-sim` (in-memory, real clock) or `rdma` (verbs; needs the `rdma`
-    /// feature). `diff`, `serve` and `launch` default to `rdma`, `run` to `sim`.
+    /// `sim` (in-memory, simulated time), `live-sim` (in-memory, real clock), `rdma` (verbs; needs the `rdma`
+    /// feature) or `plugin:PATH` (a C ABI transport plug-in, src/fabric/kvrelay_transport.h; run and diff). `diff`, `serve` and `launch` default to `rdma`, `run` to `sim`.
     #[arg(long)]
     pub fabric: Option<String>,
     /// RDMA device (default: the first device with an active port).

@@ -222,3 +222,42 @@ fn the_cli_lists_the_case_set_and_refuses_unknown_cases_and_transports() {
     assert!(!transport.status.success());
     assert!(text(&transport.stderr).contains("unknown transport `carrier-pigeon`"), "{}", text(&transport.stderr));
 }
+
+/// The sample C plug-in through the whole kit: clean, certified on every conformance case and scenario; with its
+/// planted wrong offset, every conformance case still passes (their regions are smaller than 4 KiB) while the
+/// scenario cases catch it in coordinates and the throughput case's byte check catches it too.
+#[test]
+fn the_sample_plugin_is_certified_clean_and_refused_with_its_planted_offset() {
+    use kvrelay::fabric::plugin::PluginTransport;
+    let _serial = crate::plugin::serial();
+    let clean = run(&mut PluginTransport::load(crate::plugin::clean()).unwrap(), &options());
+    assert!(clean.certified(), "{}\n{:#?}", clean.summary(), clean.results);
+    let planted = run(&mut PluginTransport::load(crate::plugin::planted()).unwrap(), &options());
+    assert!(!planted.certified());
+    let failed: Vec<&str> = planted
+        .results
+        .iter()
+        .filter(|result| result.verdict == Verdict::Fail)
+        .map(|result| result.id.as_str())
+        .collect();
+    assert!(failed.iter().all(|id| id.starts_with("scenario/") || id.starts_with("throughput/")), "{failed:?}");
+    assert!(failed.contains(&"throughput/write-bandwidth"), "{failed:?}");
+    let relayout = planted.results.iter().find(|result| result.id == "scenario/dcp-relayout-two-stages").unwrap();
+    assert_eq!(relayout.verdict, Verdict::Fail);
+    assert!(relayout.detail.contains("decode pp0/tp"), "{}", relayout.detail);
+}
+
+/// `kvrelay run --fabric plugin:PATH`, the command a failed scenario case names to trace it: the clean sample
+/// passes, the planted one fails with the oracle's violations.
+#[test]
+fn kvrelay_run_puts_a_scenario_on_a_plugin_and_the_oracle_judges_it() {
+    let scenario = "scenarios/engines/dcp-relayout-two-stages.yaml";
+    let clean = format!("plugin:{}", crate::plugin::clean().display());
+    let output = kvrelay(&["run", scenario, "--fabric", &clean]);
+    assert!(output.status.success(), "{}{}", text(&output.stdout), text(&output.stderr));
+    assert!(text(&output.stdout).contains("verdict: pass"), "{}", text(&output.stdout));
+    let planted = format!("plugin:{}", crate::plugin::planted().display());
+    let output = kvrelay(&["run", scenario, "--fabric", &planted]);
+    assert!(!output.status.success());
+    assert!(text(&output.stdout).contains("oracle violations"), "{}", text(&output.stdout));
+}

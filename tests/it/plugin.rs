@@ -49,7 +49,7 @@ fn compile(name: &str, source: &Path, defines: &[&str]) -> PathBuf {
 
 /// Holds off the other tests of this file: the dynamic loader shares one instance of a shared object between every
 /// load of it in the process, and a plug-in is called from one thread at a time (kvrelay_transport.h, "Threads").
-fn serial() -> MutexGuard<'static, ()> {
+pub(crate) fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -59,13 +59,13 @@ fn sample_source() -> PathBuf {
 }
 
 /// The clean sample, built once per test process.
-fn clean() -> &'static Path {
+pub(crate) fn clean() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| compile("libkvrelay_memcpy.so", &sample_source(), &[]))
 }
 
 /// The sample with its planted wrong offset.
-fn planted() -> &'static Path {
+pub(crate) fn planted() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
         compile("libkvrelay_memcpy_planted.so", &sample_source(), &["-DKVRELAY_SAMPLE_PLANT_WRONG_OFFSET"])
