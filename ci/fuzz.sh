@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Fuzz smoke for kvrelay's decoders of untrusted input (tests/fuzz), libFuzzer for a bounded time split evenly
-# between two targets:
+# Fuzz smoke for kvrelay's decoders of untrusted input (tests/fuzz), libFuzzer for a bounded time split between
+# five targets:
 # - scenario: the scenario loader, planner and oracle, seeded with every scenario, every kept hostile file and one
 #   structure-aware seed per corpus scenario. Keep a crash as tests/hostile/fuzz-<name>.yaml (with a `#` comment
 #   saying what it found) and accept the snapshot it adds.
@@ -10,13 +10,15 @@
 #   round trip of each accepted frame.
 # - planner: the parser of an external planner's lines (src/external/protocol.rs), with a round trip of each
 #   accepted plan answer.
-# A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120: 40 % each to scenario and wire, 10 % each to
-# control and planner)
+# - plugin_info: a C ABI transport plug-in's info text (src/fabric/plugin.rs, `PluginInfo::parse`).
+# A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120: 40 % each to scenario and wire, 10 % to
+# control, 5 % each to planner and plugin_info)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-120}"
 half=$(( seconds * 40 / 100 > 0 ? seconds * 40 / 100 : 1 ))
 tenth=$(( seconds / 10 > 0 ? seconds / 10 : 1 ))
+twentieth=$(( seconds / 20 > 0 ? seconds / 20 : 1 ))
 if ! cargo +nightly --version >/dev/null 2>&1; then
     echo "fuzz: no nightly toolchain on this machine; the fuzz smoke needs one (cargo-fuzz uses -Zsanitizer)" >&2
     exit 1
@@ -32,7 +34,7 @@ fuzz() {
     cargo +nightly fuzz run --fuzz-dir tests/fuzz "$target" "tests/fuzz/corpus/$target" -- \
         -max_total_time="$time" -rss_limit_mb="$rss" -timeout=10 -print_final_stats=1 "$@"
 }
-mkdir -p tests/fuzz/corpus/{scenario,wire,control,planner}
+mkdir -p tests/fuzz/corpus/{scenario,wire,control,planner,plugin_info}
 
 find scenarios tests/hostile -name '*.yaml' -size -64k -exec cp {} tests/fuzz/corpus/scenario/ \;
 for index in $(seq 0 14); do
@@ -56,4 +58,9 @@ fuzz control "$tenth" 2048
 printf '{"type":"plan","id":7,"copies":[[0,1,0,2,64,64],[2,0,8,0,0,8]]}' > tests/fuzz/corpus/planner/seed-copies
 printf '{"type":"plan","id":7,"error":"no"}' > tests/fuzz/corpus/planner/seed-error
 printf '{"type":"hello","protocol":"kvrelay-plan","version":1,"planner":"x"}' > tests/fuzz/corpus/planner/seed-hello
-fuzz planner "$tenth" 2048
+fuzz planner "$twentieth" 2048
+
+# A plug-in's info text: the sample's, and one without a version.
+printf 'name=memcpy-sample\nversion=1.0.0\nbacking=memcpy\n' > tests/fuzz/corpus/plugin_info/seed-sample
+printf 'name=x\n=\nversion\n' > tests/fuzz/corpus/plugin_info/seed-broken
+fuzz plugin_info "$twentieth" 1024

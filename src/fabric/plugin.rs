@@ -479,10 +479,17 @@ fn read_info(info: Option<InfoFn>, path: &Path) -> Result<PluginInfo, PluginErro
     // SAFETY: non-null, and the header requires a static NUL-terminated text.
     let text = unsafe { CStr::from_ptr(text) };
     let text = text.to_str().map_err(|_| bad("it is not UTF-8"))?;
-    parse_info(text).map_err(|reason| bad(&reason))
+    PluginInfo::parse(text).map_err(|reason| bad(&reason))
 }
 
-/// Parses an info text: `key=value` lines, `name` and `version` required and non-empty.
+impl PluginInfo {
+    /// Parses a plug-in's info text (untrusted: fuzz target `plugin_info`): `key=value` lines, `name` and `version`
+    /// required and non-empty; the reason it is malformed otherwise.
+    pub fn parse(text: &str) -> Result<PluginInfo, String> {
+        parse_info(text)
+    }
+}
+
 fn parse_info(text: &str) -> Result<PluginInfo, String> {
     let mut facts = BTreeMap::new();
     for (number, line) in text.lines().enumerate() {
