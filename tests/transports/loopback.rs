@@ -14,10 +14,10 @@
 //! owns each node's registered memory, QPs and completion queue, so a post on one endpoint writes straight into
 //! another endpoint's registered memory and executes before `post_send` returns. To adapt the template:
 //!
-//! 1. Replace [`Wire`]'s state with handles onto your device (protection domain, CQ, QPs, registrations) and each
-//!    `Wire` method with the matching call: `register` pins memory and hands out keys, `deregister` revokes them,
-//!    `post` rings the doorbell (keep its checks: every fabric refuses exactly the same posts), `poll_cq` reads
-//!    your CQ.
+//! 1. Replace [`Wire`]'s state with handles onto your device (protection domain, CQ, QPs, registrations) and the
+//!    bodies of the `Endpoint` methods with the matching calls: `register` pins memory and hands out keys,
+//!    `deregister` revokes them, `post_send` rings the doorbell (keep the checks of `Wire::post`: every fabric
+//!    refuses exactly the same posts), `poll_cq` reads your CQ.
 //! 2. Keep one `SendQueue` per QP: `check_post` before posting, `push` per posted work request, `free_through` when
 //!    a completion of yours is polled; it is the contract's credit rule, written once.
 //! 3. Grant `Caps` no larger than your device's limits ([`LIMITS`]); make `Transport::step` and `settle` wait for
@@ -26,7 +26,7 @@
 //!
 //! `--plant-wrong-offset` plants the kind of bug certification exists to catch: a write landing 4096 bytes or more
 //! into its region lands 64 bytes further when that still fits. The conformance cases (regions of a few hundred
-//! bytes) still pass; the scenarios, moving real KV-cache layouts, fail byte for byte.
+//! bytes) still pass; the scenarios moving real KV-cache layouts, and the throughput run, fail byte for byte.
 
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "a command-line example reports on its terminal")]
 
