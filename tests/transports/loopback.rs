@@ -8,6 +8,7 @@
 //! ```sh
 //! cargo run --release --example certify-loopback -- target/certify/loopback            # certified, exit 0
 //! cargo run --release --example certify-loopback -- target/certify/loopback-planted --plant-wrong-offset  # exit 1
+//! cargo run --release --example certify-loopback -- /tmp/one --case scenario/basic/mla-tp2-to-tp4     # one case
 //! ```
 //!
 //! The "hardware" here is a [`Wire`]: every endpoint of one transport holds the same `Rc<RefCell<Wire>>`, which
@@ -378,12 +379,39 @@ impl Transport for Loopback {
     }
 }
 
-fn main() -> ExitCode {
+/// The command line: `OUT_DIR [--plant-wrong-offset] [--case ID]...`.
+struct Args {
+    out: PathBuf,
+    planted: bool,
+    cases: Vec<String>,
+}
+
+fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args().skip(1);
     let out = PathBuf::from(args.next().unwrap_or_else(|| "target/certify/loopback".to_owned()));
-    let planted = args.next().as_deref() == Some("--plant-wrong-offset");
-    let mut transport = Loopback::new(planted);
-    let set = match CaseSet::load("scenarios".as_ref()) {
+    let (mut planted, mut cases) = (false, Vec::new());
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--plant-wrong-offset" => planted = true,
+            "--case" => cases.push(args.next().ok_or("--case needs a case id")?),
+            other => {
+                return Err(format!("unknown argument `{other}` (fix: OUT_DIR [--plant-wrong-offset] [--case ID]...)"))
+            }
+        }
+    }
+    Ok(Args { out, planted, cases })
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut transport = Loopback::new(args.planted);
+    let set = match CaseSet::load("scenarios".as_ref()).and_then(|set| set.check_ids(&args.cases).map(|()| set)) {
         Ok(set) => set,
         Err(error) => {
             eprintln!("error: {error}");
@@ -391,17 +419,20 @@ fn main() -> ExitCode {
         }
     };
     let budget = Budget::from_env().unwrap_or_else(|_| Budget::bytes(4 << 30));
-    let options = Options::new(budget, "cargo run --release --example certify-loopback -- OUT_DIR");
+    let planted = if args.planted { " --plant-wrong-offset" } else { "" };
+    let reproduce = format!("cargo run --release --example certify-loopback -- {}{planted}", args.out.display());
+    let mut options = Options::new(budget, &reproduce);
+    options.only = args.cases;
     let report = certify::certify(&mut transport, &set, &options, &mut |result| {
         println!("{:<26} {}", result.verdict.name(), result.id);
     });
     println!("{}", report.summary());
-    match report.write(&out) {
+    match report.write(&args.out) {
         Ok(written) => {
             println!("wrote {}, {}, {}", written.junit.display(), written.json.display(), written.manifest.display())
         }
         Err(error) => {
-            eprintln!("error: writing the report into {}: {error}", out.display());
+            eprintln!("error: writing the report into {}: {error}", args.out.display());
             return ExitCode::FAILURE;
         }
     }
