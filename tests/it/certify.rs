@@ -4,11 +4,10 @@
 use std::path::{Path, PathBuf};
 
 use kvrelay::certify::{self, CaseSet, Identity, Options, Report, SimTransport, Transport, Verdict};
-use kvrelay::fabric::verbs::{
-    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, WorkCompletion, WorkRequest,
-};
+use kvrelay::fabric::verbs::{Caps, Endpoint, NodeId};
 use kvrelay::harness::Budget;
 
+use crate::conformance::{Broken, Sabotage};
 use crate::support::{kvrelay, text};
 
 /// A small corpus: four scenarios through the engines, including a failed registration.
@@ -25,69 +24,6 @@ fn options() -> Options {
 fn run(transport: &mut dyn Transport, options: &Options) -> Report {
     let set = CaseSet::load(&corpus()).unwrap();
     certify::certify(transport, &set, options, &mut |_| {})
-}
-
-/// The in-memory fabric, with every WRITE landing `shift` bytes past where it was aimed (a transport bug).
-struct Shifted {
-    inner: SimTransport,
-    shift: u64,
-}
-
-struct ShiftedEndpoint {
-    inner: Box<dyn Endpoint>,
-    shift: u64,
-}
-
-impl Endpoint for ShiftedEndpoint {
-    fn caps(&self) -> Caps {
-        self.inner.caps()
-    }
-    fn node(&self) -> NodeId {
-        self.inner.node()
-    }
-    fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
-        self.inner.register(bytes)
-    }
-    fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
-        self.inner.deregister(region)
-    }
-    fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
-        self.inner.read_local(region, offset, out)
-    }
-    fn create_qp(&mut self) -> Result<QpInfo, FabricError> {
-        self.inner.create_qp()
-    }
-    fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
-        self.inner.connect_qp(local, remote)
-    }
-    fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
-        let mut shifted = wrs.to_vec();
-        for wr in &mut shifted {
-            wr.remote.addr = wr.remote.addr.wrapping_add(self.shift);
-        }
-        self.inner.post_send(qp, &shifted)
-    }
-    fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-        self.inner.poll_cq(out, max)
-    }
-}
-
-impl Transport for Shifted {
-    fn identity(&self) -> Identity {
-        Identity { name: "shifted".to_owned(), ..Identity::default() }
-    }
-    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
-        Ok(Box::new(ShiftedEndpoint { inner: self.inner.open(node, caps)?, shift: self.shift }))
-    }
-    fn step(&mut self) {
-        self.inner.step();
-    }
-    fn settle(&mut self) {
-        self.inner.settle();
-    }
-    fn reset(&mut self) {
-        self.inner.reset();
-    }
 }
 
 /// The in-memory fabric granting at most one scatter-gather entry per work request.
@@ -126,7 +62,7 @@ fn the_in_memory_fabric_is_certified_on_every_case() {
 
 #[test]
 fn a_transport_that_misplaces_writes_fails_with_decoded_coordinates() {
-    let report = run(&mut Shifted { inner: SimTransport::eager(), shift: 64 }, &options());
+    let report = run(&mut Broken { inner: SimTransport::eager(), sabotage: Sabotage::ShiftWrites }, &options());
     assert!(!report.certified(), "{}", report.summary());
     let scenario = report
         .results
@@ -136,7 +72,7 @@ fn a_transport_that_misplaces_writes_fails_with_decoded_coordinates() {
     assert_eq!(scenario.verdict, Verdict::Fail);
     assert!(scenario.detail.contains("oracle violations"), "{}", scenario.detail);
     assert!(scenario.detail.contains("decode"), "violations are decoded into coordinates: {}", scenario.detail);
-    // Writes shifted past a region's end complete RemoteAccess and break their queue pair: the prefill rank fails
+    // Writes shifted one byte past a region's end complete RemoteAccess and break their queue pair: the prefill rank fails
     // the rooms of every write still waiting on it at once, not at the decode side's waiting timeout.
     assert!(scenario.detail.contains("RemoteAccess"), "{}", scenario.detail);
     assert!(!scenario.detail.contains("timed out"), "{}", scenario.detail);
@@ -171,11 +107,14 @@ fn a_scenario_over_the_memory_budget_is_unsupported_and_allowed_only_when_large(
 fn the_junit_json_and_manifest_files_agree_with_the_report() {
     let mut options = options();
     options.only = vec!["scenario/legacy-registration".to_owned(), "throughput/write-bandwidth".to_owned()];
-    let report = run(&mut Shifted { inner: SimTransport::eager(), shift: 64 }, &options);
+    let report = run(&mut Broken { inner: SimTransport::eager(), sabotage: Sabotage::ShiftWrites }, &options);
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("certify-files-{}", std::process::id()));
     let written = report.write(&dir).unwrap();
     let junit = std::fs::read_to_string(&written.junit).unwrap();
-    assert!(junit.contains("<testsuites name=\"kvrelay certify shifted\" tests=\"2\" failures=\"2\""), "{junit}");
+    assert!(
+        junit.contains("<testsuites name=\"kvrelay certify broken-ShiftWrites\" tests=\"2\" failures=\"2\""),
+        "{junit}"
+    );
     assert_eq!(junit.matches("<testcase ").count(), 2);
     assert_eq!(junit.matches("<failure ").count(), 2);
     assert!(junit.contains("case-set.hash"), "{junit}");

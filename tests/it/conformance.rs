@@ -156,7 +156,7 @@ fn a_transport_granting_one_sge_makes_the_gather_case_unsupported() {
 
 /// What a broken transport's endpoints get wrong.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Sabotage {
+pub(crate) enum Sabotage {
     /// `poll_cq` takes completions off the fabric and hands out none.
     DropCompletions,
     /// Every WRITE lands one byte after its remote address.
@@ -168,9 +168,9 @@ enum Sabotage {
 }
 
 /// The in-memory fabric with one sabotage in every endpoint it opens.
-struct Broken {
-    inner: SimTransport,
-    sabotage: Sabotage,
+pub(crate) struct Broken {
+    pub(crate) inner: SimTransport,
+    pub(crate) sabotage: Sabotage,
 }
 
 struct BrokenEndpoint {
