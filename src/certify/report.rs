@@ -228,8 +228,13 @@ impl Report {
             self.results.len(),
             escape(&self.date)
         );
-        let mut groups: Vec<&str> = self.results.iter().map(|result| result.group.as_str()).collect();
-        groups.dedup();
+        // Every group once, in the order its first case ran (cases of one group need not be adjacent).
+        let mut groups: Vec<&str> = Vec::new();
+        for result in &self.results {
+            if !groups.contains(&result.group.as_str()) {
+                groups.push(&result.group);
+            }
+        }
         for group in groups {
             self.junit_suite(&mut xml, group);
         }

@@ -58,6 +58,9 @@ fn the_in_memory_fabric_is_certified_on_every_case() {
     for group in ["contract", "error-path", "scenario", "throughput"] {
         assert!(report.results.iter().any(|result| result.group == group), "no {group} case ran");
     }
+    let junit = report.junit();
+    assert_eq!(junit.matches("<testcase ").count(), report.results.len(), "each case once in junit.xml");
+    assert_eq!(junit.matches("<testsuite ").count(), 4, "one suite per group");
 }
 
 #[test]
