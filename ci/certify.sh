@@ -23,9 +23,13 @@ check_files() {
     for file in junit.xml report.json manifest.txt; do
         [ -s "$dir/$file" ] || { say "MISSING $dir/$file"; return 1; }
     done
+    local cases testcases
+    cases=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(len(r["cases"]))' "$dir/report.json")
     python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("certify:   report.json:", r["summary"])' \
         "$dir/report.json"
-    grep -c '<testcase ' "$dir/junit.xml" | sed 's/^/certify:   junit.xml testcases: /'
+    testcases=$(grep -c '<testcase ' "$dir/junit.xml")
+    say "  junit.xml: $testcases test cases, report.json: $cases cases"
+    [ "$testcases" = "$cases" ] || { say "junit.xml and report.json disagree on the cases"; return 1; }
 }
 
 # expect VERDICT LABEL DIR COMMAND...: runs COMMAND (which writes into DIR) and requires exit 0 for `pass`,
