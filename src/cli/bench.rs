@@ -104,9 +104,8 @@ pub(super) fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
 /// The in-memory fabric's limits (`SimOptions::default`) and Soft-RoCE's (`ibv_devinfo` on rxe0: max_sge 32,
 /// max_msg_sz 8 MiB; the send-queue depth kvrelay asks for, `RDMA_CAPS`).
 fn lowerings() -> [plan::Limits; 2] {
-    let sim = SimOptions::default().caps;
     [
-        plan::Limits { max_sge: sim.max_sge, max_message: sim.max_message, sq_depth: sim.sq_depth },
+        plan::Limits::from(SimOptions::default().caps),
         plan::Limits { max_sge: 32, max_message: 8 << 20, sq_depth: harness::RDMA_CAPS.sq_depth },
     ]
 }
@@ -114,10 +113,10 @@ fn lowerings() -> [plan::Limits; 2] {
 /// Descriptors and their lowering to work requests, timed beside the per-row expansion in the same run.
 fn bench_descriptors(tokens: u32, iterations: u32) -> anyhow::Result<()> {
     let [sim_limits, roce_limits] = lowerings();
-    outln!("descriptors (kv only; plan+lower = plan, descriptors and lowering to soft-roce limits):");
+    outln!("descriptors (plan+lower = plan, descriptors and lowering to soft-roce limits, max_sge 32, 8 MiB):");
     outln!(
-        "{:<12} {:>8} {:>10} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12}",
-        "pages",
+        "{:<14} {:>8} {:>10} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "problem",
         "descr",
         "copies",
         "ratio",
@@ -127,7 +126,12 @@ fn bench_descriptors(tokens: u32, iterations: u32) -> anyhow::Result<()> {
         "wr soft-roce",
         "sge soft-roce"
     );
-    for (name, problem) in [("contiguous", contiguous_problem(tokens)?), ("shuffled", bench_problem(tokens, true)?)] {
+    let problems = [
+        ("kv contiguous", contiguous_problem(tokens)?),
+        ("kv shuffled", bench_problem(tokens, true)?),
+        ("kv+kda shuf.", bench_problem(tokens, false)?),
+    ];
+    for (name, problem) in problems {
         let (lower_time, _) = median(iterations, &mut || {
             let Ok(plan) = plan::plan(&problem) else { return 0 };
             let descriptors = plan.descriptors();
@@ -148,7 +152,7 @@ fn bench_descriptors(tokens: u32, iterations: u32) -> anyhow::Result<()> {
         let descriptors = plan.descriptors();
         let (sim, roce) = (plan::lower(&descriptors, sim_limits), plan::lower(&descriptors, roce_limits));
         outln!(
-            "{name:<12} {:>8} {copies:>10} {:>8.0} {:>12.3} {:>12.3} {:>12} {:>12} {:>12}",
+            "{name:<14} {:>8} {copies:>10} {:>8.0} {:>12.3} {:>12.3} {:>12} {:>12} {:>12}",
             descriptors.len(),
             copies as f64 / (descriptors.len().max(1) as f64),
             lower_time.as_secs_f64() * 1e3,
@@ -158,9 +162,8 @@ fn bench_descriptors(tokens: u32, iterations: u32) -> anyhow::Result<()> {
             roce.sge_count()
         );
     }
-    outln!(
-        "(plan+lower and expand ms both include planning; copies = per-row expansion; wr = work requests per request)"
-    );
+    outln!("(contiguous: pages 1.. on both sides; shuffled: the allocator's default; plan+lower and expand ms both");
+    outln!(" include planning; copies = the per-row expansion; wr = work requests for the one request)");
     Ok(())
 }
 

@@ -177,3 +177,73 @@ fn expand(descriptor: &Descriptor, run: &WrRun) -> Vec<WorkRequest> {
     }
     res
 }
+
+impl From<crate::fabric::verbs::Caps> for Limits {
+    fn from(caps: crate::fabric::verbs::Caps) -> Limits {
+        Limits { max_sge: caps.max_sge, max_message: caps.max_message, sq_depth: caps.sq_depth }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::TransferKind;
+
+    fn strided(source_stride: u64, target_stride: u64, element_len: u64, count: u64) -> Descriptor {
+        let rank = RankId { pp: 0, tp: 0 };
+        Descriptor {
+            request: 0,
+            chunk: 0,
+            kind: TransferKind::Kv,
+            source: rank,
+            source_region: 0,
+            source_offset: 0,
+            source_stride,
+            target: rank,
+            target_region: 0,
+            target_offset: 0,
+            target_stride,
+            element_len,
+            count,
+        }
+    }
+
+    const SOFT_ROCE: Limits = Limits { max_sge: 32, max_message: 8 << 20, sq_depth: 256 };
+    const ONE_SGE: Limits = Limits { max_sge: 1, max_message: 1 << 30, sq_depth: 1024 };
+
+    /// One K3 decode rank's rows of one layer (domain.md §2.4): a strided source (every 8th 576-byte row) into
+    /// contiguous target rows gathers 32 rows per work request under Soft-RoCE's limits, one per row with one SGE.
+    #[test]
+    fn relayout_rows_gather_up_to_max_sge() {
+        let descriptors = [strided(8 * 576, 576, 576, 4096)];
+        let lowering = lower(&descriptors, SOFT_ROCE);
+        assert_eq!(lowering.runs[0].shape, Shape::Gather { elements: 32 });
+        assert_eq!((lowering.work_request_count(), lowering.sge_count()), (128, 4096));
+        assert_eq!(lowering.queue_rounds(&descriptors), 1);
+        assert_eq!(lower(&descriptors, ONE_SGE).work_request_count(), 4096);
+        let requests: Vec<WorkRequest> = lowering.work_requests(&descriptors).collect();
+        assert_eq!(requests[1].target_offset, 32 * 576);
+        assert_eq!(requests[1].sges[..2], [(32 * 8 * 576, 576), (33 * 8 * 576, 576)]);
+    }
+
+    /// A strided target (head slices into wider rows) needs one work request per element, whatever max_sge.
+    #[test]
+    fn strided_target_is_one_work_request_per_element() {
+        let descriptors = [strided(128, 256, 128, 10)];
+        assert_eq!(lower(&descriptors, SOFT_ROCE).work_request_count(), 10);
+    }
+
+    /// Contiguous bytes (whole pages adjacent on both sides) are cut at max_message only.
+    #[test]
+    fn contiguous_bytes_are_cut_at_max_message() {
+        let descriptors = [strided(36864, 36864, 36864, 3)];
+        let limits = Limits { max_message: 50_000, ..SOFT_ROCE };
+        let lowering = lower(&descriptors, limits);
+        let lengths: Vec<u64> = lowering.work_requests(&descriptors).map(|request| request.sges[0].1).collect();
+        assert_eq!(lengths, [50_000, 50_000, 10_592]);
+        // Elements larger than a message are cut into single-SGE pieces.
+        let descriptors = [strided(2000, 1000, 1000, 2)];
+        let limits = Limits { max_message: 300, ..SOFT_ROCE };
+        assert_eq!(lower(&descriptors, limits).work_request_count(), 8);
+    }
+}
