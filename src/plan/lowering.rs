@@ -178,6 +178,45 @@ fn expand(descriptor: &Descriptor, run: &WrRun) -> Vec<WorkRequest> {
     res
 }
 
+/// Work requests within `limits` when strided sources are first gathered into a registered pack buffer (domain.md
+/// §2.8, counted only): packed rows are contiguous, so consecutive descriptors into one contiguous target range
+/// become one message (cut at `max_message`). Draft entries are never packed, nor is a strided target.
+pub fn packed_work_request_count(descriptors: &[Descriptor], limits: Limits) -> u64 {
+    let max_message = limits.max_message.max(1);
+    let mut count = 0;
+    // The open packed message: (source, target, target region, next target offset, bytes so far).
+    let mut open: Option<(RankId, RankId, u32, u64, u64)> = None;
+    for (index, descriptor) in descriptors.iter().enumerate() {
+        if descriptor.bytes() == 0 {
+            continue;
+        }
+        let packable = descriptor.target_contiguous() && descriptor.kind != super::TransferKind::Draft;
+        if !packable {
+            if let Some((.., bytes)) = open.take() {
+                count += bytes.div_ceil(max_message);
+            }
+            count += lower(&descriptors[index..=index], limits).work_request_count();
+            continue;
+        }
+        let key = (descriptor.source, descriptor.target, descriptor.target_region);
+        match &mut open {
+            Some((source, target, region, next, bytes))
+                if (*source, *target, *region) == key && *next == descriptor.target_offset =>
+            {
+                *next += descriptor.bytes();
+                *bytes += descriptor.bytes();
+            }
+            _ => {
+                if let Some((.., bytes)) = open.take() {
+                    count += bytes.div_ceil(max_message);
+                }
+                open = Some((key.0, key.1, key.2, descriptor.target_offset + descriptor.bytes(), descriptor.bytes()));
+            }
+        }
+    }
+    count + open.map_or(0, |(.., bytes)| bytes.div_ceil(max_message))
+}
+
 impl From<crate::fabric::verbs::Caps> for Limits {
     fn from(caps: crate::fabric::verbs::Caps) -> Limits {
         Limits { max_sge: caps.max_sge, max_message: caps.max_message, sq_depth: caps.sq_depth }
@@ -224,6 +263,22 @@ mod tests {
         let requests: Vec<WorkRequest> = lowering.work_requests(&descriptors).collect();
         assert_eq!(requests[1].target_offset, 32 * 576);
         assert_eq!(requests[1].sges[..2], [(32 * 8 * 576, 576), (33 * 8 * 576, 576)]);
+    }
+
+    /// Packed (domain.md §2.8), one rank's rows of one layer are one message; per prefill page descriptors into
+    /// one decode page join.
+    #[test]
+    fn packing_makes_one_message_per_contiguous_target_range() {
+        let descriptors = [strided(8 * 576, 576, 576, 4096)];
+        assert_eq!(packed_work_request_count(&descriptors, SOFT_ROCE), 1);
+        let mut pages: Vec<Descriptor> = (0..8).map(|_| strided(8 * 576, 576, 576, 8)).collect();
+        for (k, descriptor) in pages.iter_mut().enumerate() {
+            descriptor.source_offset = 100_000 * k as u64;
+            descriptor.target_offset = 8 * 576 * k as u64;
+        }
+        assert_eq!(packed_work_request_count(&pages, SOFT_ROCE), 1);
+        pages[4].target_offset += 1 << 20;
+        assert_eq!(packed_work_request_count(&pages, SOFT_ROCE), 3);
     }
 
     /// A strided target (head slices into wider rows) needs one work request per element, whatever max_sge.

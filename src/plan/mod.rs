@@ -16,7 +16,7 @@ mod state;
 
 pub use descriptor::Descriptor;
 pub use error::PlanError;
-pub use lowering::{lower, Limits, Lowering, Shape, WorkRequest, WrRun};
+pub use lowering::{lower, packed_work_request_count, Limits, Lowering, Shape, WorkRequest, WrRun};
 pub use rows::RowRun;
 
 use std::collections::BTreeMap;
