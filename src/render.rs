@@ -128,8 +128,18 @@ pub fn diff(expected: &str, actual: &str) -> String {
     out
 }
 
-/// Streams the plan as one JSON document (schema in README.md): regions, then every copy in canonical order.
-pub fn plan_json(problem: &Problem, plan: &Plan, out: &mut impl std::io::Write) -> std::io::Result<()> {
+/// Which form `kvrelay plan --json` emits (README.md "JSON plan schema").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanForm {
+    /// `kvrelay-plan-2`: strided descriptors.
+    Descriptors,
+    /// `kvrelay-plan-1`: every copy (`--expand`).
+    Copies,
+}
+
+/// Streams the plan as one JSON document (schema in README.md): regions, then every descriptor or every copy, in
+/// canonical order.
+pub fn plan_json(problem: &Problem, plan: &Plan, form: PlanForm, out: &mut impl std::io::Write) -> std::io::Result<()> {
     let rank = |side: Side, rank: RankId| {
         let topology = match side {
             Side::Prefill => &problem.prefill.topology,
@@ -145,7 +155,12 @@ pub fn plan_json(problem: &Problem, plan: &Plan, out: &mut impl std::io::Write) 
         let region = &layout.regions[index as usize];
         serde_json::json!({"index": index, "kind": region.kind.to_string(), "tensor": tensor_name(problem, region), "layer": region.layer})
     };
-    writeln!(out, "{{\"scenario\": {},", serde_json::Value::from(problem.name.clone()))?;
+    let schema = match form {
+        PlanForm::Descriptors => "kvrelay-plan-2",
+        PlanForm::Copies => "kvrelay-plan-1",
+    };
+    writeln!(out, "{{\"schema\": \"{schema}\",")?;
+    writeln!(out, "\"scenario\": {},", serde_json::Value::from(problem.name.clone()))?;
     writeln!(out, "\"regions\": [")?;
     let mut first = true;
     for side_layout in [&problem.prefill, &problem.decode] {
@@ -167,6 +182,30 @@ pub fn plan_json(problem: &Problem, plan: &Plan, out: &mut impl std::io::Write) 
         }
     }
     writeln!(out, "\n],")?;
+    if form == PlanForm::Descriptors {
+        writeln!(out, "\"descriptors\": [")?;
+        let mut first = true;
+        for descriptor in plan.descriptors() {
+            let value = serde_json::json!({
+                "request": descriptor.request,
+                "chunk": descriptor.chunk,
+                "transfer": transfer_kind(descriptor.kind),
+                "source": rank(Side::Prefill, descriptor.source),
+                "source_region": region(Side::Prefill, descriptor.source, descriptor.source_region),
+                "source_offset": descriptor.source_offset,
+                "source_stride": descriptor.source_stride,
+                "target": rank(Side::Decode, descriptor.target),
+                "target_region": region(Side::Decode, descriptor.target, descriptor.target_region),
+                "target_offset": descriptor.target_offset,
+                "target_stride": descriptor.target_stride,
+                "element_len": descriptor.element_len,
+                "count": descriptor.count,
+            });
+            write!(out, "{}{value}", if first { "  " } else { ",\n  " })?;
+            first = false;
+        }
+        return writeln!(out, "\n]}}");
+    }
     writeln!(out, "\"copies\": [")?;
     let mut first = true;
     for copy in plan.copies() {

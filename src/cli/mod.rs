@@ -114,9 +114,12 @@ pub enum Command {
     /// Export every copy of the plan.
     Plan {
         scenario: PathBuf,
-        /// Machine-readable JSON (schema in README.md).
+        /// Machine-readable JSON: strided descriptors, schema `kvrelay-plan-2` (README.md).
         #[arg(long)]
         json: bool,
+        /// With --json: every per-row copy instead, schema `kvrelay-plan-1`.
+        #[arg(long, requires = "json")]
+        expand: bool,
     },
     /// Run every scenario under DIR against its golden layout and expectation; the CI gate.
     Check {
@@ -295,13 +298,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             out!("{}", render::layout(&scenario.problem, &outcome.observation, only));
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { scenario, json } => {
+        Command::Plan { scenario, json, expand } => {
             let scenario = load(&scenario, seed)?;
             let plan = plan::plan(&scenario.problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
             if json {
-                render::plan_json(&scenario.problem, &plan, &mut out)?;
+                let form = if expand { render::PlanForm::Copies } else { render::PlanForm::Descriptors };
+                render::plan_json(&scenario.problem, &plan, form, &mut out)?;
             } else {
                 out.write_all(render::plan_summary(&plan).as_bytes())?;
             }

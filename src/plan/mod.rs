@@ -4,15 +4,19 @@
 //! computes per-chunk token-row runs (rows.rs); the result is a canonical [`Plan`] that expands into byte
 //! [`Copy`]s. No IO, clock or randomness here (ARCHITECTURE.md).
 
+mod descriptor;
 mod error;
 mod heads;
+mod lowering;
 mod pairing;
 pub mod peer;
 mod ranks;
 mod rows;
 mod state;
 
+pub use descriptor::Descriptor;
 pub use error::PlanError;
+pub use lowering::{lower, packed_work_request_count, Limits, Lowering, Shape, WorkRequest, WrRun};
 pub use rows::RowRun;
 
 use std::collections::BTreeMap;

@@ -27,10 +27,11 @@ fn layout_rank_out_of_range_is_an_error() {
 }
 
 #[test]
-fn plan_json_lists_every_copy_with_regions() {
-    let output = kvrelay(&["plan", "scenarios/basic/mla-tp2-to-tp4.yaml", "--json"]);
+fn plan_json_expand_lists_every_copy_with_regions() {
+    let output = kvrelay(&["plan", "scenarios/basic/mla-tp2-to-tp4.yaml", "--json", "--expand"]);
     assert!(output.status.success(), "{}", text(&output.stderr));
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(json["schema"], "kvrelay-plan-1");
     let copies = json["copies"].as_array().unwrap();
     // 4 decode ranks x 4 layers x (70-token request: 5 pages; 16-token request: 1 page), one copy per page pair
     // unless two pages happen to be adjacent on both sides; the plan summary states the exact count.
@@ -55,6 +56,33 @@ fn plan_json_lists_every_copy_with_regions() {
     assert_eq!(region["row_len"], 1152);
     assert_eq!(region["rows_per_item"], 16);
     assert_eq!(region["item_len"], 1152 * 16);
+}
+
+/// `plan --json` emits strided descriptors (kvrelay-plan-2): as many bytes as the copies, in no more entries.
+#[test]
+fn plan_json_emits_descriptors_moving_the_copies_bytes() {
+    let scenario = "scenarios/basic/kimi-k3-example-c.yaml";
+    let parse = |args: &[&str]| -> serde_json::Value {
+        let output = kvrelay(args);
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        serde_json::from_slice(&output.stdout).unwrap()
+    };
+    let descriptors = parse(&["plan", scenario, "--json"]);
+    let copies = parse(&["plan", scenario, "--json", "--expand"]);
+    assert_eq!(descriptors["schema"], "kvrelay-plan-2");
+    assert!(descriptors["copies"].is_null());
+    assert_eq!(descriptors["regions"], copies["regions"]);
+    let (descriptors, copies) = (descriptors["descriptors"].as_array().unwrap(), copies["copies"].as_array().unwrap());
+    let field =
+        |value: &serde_json::Value, name: &str| value[name].as_u64().unwrap_or_else(|| panic!("{name}: {value}"));
+    let bytes: u64 = descriptors.iter().map(|it| field(it, "element_len") * field(it, "count")).sum();
+    assert_eq!(bytes, copies.iter().map(|it| field(it, "length")).sum::<u64>());
+    let elements: u64 = descriptors.iter().map(|it| field(it, "count")).sum();
+    assert_eq!(elements, copies.len() as u64);
+    assert!(descriptors.len() < copies.len(), "{} descriptors for {} copies", descriptors.len(), copies.len());
+    for name in ["source_offset", "source_stride", "target_offset", "target_stride"] {
+        field(&descriptors[0], name);
+    }
 }
 
 #[test]

@@ -536,3 +536,102 @@ proptest! {
         prop_assert_eq!(sizes, expected);
     }
 }
+
+/// Byte moves `(source offset, target offset, length)` per key, sorted and coalesced wherever both sides
+/// continue: equal maps move exactly the same bytes.
+fn moves<K: Ord>(items: impl Iterator<Item = (K, u64, u64, u64)>) -> BTreeMap<K, Vec<(u64, u64, u64)>> {
+    let mut res: BTreeMap<K, Vec<(u64, u64, u64)>> = BTreeMap::new();
+    for (key, source, target, length) in items.filter(|item| item.3 > 0) {
+        res.entry(key).or_default().push((source, target, length));
+    }
+    for ranges in res.values_mut() {
+        ranges.sort_unstable();
+        let mut merged: Vec<(u64, u64, u64)> = Vec::with_capacity(ranges.len());
+        for &(source, target, length) in ranges.iter() {
+            match merged.last_mut() {
+                Some(last) if last.0 + last.2 == source && last.1 + last.2 == target => last.2 += length,
+                _ => merged.push((source, target, length)),
+            }
+        }
+        *ranges = merged;
+    }
+    res
+}
+
+/// A copy keyed by everything but its offsets and length.
+#[allow(clippy::type_complexity)]
+fn keyed(copy: plan::Copy) -> ((u32, u32, TransferKind, RankId, u32, RankId, u32), u64, u64, u64) {
+    let key = (copy.request, copy.chunk, copy.kind, copy.source, copy.source_region, copy.target, copy.target_region);
+    (key, copy.source_offset, copy.target_offset, copy.length)
+}
+
+/// Pages 1.. in request order on both sides (a fresh allocator's), so descriptors merge across pages.
+fn contiguous_pages(problem: &mut kvrelay::model::Problem) {
+    let (mut prefill, mut decode) = (1u32, 1u32);
+    for request in &mut problem.requests {
+        for page in &mut request.prefill_pages {
+            (*page, prefill) = (prefill, prefill + 1);
+        }
+        for page in &mut request.decode_pages {
+            (*page, decode) = (decode, decode + 1);
+        }
+    }
+}
+
+/// A plan's descriptors move exactly the bytes of its per-row expansion, and their lowering within `limits` moves
+/// them again, every work request within the limits.
+fn descriptors_match_copies(problem: &kvrelay::model::Problem, limits: plan::Limits) -> Result<(), TestCaseError> {
+    let plan = plan::plan(problem).unwrap();
+    let descriptors = plan.descriptors();
+    let expected = moves(plan.copies().map(keyed));
+    prop_assert_eq!(&moves(descriptors.iter().flat_map(plan::Descriptor::elements).map(keyed)), &expected);
+    prop_assert!(descriptors.len() as u64 <= plan.copy_count());
+    // A work request carries no request, chunk or kind: compare per region pair.
+    let pairs = |copy: plan::Copy| {
+        (
+            (copy.source, copy.source_region, copy.target, copy.target_region),
+            copy.source_offset,
+            copy.target_offset,
+            copy.length,
+        )
+    };
+    let lowering = plan::lower(&descriptors, limits);
+    let mut lowered = Vec::new();
+    for request in lowering.work_requests(&descriptors) {
+        prop_assert!(request.sges.len() <= limits.max_sge && !request.sges.is_empty(), "{:?}", request);
+        prop_assert!(request.sges.iter().map(|sge| sge.1).sum::<u64>() <= limits.max_message, "{:?}", request);
+        let mut target = request.target_offset;
+        for (source, length) in &request.sges {
+            let key = (request.source, request.source_region, request.target, request.target_region);
+            lowered.push((key, *source, target, *length));
+            target += length;
+        }
+    }
+    prop_assert_eq!(lowering.work_request_count(), lowered_count(&lowering, &descriptors));
+    prop_assert_eq!(moves(lowered.into_iter()), moves(plan.copies().map(pairs)));
+    Ok(())
+}
+
+fn lowered_count(lowering: &plan::Lowering, descriptors: &[plan::Descriptor]) -> u64 {
+    lowering.work_requests(descriptors).count() as u64
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Every transfer kind on random topologies, on shuffled or contiguous pages: the plan's descriptors move
+    /// exactly the bytes of the per-row expansion, and so does their lowering within random fabric limits.
+    #[test]
+    fn descriptors_move_exactly_the_bytes_of_the_per_row_copies(
+        shape in shapes_of(true),
+        contiguous in any::<bool>(),
+        max_sge in 1usize..=8,
+        max_message in prop::sample::select(vec![100u64, 1000, 4096, 1 << 30]),
+    ) {
+        let mut problem = scenario(&shape.yaml()).problem;
+        if contiguous {
+            contiguous_pages(&mut problem);
+        }
+        descriptors_match_copies(&problem, plan::Limits { max_sge, max_message, sq_depth: 4 })?;
+    }
+}
