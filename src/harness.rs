@@ -113,7 +113,7 @@ pub fn run(scenario: &Scenario) -> Result<Outcome, RunError> {
 }
 
 /// Refuses a problem whose simulated memory does not fit `budget`, before anything is planned or allocated.
-fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> {
+pub fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> {
     let needed = simulated_bytes(problem);
     if needed.is_none_or(|needed| needed > budget.bytes) {
         return Err(RunError::OverBudget { needed, budget: budget.clone() });

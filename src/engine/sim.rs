@@ -112,6 +112,23 @@ pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricErro
     super::tasks::drive(sim, problem, options.time_limit_ns)?.finish()
 }
 
+/// [`run`] with a mark after each phase: `mark("stage")` once every region is registered and filled,
+/// `mark("execute")` once the engines are done, `mark("observe")` once the decode memory is read back (the
+/// benchmark's phase timings; the simulation itself reads no clock).
+pub fn run_marked(
+    problem: &Problem,
+    options: &SimOptions,
+    mark: &mut dyn FnMut(&'static str),
+) -> Result<SimRun, FabricError> {
+    let sim = Sim::build(problem, options)?;
+    mark("stage");
+    let sim = super::tasks::drive(sim, problem, options.time_limit_ns)?;
+    mark("execute");
+    let run = sim.finish();
+    mark("observe");
+    run
+}
+
 /// [`run`] with the single-threaded event loop instead of tasks (the same engines, stepped by hand).
 pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
     let mut sim = Sim::build(problem, options)?;
