@@ -6,11 +6,12 @@
 //! know they are simulated; a process driver with real sockets and verbs is the next step (ARCHITECTURE.md).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::decode::RoomState;
 use super::handshake::{classify, Kind};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
-use crate::fabric::verbs::{Caps, Endpoint, FabricError, MemoryRegion, NodeId, WorkCompletion};
+use crate::fabric::verbs::{Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, WorkCompletion};
 use crate::fabric::world::{SimEndpoint, SimWorld};
 use crate::model::{Problem, RankId, RankLayout, Side, Topology};
 use crate::plan::peer;
@@ -352,8 +353,9 @@ pub(super) fn prefill_node<N: Endpoint>(
     layout: &RankLayout,
     mut nic: N,
 ) -> Result<Node<PrefillEngine, N>, FabricError> {
-    let regions = register_regions(&mut nic, layout, |index, bytes| {
-        pattern::fill_source(sources.number(layout.rank, index), bytes);
+    let regions = register_regions(&mut nic, layout, |index| {
+        let number = sources.number(layout.rank, index);
+        Arc::new(move |offset, out: &mut [u8]| pattern::fill_source_at(number, offset, out))
     })?;
     let engine = PrefillEngine::new(
         layout.rank,
@@ -375,7 +377,7 @@ pub(super) fn decode_node<N: Endpoint>(
     layout: &RankLayout,
     mut nic: N,
 ) -> Result<Node<DecodeEngine, N>, FabricError> {
-    let regions = register_regions(&mut nic, layout, |_, bytes| pattern::fill_sentinel(bytes))?;
+    let regions = register_regions(&mut nic, layout, |_| Arc::new(pattern::fill_sentinel_at))?;
     let descs: Vec<MemoryDesc> = regions
         .iter()
         .map(|region| MemoryDesc { address: region.addr, length_bytes: region.len, rkey: region.rkey })
@@ -449,17 +451,16 @@ pub(super) fn directory(problem: &Problem) -> BTreeMap<RankId, NodeId> {
     problem.prefill.ranks.iter().enumerate().map(|(index, layout)| (layout.rank, NodeId(index as u32))).collect()
 }
 
-/// Registers every region of `layout` on `nic`, each filled by `fill(region index, bytes)` first.
+/// Registers every region of `layout` on `nic`, each holding what `fill(region index)` gives (generated in place:
+/// the in-memory fabric materialises only the chunks written to, and reads the rest from the fill).
 fn register_regions<N: Endpoint>(
     nic: &mut N,
     layout: &RankLayout,
-    mut fill: impl FnMut(u32, &mut [u8]),
+    mut fill: impl FnMut(u32) -> Fill,
 ) -> Result<Vec<MemoryRegion>, FabricError> {
     let mut regions = Vec::new();
     for (index, region) in layout.regions.iter().enumerate() {
-        let mut bytes = vec![0u8; region.len_bytes() as usize];
-        fill(index as u32, &mut bytes);
-        regions.push(nic.register(bytes)?);
+        regions.push(nic.register_filled(region.len_bytes(), fill(index as u32))?);
     }
     Ok(regions)
 }

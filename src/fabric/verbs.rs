@@ -83,6 +83,10 @@ impl QpInfo {
     }
 }
 
+/// The initial contents of a region registered with [`Endpoint::register_filled`]: `fill(offset, out)` writes the
+/// region's bytes from byte `offset` on into `out` (any offset, any length; the same bytes every time).
+pub type Fill = std::sync::Arc<dyn Fn(u64, &mut [u8]) + Send + Sync>;
+
 /// A registered memory region, as `ibv_reg_mr` returns it.
 ///
 /// The owner uses `lkey` in its own [`Sge`]s; it advertises `addr`, `len` and `rkey` to peers, which write to it
@@ -346,6 +350,15 @@ pub trait Endpoint {
     fn node(&self) -> NodeId;
     /// Registers `bytes` (an MR) and returns its address and keys; the endpoint owns the bytes until deregistered.
     fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError>;
+    /// Registers `len` bytes holding what `fill` gives, as [`Endpoint::register`] of those bytes would. By default
+    /// the bytes are built and registered; the in-memory fabric materialises them lazily, per chunk a write reaches,
+    /// so that untouched memory costs nothing.
+    fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+        let len = usize::try_from(len).map_err(|_| FabricError::Exhausted("memory"))?;
+        let mut bytes = vec![0u8; len];
+        fill(0, &mut bytes);
+        self.register(bytes)
+    }
     /// Deregisters a region of this endpoint and hands back its bytes (no second copy). Work requests that reach
     /// it afterwards complete in error.
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError>;
@@ -381,6 +394,10 @@ impl<E: Endpoint + ?Sized> Endpoint for Box<E> {
 
     fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
         (**self).register(bytes)
+    }
+
+    fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+        (**self).register_filled(len, fill)
     }
 
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
