@@ -276,10 +276,13 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> O
     };
     let mut violations = Vec::new();
     if let Some(run) = &engine {
-        for layout in &problem.decode.ranks {
-            let verdicts = verdicts(&scenario.expect, run, layout.rank);
-            violations.extend(verify::check_rank(problem, layout.rank, &observation, &verdicts));
-        }
+        let ranks: Vec<_> = problem
+            .decode
+            .ranks
+            .iter()
+            .map(|layout| (layout.rank, verdicts(&scenario.expect, run, layout.rank)))
+            .collect();
+        violations = verify::check_ranks(problem, &observation, &ranks);
     }
     let ends = engine.as_ref().map(room_ends);
     let mut failures = match whose {

@@ -105,11 +105,13 @@ pub(super) fn bench_memory_fabric(runs: u32) -> anyhow::Result<ExitCode> {
             marks.push((phase, Instant::now()));
         })
         .map_err(|error| anyhow::anyhow!("the simulated fabric failed: {error}"))?;
-        let mut violations = 0;
-        for layout in &problem.decode.ranks {
-            let verdicts = harness::verdicts(&scenario.expect, &run, layout.rank);
-            violations += crate::verify::check_rank(problem, layout.rank, &run.observation, &verdicts).len();
-        }
+        let ranks: Vec<_> = problem
+            .decode
+            .ranks
+            .iter()
+            .map(|layout| (layout.rank, harness::verdicts(&scenario.expect, &run, layout.rank)))
+            .collect();
+        let violations = crate::verify::check_ranks(problem, &run.observation, &ranks).len();
         marks.push(("verify", Instant::now()));
         let bytes: u64 = run.observation.writes.iter().map(|write| write.length).sum();
         drop(run);
