@@ -101,7 +101,8 @@ pub(super) fn bench_memory_fabric(runs: u32) -> anyhow::Result<ExitCode> {
     let mut best: Option<(f64, Vec<f64>, u64, usize)> = None;
     for _ in 0..runs.max(1) {
         let mut marks = vec![("start", Instant::now())];
-        let run = crate::engine::sim::run_marked(problem, &SimOptions::default(), &mut |phase| {
+        let options = SimOptions { sparse_images: true, ..SimOptions::default() };
+        let run = crate::engine::sim::run_marked(problem, &options, &mut |phase| {
             marks.push((phase, Instant::now()));
         })
         .map_err(|error| anyhow::anyhow!("the simulated fabric failed: {error}"))?;

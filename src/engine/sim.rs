@@ -15,7 +15,7 @@ use crate::fabric::verbs::{Caps, Endpoint, FabricError, Fill, MemoryRegion, Node
 use crate::fabric::world::{SimEndpoint, SimWorld};
 use crate::model::{Problem, RankId, RankLayout, Side, Topology};
 use crate::plan::peer;
-use crate::verify::{pattern, Observation, RegionKey, Sources, Verdicts, WriteRecord};
+use crate::verify::{pattern, Observation, RegionKey, Sources, SparseImage, Verdicts, WriteRecord};
 use crate::wire::{KvPoll, MemoryDesc, PrefillInfo, RequestMeta, Status};
 
 /// One-way latency of a control message (ZMQ over TCP), in nanoseconds.
@@ -32,6 +32,9 @@ pub struct SimOptions {
     pub time_limit_ns: u64,
     /// Another planner in every prefill rank's seat (`None`: kvrelay's own).
     pub planner: Option<super::seat::SharedPlanner>,
+    /// Hand decode memory back as the chunks the fabric materialised (`Observation::sparse`) instead of whole
+    /// images: memory and verification follow the bytes written, not the pools. Golden layouts need whole images.
+    pub sparse_images: bool,
 }
 
 impl Default for SimOptions {
@@ -41,6 +44,7 @@ impl Default for SimOptions {
             trace: false,
             time_limit_ns: 10 * super::WAITING_TIMEOUT_NS,
             planner: None,
+            sparse_images: false,
         }
     }
 }
@@ -105,6 +109,7 @@ pub(super) struct Sim {
     pub(super) now: u64,
     pub(super) trace: Option<Vec<String>>,
     pub(super) messages: BTreeMap<&'static str, u64>,
+    sparse_images: bool,
 }
 
 /// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
@@ -157,6 +162,7 @@ impl Sim {
             now: 0,
             trace,
             messages: BTreeMap::new(),
+            sparse_images: options.sparse_images,
         })
     }
 
@@ -240,7 +246,7 @@ impl Sim {
 
     /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
     pub(super) fn finish(mut self) -> Result<SimRun, FabricError> {
-        let mut run = finish_nodes(&mut self.prefill, &mut self.decode)?;
+        let mut run = finish_nodes(&mut self.prefill, &mut self.decode, self.sparse_images)?;
         run.run_ns = self.now;
         run.trace = self.trace.unwrap_or_default();
         run.messages = self.messages;
@@ -393,6 +399,7 @@ pub(super) fn decode_node<N: Endpoint>(
 pub(super) fn finish_nodes<N: Endpoint>(
     prefill: &mut [Node<PrefillEngine, N>],
     decode: &mut [Node<DecodeEngine, N>],
+    sparse: bool,
 ) -> Result<SimRun, FabricError> {
     let mut observation = Observation::default();
     for node in prefill.iter() {
@@ -412,7 +419,12 @@ pub(super) fn finish_nodes<N: Endpoint>(
         let rank = node.engine.rank();
         for (index, region) in node.regions.iter().enumerate() {
             let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
-            observation.images.insert(key, node.nic.deregister(region)?);
+            if sparse {
+                let image = SparseImage { len: region.len, chunks: node.nic.deregister_sparse(region)? };
+                observation.sparse.insert(key, image);
+            } else {
+                observation.images.insert(key, node.nic.deregister(region)?);
+            }
         }
         rooms.insert(rank, node.engine.rooms().clone());
     }

@@ -113,6 +113,15 @@ impl Memory {
         }
     }
 
+    /// The materialised chunks by start offset (a dense region: one chunk of every byte, none when empty).
+    pub(super) fn into_chunks(self) -> BTreeMap<u64, Vec<u8>> {
+        match self {
+            Memory::Dense(bytes) if bytes.is_empty() => BTreeMap::new(),
+            Memory::Dense(bytes) => BTreeMap::from([(0, bytes)]),
+            Memory::Lazy { chunks, .. } => chunks.into_iter().map(|(start, chunk)| (start, chunk.into_vec())).collect(),
+        }
+    }
+
     /// How many bytes are materialised (a dense region's whole length).
     #[cfg(test)]
     pub(super) fn resident(&self) -> u64 {

@@ -6,6 +6,7 @@
 //! The in-memory implementation is [`super::world::SimWorld`]; a verbs backend implements the same trait, and both
 //! must pass the conformance suite, `crate::certify::conformance` (run by `tests/it/conformance.rs`).
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// One endpoint: one rank's process (a protection domain, its CQ and its QPs on a real NIC).
@@ -362,6 +363,13 @@ pub trait Endpoint {
     /// Deregisters a region of this endpoint and hands back its bytes (no second copy). Work requests that reach
     /// it afterwards complete in error.
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError>;
+    /// [`Endpoint::deregister`], the bytes handed back as the chunks materialised, by start offset: a byte in no
+    /// chunk was never written and still holds what the region was registered with. By default one chunk of
+    /// every byte.
+    fn deregister_sparse(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
+        let bytes = self.deregister(region)?;
+        Ok(if bytes.is_empty() { BTreeMap::new() } else { BTreeMap::from([(0, bytes)]) })
+    }
     /// Copies `out.len()` bytes of one of this endpoint's regions, from `offset` within it, into `out`.
     fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError>;
     /// Creates a QP (in the reset state) and returns what the bootstrap must tell the peer.
@@ -402,6 +410,10 @@ impl<E: Endpoint + ?Sized> Endpoint for Box<E> {
 
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
         (**self).deregister(region)
+    }
+
+    fn deregister_sparse(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
+        (**self).deregister_sparse(region)
     }
 
     fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {

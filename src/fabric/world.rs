@@ -365,6 +365,14 @@ impl Node {
         Ok(removed.memory.into_vec())
     }
 
+    fn remove_chunks(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
+        self.owned(region)?;
+        let removed = self.regions.remove(&region.addr).expect("checked by owned");
+        self.by_lkey.remove(&removed.lkey);
+        self.by_rkey.remove(&removed.rkey);
+        Ok(removed.memory.into_chunks())
+    }
+
     fn read(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
         let owned = self.owned(region)?;
         let len = out.len() as u64;
@@ -482,6 +490,10 @@ impl Endpoint for SimEndpoint {
 
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
         self.with_mut(|node| node.remove(region))
+    }
+
+    fn deregister_sparse(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
+        self.with_mut(|node| node.remove_chunks(region))
     }
 
     fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
