@@ -113,7 +113,7 @@ pub fn run(scenario: &Scenario) -> Result<Outcome, RunError> {
 }
 
 /// Refuses a problem whose simulated memory does not fit `budget`, before anything is planned or allocated.
-fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> {
+pub fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> {
     let needed = simulated_bytes(problem);
     if needed.is_none_or(|needed| needed > budget.bytes) {
         return Err(RunError::OverBudget { needed, budget: budget.clone() });
@@ -276,10 +276,13 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> O
     };
     let mut violations = Vec::new();
     if let Some(run) = &engine {
-        for layout in &problem.decode.ranks {
-            let verdicts = verdicts(&scenario.expect, run, layout.rank);
-            violations.extend(verify::check_rank(problem, layout.rank, &observation, &verdicts));
-        }
+        let ranks: Vec<_> = problem
+            .decode
+            .ranks
+            .iter()
+            .map(|layout| (layout.rank, verdicts(&scenario.expect, run, layout.rank)))
+            .collect();
+        violations = verify::check_ranks(problem, &observation, &ranks);
     }
     let ends = engine.as_ref().map(room_ends);
     let mut failures = match whose {

@@ -170,9 +170,90 @@ fn bench_descriptors(tokens: u32, iterations: u32) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The Kimi-K3 scenario on the in-memory fabric, phase by phase (stage, execute, observe, verify every decode
+/// byte), beside memcpy of the same byte count in the same run, and the process's peak resident memory.
+pub(super) fn bench_memory_fabric(runs: u32) -> anyhow::Result<ExitCode> {
+    let path = Path::new(K3_SCENARIO);
+    let scenario = load(path, None)?;
+    let problem = &scenario.problem;
+    harness::check_budget(problem, &Budget::from_env()?)?;
+    // Peak RSS of this figure alone: reset the high-water mark (Linux: "5" to clear_refs) before the first run.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    outln!("bench: {} on the in-memory fabric (stage, execute, observe, verify), best of {runs}", path.display());
+    let phases = ["stage", "execute", "observe", "verify"];
+    let mut best: Option<(f64, Vec<f64>, u64, usize)> = None;
+    for _ in 0..runs.max(1) {
+        let mut marks = vec![("start", Instant::now())];
+        let options = SimOptions { sparse_images: true, ..SimOptions::default() };
+        let run = crate::engine::sim::run_marked(problem, &options, &mut |phase| {
+            marks.push((phase, Instant::now()));
+        })
+        .map_err(|error| anyhow::anyhow!("the simulated fabric failed: {error}"))?;
+        let ranks: Vec<_> = problem
+            .decode
+            .ranks
+            .iter()
+            .map(|layout| (layout.rank, harness::verdicts(&scenario.expect, &run, layout.rank)))
+            .collect();
+        let violations = crate::verify::check_ranks(problem, &run.observation, &ranks).len();
+        marks.push(("verify", Instant::now()));
+        let bytes: u64 = run.observation.writes.iter().map(|write| write.length).sum();
+        drop(run);
+        let seconds: Vec<f64> = marks.windows(2).map(|pair| (pair[1].1 - pair[0].1).as_secs_f64()).collect();
+        let total = (marks[marks.len() - 1].1 - marks[0].1).as_secs_f64();
+        if best.as_ref().is_none_or(|(best, ..)| total < *best) {
+            best = Some((total, seconds, bytes, violations));
+        }
+    }
+    let peak = peak_rss_bytes();
+    let (total, seconds, bytes, violations) = best.expect("at least one run");
+    let memcpy = memcpy_seconds(bytes);
+    let phase_text: Vec<String> =
+        phases.iter().zip(&seconds).map(|(phase, seconds)| format!("{phase} {:.3}", seconds)).collect();
+    outln!("phases (s): {}", phase_text.join(", "));
+    let (fabric_gbps, memcpy_gbps) = (bytes as f64 / total.max(1e-12) / 1e9, bytes as f64 / memcpy.max(1e-12) / 1e9);
+    outln!(
+        "kvrelay-memfabric bytes={bytes} seconds={total:.3} gbps={fabric_gbps:.3} memcpy_gbps={memcpy_gbps:.3} ratio={:.3} peak_rss_bytes={} violations={violations}",
+        fabric_gbps / memcpy_gbps.max(1e-12),
+        peak.map_or_else(|| "unknown".to_owned(), |peak| peak.to_string()),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Seconds memcpy takes to move `bytes` bytes: 64 MiB buffers (past any cache), copied over and over, best of 3.
+fn memcpy_seconds(bytes: u64) -> f64 {
+    let chunk = 64usize << 20;
+    let source: Vec<u8> = (0..chunk).map(|index| index as u8 | 1).collect();
+    let mut target = vec![0u8; chunk];
+    target.copy_from_slice(&source);
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let mut left = bytes as usize;
+        while left > 0 {
+            let len = left.min(chunk);
+            target[..len].copy_from_slice(std::hint::black_box(&source[..len]));
+            std::hint::black_box(&mut target);
+            left -= len;
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// The process's peak resident memory (`VmHWM` of /proc/self/status), in bytes.
+fn peak_rss_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = text.lines().find(|line| line.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+const K3_SCENARIO: &str = "scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml";
+
 /// The Kimi-K3 scenario end to end (plan, move, verify) through the engines and directly, side by side.
 pub(super) fn bench_engines(runs: u32) -> anyhow::Result<ExitCode> {
-    let path = Path::new("scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml");
+    let path = Path::new(K3_SCENARIO);
     let scenario = load(path, None)?;
     let budget = Budget::from_env()?;
     outln!("bench: {} end to end (plan, move, verify), {runs} runs each", path.display());

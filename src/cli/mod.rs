@@ -363,6 +363,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             bench::bench_fabric(&fabric, &message_bytes, iterations, &wr_scenario)
         }
         Command::Bench { tokens, iterations, runs, .. } => {
+            bench::bench_memory_fabric(runs)?;
             bench::bench(tokens, iterations)?;
             bench::bench_engines(runs)
         }

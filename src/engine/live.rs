@@ -309,7 +309,7 @@ impl<N: Endpoint, C: Control> Live<N, C> {
 
     fn finish(mut self) -> Result<SimRun, LiveError> {
         let run_ns = self.now();
-        let mut run = sim::finish_nodes(&mut self.prefill, &mut self.decode)?;
+        let mut run = sim::finish_nodes(&mut self.prefill, &mut self.decode, false)?;
         run.run_ns = run_ns;
         run.trace = self.trace.unwrap_or_default();
         run.messages = self.messages;

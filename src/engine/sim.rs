@@ -6,15 +6,16 @@
 //! know they are simulated; a process driver with real sockets and verbs is the next step (ARCHITECTURE.md).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::decode::RoomState;
 use super::handshake::{classify, Kind};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
-use crate::fabric::verbs::{Caps, Endpoint, FabricError, MemoryRegion, NodeId, WorkCompletion};
+use crate::fabric::verbs::{Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, WorkCompletion};
 use crate::fabric::world::{SimEndpoint, SimWorld};
 use crate::model::{Problem, RankId, RankLayout, Side, Topology};
 use crate::plan::peer;
-use crate::verify::{pattern, Observation, RegionKey, Sources, Verdicts, WriteRecord};
+use crate::verify::{pattern, Observation, RegionKey, Sources, SparseImage, Verdicts, WriteRecord};
 use crate::wire::{KvPoll, MemoryDesc, PrefillInfo, RequestMeta, Status};
 
 /// One-way latency of a control message (ZMQ over TCP), in nanoseconds.
@@ -31,6 +32,9 @@ pub struct SimOptions {
     pub time_limit_ns: u64,
     /// Another planner in every prefill rank's seat (`None`: kvrelay's own).
     pub planner: Option<super::seat::SharedPlanner>,
+    /// Hand decode memory back as the chunks the fabric materialised (`Observation::sparse`) instead of whole
+    /// images: memory and verification follow the bytes written, not the pools. Golden layouts need whole images.
+    pub sparse_images: bool,
 }
 
 impl Default for SimOptions {
@@ -40,6 +44,7 @@ impl Default for SimOptions {
             trace: false,
             time_limit_ns: 10 * super::WAITING_TIMEOUT_NS,
             planner: None,
+            sparse_images: false,
         }
     }
 }
@@ -104,12 +109,30 @@ pub(super) struct Sim {
     pub(super) now: u64,
     pub(super) trace: Option<Vec<String>>,
     pub(super) messages: BTreeMap<&'static str, u64>,
+    sparse_images: bool,
 }
 
 /// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
 pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
     let sim = Sim::build(problem, options)?;
     super::tasks::drive(sim, problem, options.time_limit_ns)?.finish()
+}
+
+/// [`run`] with a mark after each phase: `mark("stage")` once every region is registered and filled,
+/// `mark("execute")` once the engines are done, `mark("observe")` once the decode memory is read back (the
+/// benchmark's phase timings; the simulation itself reads no clock).
+pub fn run_marked(
+    problem: &Problem,
+    options: &SimOptions,
+    mark: &mut dyn FnMut(&'static str),
+) -> Result<SimRun, FabricError> {
+    let sim = Sim::build(problem, options)?;
+    mark("stage");
+    let sim = super::tasks::drive(sim, problem, options.time_limit_ns)?;
+    mark("execute");
+    let run = sim.finish();
+    mark("observe");
+    run
 }
 
 /// [`run`] with the single-threaded event loop instead of tasks (the same engines, stepped by hand).
@@ -139,6 +162,7 @@ impl Sim {
             now: 0,
             trace,
             messages: BTreeMap::new(),
+            sparse_images: options.sparse_images,
         })
     }
 
@@ -222,7 +246,7 @@ impl Sim {
 
     /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
     pub(super) fn finish(mut self) -> Result<SimRun, FabricError> {
-        let mut run = finish_nodes(&mut self.prefill, &mut self.decode)?;
+        let mut run = finish_nodes(&mut self.prefill, &mut self.decode, self.sparse_images)?;
         run.run_ns = self.now;
         run.trace = self.trace.unwrap_or_default();
         run.messages = self.messages;
@@ -335,8 +359,9 @@ pub(super) fn prefill_node<N: Endpoint>(
     layout: &RankLayout,
     mut nic: N,
 ) -> Result<Node<PrefillEngine, N>, FabricError> {
-    let regions = register_regions(&mut nic, layout, |index, bytes| {
-        pattern::fill_source(sources.number(layout.rank, index), bytes);
+    let regions = register_regions(&mut nic, layout, |index| {
+        let number = sources.number(layout.rank, index);
+        Arc::new(move |offset, out: &mut [u8]| pattern::fill_source_at(number, offset, out))
     })?;
     let engine = PrefillEngine::new(
         layout.rank,
@@ -358,7 +383,7 @@ pub(super) fn decode_node<N: Endpoint>(
     layout: &RankLayout,
     mut nic: N,
 ) -> Result<Node<DecodeEngine, N>, FabricError> {
-    let regions = register_regions(&mut nic, layout, |_, bytes| pattern::fill_sentinel(bytes))?;
+    let regions = register_regions(&mut nic, layout, |_| Arc::new(pattern::fill_sentinel_at))?;
     let descs: Vec<MemoryDesc> = regions
         .iter()
         .map(|region| MemoryDesc { address: region.addr, length_bytes: region.len, rkey: region.rkey })
@@ -374,6 +399,7 @@ pub(super) fn decode_node<N: Endpoint>(
 pub(super) fn finish_nodes<N: Endpoint>(
     prefill: &mut [Node<PrefillEngine, N>],
     decode: &mut [Node<DecodeEngine, N>],
+    sparse: bool,
 ) -> Result<SimRun, FabricError> {
     let mut observation = Observation::default();
     for node in prefill.iter() {
@@ -393,7 +419,12 @@ pub(super) fn finish_nodes<N: Endpoint>(
         let rank = node.engine.rank();
         for (index, region) in node.regions.iter().enumerate() {
             let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
-            observation.images.insert(key, node.nic.deregister(region)?);
+            if sparse {
+                let image = SparseImage { len: region.len, chunks: node.nic.deregister_sparse(region)? };
+                observation.sparse.insert(key, image);
+            } else {
+                observation.images.insert(key, node.nic.deregister(region)?);
+            }
         }
         rooms.insert(rank, node.engine.rooms().clone());
     }
@@ -432,17 +463,16 @@ pub(super) fn directory(problem: &Problem) -> BTreeMap<RankId, NodeId> {
     problem.prefill.ranks.iter().enumerate().map(|(index, layout)| (layout.rank, NodeId(index as u32))).collect()
 }
 
-/// Registers every region of `layout` on `nic`, each filled by `fill(region index, bytes)` first.
+/// Registers every region of `layout` on `nic`, each holding what `fill(region index)` gives (generated in place:
+/// the in-memory fabric materialises only the chunks written to, and reads the rest from the fill).
 fn register_regions<N: Endpoint>(
     nic: &mut N,
     layout: &RankLayout,
-    mut fill: impl FnMut(u32, &mut [u8]),
+    mut fill: impl FnMut(u32) -> Fill,
 ) -> Result<Vec<MemoryRegion>, FabricError> {
     let mut regions = Vec::new();
     for (index, region) in layout.regions.iter().enumerate() {
-        let mut bytes = vec![0u8; region.len_bytes() as usize];
-        fill(index as u32, &mut bytes);
-        regions.push(nic.register(bytes)?);
+        regions.push(nic.register_filled(region.len_bytes(), fill(index as u32))?);
     }
     Ok(regions)
 }

@@ -6,6 +6,7 @@
 //! The in-memory implementation is [`super::world::SimWorld`]; a verbs backend implements the same trait, and both
 //! must pass the conformance suite, `crate::certify::conformance` (run by `tests/it/conformance.rs`).
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// One endpoint: one rank's process (a protection domain, its CQ and its QPs on a real NIC).
@@ -82,6 +83,10 @@ impl QpInfo {
         })
     }
 }
+
+/// The initial contents of a region registered with [`Endpoint::register_filled`]: `fill(offset, out)` writes the
+/// region's bytes from byte `offset` on into `out` (any offset, any length; the same bytes every time).
+pub type Fill = std::sync::Arc<dyn Fn(u64, &mut [u8]) + Send + Sync>;
 
 /// A registered memory region, as `ibv_reg_mr` returns it.
 ///
@@ -346,9 +351,25 @@ pub trait Endpoint {
     fn node(&self) -> NodeId;
     /// Registers `bytes` (an MR) and returns its address and keys; the endpoint owns the bytes until deregistered.
     fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError>;
+    /// Registers `len` bytes holding what `fill` gives, as [`Endpoint::register`] of those bytes would. By default
+    /// the bytes are built and registered; the in-memory fabric materialises them lazily, per chunk a write reaches,
+    /// so that untouched memory costs nothing.
+    fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+        let len = usize::try_from(len).map_err(|_| FabricError::Exhausted("memory"))?;
+        let mut bytes = vec![0u8; len];
+        fill(0, &mut bytes);
+        self.register(bytes)
+    }
     /// Deregisters a region of this endpoint and hands back its bytes (no second copy). Work requests that reach
     /// it afterwards complete in error.
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError>;
+    /// [`Endpoint::deregister`], the bytes handed back as the chunks materialised, by start offset: a byte in no
+    /// chunk was never written and still holds what the region was registered with. By default one chunk of
+    /// every byte.
+    fn deregister_sparse(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
+        let bytes = self.deregister(region)?;
+        Ok(if bytes.is_empty() { BTreeMap::new() } else { BTreeMap::from([(0, bytes)]) })
+    }
     /// Copies `out.len()` bytes of one of this endpoint's regions, from `offset` within it, into `out`.
     fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError>;
     /// Creates a QP (in the reset state) and returns what the bootstrap must tell the peer.
@@ -383,8 +404,16 @@ impl<E: Endpoint + ?Sized> Endpoint for Box<E> {
         (**self).register(bytes)
     }
 
+    fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+        (**self).register_filled(len, fill)
+    }
+
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
         (**self).deregister(region)
+    }
+
+    fn deregister_sparse(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
+        (**self).deregister_sparse(region)
     }
 
     fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {

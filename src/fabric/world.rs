@@ -24,9 +24,10 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 
+use super::memory::Memory;
 use super::verbs::{
-    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, SendQueue, Sge, WcKind, WcStatus,
-    WorkCompletion, WorkRequest,
+    Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, SendQueue, Sge, WcKind,
+    WcStatus, WorkCompletion, WorkRequest,
 };
 
 /// One-way latency of every message, in nanoseconds (NIC processing plus one switch hop).
@@ -155,7 +156,7 @@ struct Node {
 #[derive(Debug)]
 struct Region {
     addr: u64,
-    bytes: Vec<u8>,
+    memory: Memory,
     lkey: u32,
     rkey: u32,
 }
@@ -195,10 +196,10 @@ impl World {
         Ok(key)
     }
 
-    fn register(&mut self, node: NodeId, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
+    fn register(&mut self, node: NodeId, memory: Memory) -> Result<MemoryRegion, FabricError> {
         let lkey = self.fresh_key()?;
         let rkey = self.fresh_key()?;
-        self.node_mut(node).insert(bytes, lkey, rkey)
+        self.node_mut(node).insert(memory, lkey, rkey)
     }
 
     fn post(&mut self, node: NodeId, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
@@ -284,9 +285,9 @@ impl World {
         let Some(range) = region.range(sge.addr, sge.len) else {
             return WcStatus::LocalProtection;
         };
-        let (addr, bytes) = (region.addr, std::mem::take(&mut region.bytes));
-        let landed = self.node_mut(to).scatter(remote, &bytes[range]);
-        self.node_mut(from).regions.get_mut(&addr).expect("lent above").bytes = bytes;
+        let (addr, memory) = (region.addr, std::mem::replace(&mut region.memory, Memory::Dense(Vec::new())));
+        let landed = self.node_mut(to).scatter_from(remote, &memory, range.start as u64, sge.len);
+        self.node_mut(from).regions.get_mut(&addr).expect("lent above").memory = memory;
         if landed {
             WcStatus::Success
         } else {
@@ -336,13 +337,13 @@ impl Node {
         }
     }
 
-    fn insert(&mut self, bytes: Vec<u8>, lkey: u32, rkey: u32) -> Result<MemoryRegion, FabricError> {
+    fn insert(&mut self, memory: Memory, lkey: u32, rkey: u32) -> Result<MemoryRegion, FabricError> {
         let addr = self.next_addr;
-        let len = bytes.len() as u64;
+        let len = memory.len();
         let exhausted = FabricError::Exhausted("virtual address space");
         let end = addr.checked_add(len).and_then(|end| end.checked_add(REGION_GUARD_BYTES)).ok_or(exhausted.clone())?;
         self.next_addr = end.checked_next_multiple_of(PAGE_BYTES).ok_or(exhausted)?;
-        self.regions.insert(addr, Region { addr, bytes, lkey, rkey });
+        self.regions.insert(addr, Region { addr, memory, lkey, rkey });
         self.by_lkey.insert(lkey, addr);
         self.by_rkey.insert(rkey, addr);
         Ok(MemoryRegion { addr, len, lkey, rkey })
@@ -352,7 +353,7 @@ impl Node {
     fn owned(&self, region: &MemoryRegion) -> Result<&Region, FabricError> {
         self.regions
             .get(&region.addr)
-            .filter(|it| it.lkey == region.lkey && it.rkey == region.rkey && it.bytes.len() as u64 == region.len)
+            .filter(|it| it.lkey == region.lkey && it.rkey == region.rkey && it.memory.len() == region.len)
             .ok_or(FabricError::UnknownRegion { addr: region.addr })
     }
 
@@ -361,7 +362,15 @@ impl Node {
         let removed = self.regions.remove(&region.addr).expect("checked by owned");
         self.by_lkey.remove(&removed.lkey);
         self.by_rkey.remove(&removed.rkey);
-        Ok(removed.bytes)
+        Ok(removed.memory.into_vec())
+    }
+
+    fn remove_chunks(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
+        self.owned(region)?;
+        let removed = self.regions.remove(&region.addr).expect("checked by owned");
+        self.by_lkey.remove(&removed.lkey);
+        self.by_rkey.remove(&removed.rkey);
+        Ok(removed.memory.into_chunks())
     }
 
     fn read(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
@@ -369,7 +378,7 @@ impl Node {
         let len = out.len() as u64;
         let range = owned.addr.checked_add(offset).and_then(|addr| owned.range(addr, len));
         let range = range.ok_or(FabricError::OutOfRegion { offset, len, region_len: region.len })?;
-        out.copy_from_slice(&owned.bytes[range]);
+        owned.memory.read(range.start as u64, out);
         Ok(())
     }
 
@@ -394,7 +403,10 @@ impl Node {
         let mut bytes = Vec::new();
         for sge in sges {
             let region = &self.regions[self.by_lkey.get(&sge.lkey)?];
-            bytes.extend_from_slice(&region.bytes[region.range(sge.addr, sge.len)?]);
+            let range = region.range(sge.addr, sge.len)?;
+            let at = bytes.len();
+            bytes.resize(at + range.len(), 0);
+            region.memory.read(range.start as u64, &mut bytes[at..]);
         }
         Some(bytes)
     }
@@ -408,7 +420,20 @@ impl Node {
         let Some(range) = region.range(remote.addr, bytes.len() as u64) else {
             return false;
         };
-        region.bytes[range].copy_from_slice(bytes);
+        region.memory.write(range.start as u64, bytes);
+        true
+    }
+
+    /// [`Node::scatter`] of `len` bytes of `source` from `source_start`, copied (or generated) straight into place.
+    fn scatter_from(&mut self, remote: RemoteAddr, source: &Memory, source_start: u64, len: u64) -> bool {
+        let Some(&addr) = self.by_rkey.get(&remote.rkey) else {
+            return false;
+        };
+        let region = self.regions.get_mut(&addr).expect("key index follows the regions");
+        let Some(range) = region.range(remote.addr, len) else {
+            return false;
+        };
+        region.memory.copy_from(range.start as u64, source, source_start, len);
         true
     }
 
@@ -430,7 +455,7 @@ impl Region {
     fn range(&self, addr: u64, len: u64) -> Option<Range<usize>> {
         let start = addr.checked_sub(self.addr)?;
         let end = start.checked_add(len)?;
-        (end <= self.bytes.len() as u64).then_some(start as usize..end as usize)
+        (end <= self.memory.len()).then_some(start as usize..end as usize)
     }
 }
 
@@ -454,11 +479,21 @@ impl Endpoint for SimEndpoint {
     }
 
     fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError> {
-        self.world.borrow_mut().register(self.node, bytes)
+        self.world.borrow_mut().register(self.node, Memory::Dense(bytes))
+    }
+
+    /// Lazily: no byte is materialised until a write reaches its chunk (64 KiB).
+    fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+        let memory = Memory::Lazy { len, fill, chunks: BTreeMap::new() };
+        self.world.borrow_mut().register(self.node, memory)
     }
 
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
         self.with_mut(|node| node.remove(region))
+    }
+
+    fn deregister_sparse(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
+        self.with_mut(|node| node.remove_chunks(region))
     }
 
     fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {

@@ -288,7 +288,8 @@ impl<'a> Sources<'a> {
         let tp = self.problem.prefill.topology.tp;
         let row_len = item_len / u64::from(*outer_count);
         let (row, unit) = (within / row_len, (within % row_len) / unit_bytes);
-        let count = length / unit_bytes;
+        // A part of one unit (a damaged byte) still names the unit it lies in.
+        let count = (length / unit_bytes).max(1);
         let groups: Vec<u32> = groups.clone().unwrap_or_else(|| vec![*full_dim]);
         let names: Vec<String> = if groups.len() == 3 {
             ["q", "k", "v"].iter().map(|name| (*name).to_owned()).collect()

@@ -11,6 +11,7 @@ pub mod pattern;
 
 pub use decode::{item_noun, rank_heads, tensor_name, Described, Origin, Run, Sources};
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
@@ -36,7 +37,75 @@ pub struct WriteRecord {
 #[derive(Debug, Clone, Default)]
 pub struct Observation {
     pub images: BTreeMap<RegionKey, Vec<u8>>,
+    /// Decode regions held sparsely instead (a region is in `images` or here): the oracle judges them alike.
+    pub sparse: BTreeMap<RegionKey, SparseImage>,
     pub writes: Vec<WriteRecord>,
+}
+
+/// A decode region's bytes as a lazily materialising fabric held them: `len` bytes of which only `chunks` (by
+/// start offset, disjoint, each inside the region) were ever materialised; every other byte is the sentinel the
+/// region was registered with, never written (the fabric materialises a chunk before any write reaches it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SparseImage {
+    pub len: u64,
+    pub chunks: BTreeMap<u64, Vec<u8>>,
+}
+
+/// A decode region's bytes under judgement, dense or sparse.
+#[derive(Debug, Clone, Copy)]
+enum Image<'a> {
+    Dense(&'a [u8]),
+    Sparse(&'a SparseImage),
+}
+
+impl<'a> Image<'a> {
+    fn len(&self) -> u64 {
+        match self {
+            Image::Dense(bytes) => bytes.len() as u64,
+            Image::Sparse(image) => image.len,
+        }
+    }
+
+    /// Bytes `[start, end)` (inside the region): borrowed where they lie in one piece of memory.
+    fn slice(&self, start: u64, end: u64) -> Cow<'a, [u8]> {
+        let image = match self {
+            Image::Dense(bytes) => return Cow::Borrowed(&bytes[start as usize..end as usize]),
+            Image::Sparse(image) => *image,
+        };
+        if let Some((chunk_start, chunk)) = image.chunks.range(..=start).next_back() {
+            if end <= chunk_start + chunk.len() as u64 {
+                return Cow::Borrowed(&chunk[(start - chunk_start) as usize..(end - chunk_start) as usize]);
+            }
+        }
+        let mut out = vec![0u8; (end - start) as usize];
+        pattern::fill_sentinel_at(start, &mut out);
+        for (chunk_start, chunk) in Self::overlapping(image, start, end) {
+            let (from, to) = (start.max(chunk_start), end.min(chunk_start + chunk.len() as u64));
+            out[(from - start) as usize..(to - start) as usize]
+                .copy_from_slice(&chunk[(from - chunk_start) as usize..(to - chunk_start) as usize]);
+        }
+        Cow::Owned(out)
+    }
+
+    fn overlapping(image: &SparseImage, start: u64, end: u64) -> impl Iterator<Item = (u64, &Vec<u8>)> {
+        let first = image.chunks.range(..=start).next_back().map_or(start, |(chunk_start, _)| *chunk_start);
+        image
+            .chunks
+            .range(first..end)
+            .map(|(chunk_start, chunk)| (*chunk_start, chunk))
+            .filter(move |(chunk_start, chunk)| chunk_start + chunk.len() as u64 > start)
+    }
+
+    /// The materialised parts of `[start, end)`: all of it for a dense image; for a sparse one only the
+    /// materialised chunks' parts, since an absent chunk is untouched memory.
+    fn materialised(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
+        match self {
+            Image::Dense(_) => vec![(start, end)],
+            Image::Sparse(image) => Self::overlapping(image, start, end)
+                .map(|(chunk_start, chunk)| (start.max(chunk_start), end.min(chunk_start + chunk.len() as u64)))
+                .collect(),
+        }
+    }
 }
 
 /// What a range of decode bytes holds, decoded.
@@ -151,7 +220,37 @@ pub fn check_untouched(problem: &Problem, observation: &Observation) -> Vec<Viol
 /// where the rules place them; a failed request may leave bytes only inside its own destination items; every
 /// other byte must still be the sentinel, and no byte may be written twice outside failed requests' items.
 pub fn check_outcome(problem: &Problem, observation: &Observation, verdicts: &Verdicts) -> Vec<Violation> {
-    problem.decode.ranks.iter().flat_map(|layout| check_rank(problem, layout.rank, observation, verdicts)).collect()
+    let ranks: Vec<_> = problem.decode.ranks.iter().map(|layout| (layout.rank, verdicts.clone())).collect();
+    check_ranks(problem, observation, &ranks)
+}
+
+/// [`check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores; the
+/// violations in the order given (the same list a sequential loop returns).
+pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(ranks.len()).max(1);
+    if workers == 1 {
+        return ranks.iter().flat_map(|(rank, verdicts)| check_rank(problem, *rank, observation, verdicts)).collect();
+    }
+    let mut per_rank: Vec<Vec<Violation>> = vec![Vec::new(); ranks.len()];
+    std::thread::scope(|scope| {
+        // Rank i goes to worker i % workers, so every worker gets a similar share.
+        let handles: Vec<_> = (0..workers)
+            .map(|worker| {
+                scope.spawn(move || {
+                    let mine = ranks.iter().enumerate().skip(worker).step_by(workers);
+                    mine.map(|(index, (rank, verdicts))| (index, check_rank(problem, *rank, observation, verdicts)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for handle in handles {
+            match handle.join() {
+                Ok(done) => done.into_iter().for_each(|(index, violations)| per_rank[index] = violations),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    per_rank.into_iter().flatten().collect()
 }
 
 /// [`check_outcome`] for one decode rank alone: `observation` needs only that rank's images and writes, so a
@@ -161,8 +260,10 @@ pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, ve
     let mut violations = Vec::new();
     for index in 0..problem.decode.rank(rank).regions.len() as u32 {
         let key = RegionKey { side: Side::Decode, rank, region: index };
-        let Some(bytes) = observation.images.get(&key) else {
-            panic!("observation lacks decode region {key:?}");
+        let bytes = match (observation.images.get(&key), observation.sparse.get(&key)) {
+            (Some(bytes), _) => Image::Dense(bytes),
+            (None, Some(image)) => Image::Sparse(image),
+            (None, None) => panic!("observation lacks decode region {key:?}"),
         };
         let region = RegionCheck { problem, sources: &sources, key, bytes, verdicts };
         region.run(&mut violations);
@@ -176,7 +277,7 @@ struct RegionCheck<'a> {
     problem: &'a Problem,
     sources: &'a Sources<'a>,
     key: RegionKey,
-    bytes: &'a [u8],
+    bytes: Image<'a>,
     verdicts: &'a Verdicts,
 }
 
@@ -237,7 +338,7 @@ impl RegionCheck<'_> {
 
     fn run(&self, violations: &mut Vec<Violation>) {
         let (mut pieces, free) = self.expectations(violations);
-        let region_len = self.bytes.len() as u64;
+        let region_len = self.bytes.len();
         if let Some(piece) = pieces.iter().find(|piece| piece.target_offset + piece.length > region_len) {
             let (start, end) = (piece.target_offset, piece.target_offset + piece.length);
             violations.push(
@@ -254,9 +355,9 @@ impl RegionCheck<'_> {
                 self.key
             );
             self.check_gap(cursor, piece.target_offset, &free, violations);
-            let range = piece.target_offset as usize..(piece.target_offset + piece.length) as usize;
+            let found = self.bytes.slice(piece.target_offset, piece.target_offset + piece.length);
             let number = self.sources.number(piece.source, piece.source_region);
-            if !pattern::matches_source(number, piece.source_offset, &self.bytes[range]) {
+            if !pattern::matches_source(number, piece.source_offset, &found) {
                 let expected = Content::From(self.sources.describe(number, piece.source_offset, piece.length));
                 self.report(piece.target_offset, piece.length, expected, violations);
             }
@@ -279,25 +380,50 @@ impl RegionCheck<'_> {
         }
     }
 
+    /// Bytes `[start, end)` must be sentinel: checked where memory was materialised (an absent chunk of a sparse
+    /// image is untouched, so it holds the sentinel without being read).
     fn check_sentinel(&self, start: u64, end: u64, violations: &mut Vec<Violation>) {
         let row_len = self.region().row_len();
-        check_sentinel_rows(self.bytes, start, end, row_len, &mut |offset, length, expected| {
-            self.report(offset, length, expected, violations);
-        });
+        let mut done = start;
+        for (from, to) in self.bytes.materialised(start, end) {
+            // Whole rows where the materialised part starts or ends inside one, as a dense image reports them,
+            // each row once.
+            let from = done.max(from / row_len * row_len);
+            let to = end.min(to.div_ceil(row_len) * row_len);
+            if from >= to {
+                continue;
+            }
+            done = to;
+            let bytes = self.bytes.slice(from, to);
+            check_sentinel_rows(&bytes, from, from, to, row_len, &mut |offset, length, expected| {
+                self.report(offset, length, expected, violations);
+            });
+        }
     }
 
     fn report(&self, offset: u64, length: u64, expected: Content, violations: &mut Vec<Violation>) {
-        let found = found_content(self.sources, self.bytes, offset, length);
+        let aligned = offset / 8 * 8;
+        let end = ((offset + length).div_ceil(8) * 8).min(self.bytes.len());
+        let bytes = self.bytes.slice(aligned, end);
+        let found = found_content_at(self.sources, &bytes, aligned, offset, length);
         violations.push(self.violation(self.place(offset, length), ViolationKind::Wrong { expected, found }));
     }
 }
 
-/// Bytes `[start, end)` must be sentinel; mismatches are reported one row at a time.
-fn check_sentinel_rows(bytes: &[u8], start: u64, end: u64, row_len: u64, report: &mut impl FnMut(u64, u64, Content)) {
+/// Bytes `[start, end)` must be sentinel (`bytes` holds the region from byte `base` on); mismatches are reported
+/// one row at a time.
+fn check_sentinel_rows(
+    bytes: &[u8],
+    base: u64,
+    start: u64,
+    end: u64,
+    row_len: u64,
+    report: &mut impl FnMut(u64, u64, Content),
+) {
     let mut offset = start;
     while offset < end {
         let row_end = ((offset / row_len + 1) * row_len).min(end);
-        if !pattern::matches_sentinel(offset, &bytes[offset as usize..row_end as usize]) {
+        if !pattern::matches_sentinel(offset, &bytes[(offset - base) as usize..(row_end - base) as usize]) {
             report(offset, row_end - offset, Content::Sentinel);
         }
         offset = row_end;
@@ -308,7 +434,12 @@ fn check_sentinel_rows(bytes: &[u8], start: u64, end: u64, row_len: u64, report:
 fn found_content(sources: &Sources<'_>, bytes: &[u8], offset: u64, length: u64) -> Content {
     let aligned = offset / 8 * 8;
     let end = (offset + length).div_ceil(8) * 8;
-    let runs = sources.runs(aligned, &bytes[aligned as usize..(end as usize).min(bytes.len())]);
+    found_content_at(sources, &bytes[aligned as usize..(end as usize).min(bytes.len())], aligned, offset, length)
+}
+
+/// [`found_content`] from `window`, the region's bytes from the word-aligned `aligned` on, covering the range.
+fn found_content_at(sources: &Sources<'_>, window: &[u8], aligned: u64, offset: u64, length: u64) -> Content {
+    let runs = sources.runs(aligned, window);
     match runs.as_slice() {
         [Run::Sentinel { .. }] => Content::Sentinel,
         [Run::Source { number, source_offset, .. }] => {

@@ -25,44 +25,72 @@ pub fn source_byte(region: u32, offset: u64) -> u8 {
     source_word(region, offset / 8).to_le_bytes()[(offset % 8) as usize]
 }
 
+/// Bytes compared or generated per block: a stack buffer that stays in L1.
+const BLOCK_BYTES: usize = 4096;
+
 /// Fills a whole source region.
 pub fn fill_source(region: u32, bytes: &mut [u8]) {
-    let mut chunks = bytes.chunks_exact_mut(8);
-    for (word, chunk) in (&mut chunks).enumerate() {
-        chunk.copy_from_slice(&source_word(region, word as u64).to_le_bytes());
+    fill_source_at(region, 0, bytes);
+}
+
+/// Writes source region `region`'s bytes from byte `offset` on into `out` (the pattern generated in place).
+pub fn fill_source_at(region: u32, offset: u64, out: &mut [u8]) {
+    // An unaligned head, byte by byte, up to the next word boundary.
+    let head = (((8 - offset % 8) % 8) as usize).min(out.len());
+    for (index, byte) in out[..head].iter_mut().enumerate() {
+        *byte = source_byte(region, offset + index as u64);
     }
-    let tail_start = bytes.len() / 8 * 8;
-    for (index, byte) in bytes[tail_start..].iter_mut().enumerate() {
-        *byte = source_byte(region, (tail_start + index) as u64);
+    let first = (offset + head as u64) / 8;
+    let total = out.len();
+    let body = &mut out[head..];
+    let mut chunks = body.chunks_exact_mut(8);
+    for (index, chunk) in (&mut chunks).enumerate() {
+        chunk.copy_from_slice(&source_word(region, first + index as u64).to_le_bytes());
+    }
+    let tail = chunks.into_remainder();
+    let tail_offset = offset + (total - tail.len()) as u64;
+    for (index, byte) in tail.iter_mut().enumerate() {
+        *byte = source_byte(region, tail_offset + index as u64);
     }
 }
 
 /// Fills a whole target region with the sentinel.
 pub fn fill_sentinel(bytes: &mut [u8]) {
-    for (index, byte) in bytes.iter_mut().enumerate() {
-        *byte = SENTINEL_WORD.to_le_bytes()[index % 8];
+    fill_sentinel_at(0, bytes);
+}
+
+/// Writes the sentinel as it lies from byte `offset` of a region on into `out`.
+pub fn fill_sentinel_at(offset: u64, out: &mut [u8]) {
+    let sentinel = SENTINEL_WORD.to_le_bytes();
+    if sentinel.iter().all(|byte| *byte == sentinel[0]) {
+        out.fill(sentinel[0]);
+        return;
+    }
+    for (index, byte) in out.iter_mut().enumerate() {
+        *byte = sentinel[(offset as usize + index) % 8];
     }
 }
 
-/// Whether `found` equals source region `region` from byte `offset` on.
+/// Whether `found` equals source region `region` from byte `offset` on: the expected bytes are generated block by
+/// block into a stack buffer and compared as slices (a vectorised memcmp); nothing is decoded.
 pub fn matches_source(region: u32, offset: u64, found: &[u8]) -> bool {
-    if offset % 8 == 0 && found.len() % 8 == 0 {
-        let first = offset / 8;
-        return found
-            .chunks_exact(8)
-            .enumerate()
-            .all(|(index, chunk)| chunk == source_word(region, first + index as u64).to_le_bytes());
-    }
-    found.iter().enumerate().all(|(index, byte)| *byte == source_byte(region, offset + index as u64))
+    let mut expected = [0u8; BLOCK_BYTES];
+    let mut at = offset;
+    found.chunks(BLOCK_BYTES).all(|block| {
+        let expected = &mut expected[..block.len()];
+        fill_source_at(region, at, expected);
+        at += block.len() as u64;
+        block == &expected[..]
+    })
 }
 
 /// Whether `found` is untouched sentinel memory starting at byte `offset` of its region.
 pub fn matches_sentinel(offset: u64, found: &[u8]) -> bool {
-    let sentinel = SENTINEL_WORD.to_le_bytes();
-    if offset % 8 == 0 && found.len() % 8 == 0 {
-        return found.chunks_exact(8).all(|chunk| chunk == sentinel);
-    }
-    found.iter().enumerate().all(|(index, byte)| *byte == sentinel[(offset as usize + index) % 8])
+    let mut expected = [0u8; BLOCK_BYTES];
+    // Blocks are a multiple of 8 bytes long, so one block of the sentinel at `offset` serves every block.
+    let expected = &mut expected[..found.len().min(BLOCK_BYTES)];
+    fill_sentinel_at(offset, expected);
+    found.chunks(BLOCK_BYTES).all(|block| block == &expected[..block.len()])
 }
 
 #[cfg(test)]
@@ -83,5 +111,25 @@ mod tests {
         assert!(matches_source(9, 3, &bytes[3..29]));
         assert!(!matches_source(9, 4, &bytes[3..29]));
         assert!(!matches_source(8, 3, &bytes[3..29]));
+    }
+
+    #[test]
+    fn generating_at_an_offset_agrees_with_filling_the_whole_region() {
+        let mut whole = vec![0u8; 3 * BLOCK_BYTES + 13];
+        fill_source(7, &mut whole);
+        for (start, end) in [(0, 5), (3, 29), (5, 8), (8, 16), (1, BLOCK_BYTES + 3), (9, whole.len())] {
+            let mut part = vec![0u8; end - start];
+            fill_source_at(7, start as u64, &mut part);
+            assert_eq!(part, whole[start..end], "bytes {start}..{end}");
+            assert!(matches_source(7, start as u64, &whole[start..end]));
+        }
+        let mut changed = whole.clone();
+        changed[2 * BLOCK_BYTES + 1] ^= 1;
+        assert!(!matches_source(7, 0, &changed));
+        let mut sentinel = vec![0u8; 2 * BLOCK_BYTES + 5];
+        fill_sentinel(&mut sentinel);
+        assert!(matches_sentinel(3, &sentinel[3..]));
+        sentinel[BLOCK_BYTES + 2] = 0;
+        assert!(!matches_sentinel(0, &sentinel));
     }
 }

@@ -73,6 +73,7 @@ fn one_decode_rank_is_judged_from_its_own_memory_alone() {
                 .map(|(k, v)| (*k, v.clone()))
                 .collect(),
             writes: observation.writes.iter().filter(|write| write.target.rank == layout.rank).copied().collect(),
+            ..Observation::default()
         };
         let alone = verify::check_rank(problem, layout.rank, &own, &Verdicts::all_succeeded());
         let together: Vec<_> =
@@ -125,6 +126,63 @@ fn task_driver_and_stepped_loop_agree(#[case] path: &str) {
     assert_eq!(tasks.rooms, stepped.rooms);
     assert_eq!(tasks.messages, stepped.messages);
     assert!(tasks.observation.images == stepped.observation.images, "decode bytes differ between drivers");
+}
+
+/// Decode memory handed back sparsely (only the chunks the fabric materialised) holds the same bytes as the whole
+/// images and is judged the same, clean or damaged: an absent chunk is untouched sentinel memory.
+#[rstest::rstest]
+#[case::legacy_peer("scenarios/engines/legacy-registration.yaml")]
+#[case::mixed_outcomes("scenarios/engines/one-request-fails-beside-one.yaml")]
+#[case::state_and_heads("scenarios/state/qwen3-next-tp4-to-tp2.yaml")]
+fn sparse_decode_images_are_judged_like_whole_ones(#[case] path: &str) {
+    use kvrelay::engine::sim::{run, SimOptions};
+    let scenario = kvrelay::scenario::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap();
+    let problem = &scenario.problem;
+    let dense = run(problem, &SimOptions::default()).unwrap();
+    let sparse = run(problem, &SimOptions { sparse_images: true, ..SimOptions::default() }).unwrap();
+    assert!(sparse.observation.images.is_empty());
+    assert_eq!(sparse.observation.sparse.len(), dense.observation.images.len());
+    let whole = |image: &verify::SparseImage| {
+        let mut bytes = vec![0u8; image.len as usize];
+        verify::pattern::fill_sentinel(&mut bytes);
+        for (start, chunk) in &image.chunks {
+            bytes[*start as usize..][..chunk.len()].copy_from_slice(chunk);
+        }
+        bytes
+    };
+    for (key, image) in &sparse.observation.sparse {
+        assert!(whole(image) == dense.observation.images[key], "{key:?} differs");
+    }
+    let judge = |observation: &Observation| {
+        let ranks: Vec<_> = problem
+            .decode
+            .ranks
+            .iter()
+            .map(|layout| (layout.rank, kvrelay::harness::verdicts(&scenario.expect, &dense, layout.rank)))
+            .collect();
+        verify::check_ranks(problem, observation, &ranks)
+    };
+    assert_eq!(judge(&sparse.observation), judge(&dense.observation));
+    // Damage a byte inside a written chunk and a byte of an untouched chunk the same way on both.
+    let (mut damaged_sparse, mut damaged_dense) = (sparse.observation.clone(), dense.observation.clone());
+    for (key, image) in damaged_sparse.sparse.iter_mut() {
+        let len = image.len;
+        let written = image.chunks.keys().next().copied();
+        let untouched = (0..len).step_by(64 << 10).find(|start| !image.chunks.contains_key(start));
+        for start in written.into_iter().chain(untouched) {
+            let chunk = image.chunks.entry(start).or_insert_with(|| {
+                let mut bytes = vec![0u8; (len - start).min(64 << 10) as usize];
+                verify::pattern::fill_sentinel_at(start, &mut bytes);
+                bytes
+            });
+            let at = chunk.len() / 2;
+            chunk[at] ^= 0x5A;
+            damaged_dense.images.get_mut(key).unwrap()[start as usize + at] ^= 0x5A;
+        }
+    }
+    let violations = judge(&damaged_sparse);
+    assert!(!violations.is_empty());
+    assert_eq!(violations, judge(&damaged_dense));
 }
 
 /// A registration is untrusted input: whatever a (buggy or lying) decode peer puts in the fields the wire accepts,
