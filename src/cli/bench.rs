@@ -346,3 +346,167 @@ fn write_bandwidth(fabric: &harness::Fabric, _: u64) -> anyhow::Result<Option<(u
         _ => Ok(None),
     }
 }
+
+/// One shape of the scaling table: its tokens, label and scenario text.
+struct ScalingShape {
+    tokens: u32,
+    label: String,
+    text: String,
+}
+
+/// Pages `1..=count` as a YAML flow list body.
+fn page_list(count: u32) -> String {
+    (1..=count).map(|page| page.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+/// The rows of `kvrelay bench --scaling` up to `max_tokens`: the K3 token sweep (contiguous and shuffled pages), the
+/// DCP sweep (decode TP = DCP) and the Llama-3-70B TP sweep, the last two at 32K tokens (or `max_tokens` if fewer).
+fn scaling_shapes(max_tokens: u32) -> Vec<ScalingShape> {
+    let mut shapes = Vec::new();
+    let k3 = |tokens: u32, dcp: u32, pages: &str| {
+        format!(
+            "model: {{preset: kimi-k3, state: []}}\nprefill: {{pp: 8, page_size: 64}}\ndecode: {{tp: {dcp}, dcp: {dcp}, page_size: 64}}\nrequests: [{{tokens: {tokens}{pages}}}]\nexpect: ok\n"
+        )
+    };
+    for tokens in [4u32 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20].into_iter().filter(|&it| it <= max_tokens) {
+        let pages = format!(
+            ", prefill_pages: [{}], decode_pages: [{}]",
+            page_list(tokens.div_ceil(64)),
+            page_list(tokens.div_ceil(64 * 8))
+        );
+        shapes.push(ScalingShape {
+            tokens,
+            label: "K3 PP8/TP1->TP8/DCP8 contiguous".into(),
+            text: k3(tokens, 8, &pages),
+        });
+        shapes.push(ScalingShape { tokens, label: "K3 PP8/TP1->TP8/DCP8 shuffled".into(), text: k3(tokens, 8, "") });
+    }
+    let tokens = max_tokens.min(32 << 10);
+    for dcp in [1u32, 2, 4, 8, 16, 32, 64] {
+        shapes.push(ScalingShape {
+            tokens,
+            label: format!("K3 PP8/TP1->TP{dcp}/DCP{dcp} shuffled"),
+            text: k3(tokens, dcp, ""),
+        });
+    }
+    for (prefill, decode) in [(1u32, 1u32), (1, 8), (1, 64), (2, 16), (4, 32), (8, 8), (8, 64)] {
+        let text = format!(
+            "model: {{preset: llama-3-70b}}\nprefill: {{tp: {prefill}, page_size: 64}}\ndecode: {{tp: {decode}, page_size: 64}}\nrequests: [{{tokens: {tokens}}}]\nexpect: ok\n"
+        );
+        shapes.push(ScalingShape { tokens, label: format!("Llama-3-70B TP{prefill}->TP{decode} shuffled"), text });
+    }
+    shapes
+}
+
+/// Bytes every rank of both sides registers, or `None` past `u64`.
+fn registered_bytes(problem: &Problem) -> Option<u64> {
+    let mut total = 0u64;
+    for side in [&problem.prefill, &problem.decode] {
+        for rank in &side.ranks {
+            for region in &rank.regions {
+                total = total.checked_add(region.item_len.checked_mul(u64::from(region.item_count))?)?;
+            }
+        }
+    }
+    Some(total)
+}
+
+/// Bytes the plan moves, or `None` past `u64`.
+fn moved_bytes(plan: &plan::Plan) -> Option<u64> {
+    let mut total = 0u64;
+    for group in &plan.groups {
+        let rows = group.runs.iter().try_fold(0u64, |sum, run| sum.checked_add(run.rows))?;
+        for entry in group.entries.iter() {
+            total = total.checked_add(entry.length.checked_mul(rows)?)?;
+        }
+    }
+    Some(total)
+}
+
+/// Heap bytes of the plan's transfer groups: the group vector and each distinct shared entry and row-run list (the
+/// explain strings and the allocator's overhead are left out), or `None` past `u64`.
+fn plan_heap_bytes(plan: &plan::Plan) -> Option<u64> {
+    let size = |count: usize, each: usize| (count as u64).checked_mul(each as u64);
+    let mut total = size(plan.groups.capacity(), std::mem::size_of::<plan::TransferGroup>())?;
+    let mut seen = std::collections::BTreeSet::new();
+    for group in &plan.groups {
+        if seen.insert(group.entries.as_ptr() as usize) {
+            total = total.checked_add(size(group.entries.len(), std::mem::size_of::<plan::EntryPair>())?)?;
+        }
+        if seen.insert(group.runs.as_ptr() as usize) {
+            total = total.checked_add(size(group.runs.len(), std::mem::size_of::<plan::RowRun>())?)?;
+        }
+    }
+    Some(total)
+}
+
+/// What one row of the scaling table reports.
+struct ScalingRow {
+    plan_ms: f64,
+    lower_ms: f64,
+    descriptors: u64,
+    copies: u64,
+    work_requests: u64,
+    moved: Option<u64>,
+    registered: Option<u64>,
+    heap: Option<u64>,
+}
+
+fn scaling_row(shape: &ScalingShape, iterations: u32) -> Result<ScalingRow, String> {
+    let problem = scenario::parse(&shape.text, "<bench>", "bench-scaling").map_err(|error| error.to_string())?.problem;
+    let (plan_time, _) = median(iterations, &mut || {
+        plan::plan(&problem).map_or(0, |plan| std::hint::black_box(plan.groups.len()) as u64)
+    });
+    let plan = plan::plan(&problem).map_err(|error| format!("plan rejected: {error}"))?;
+    let [_, roce] = lowerings();
+    let (lower_time, work_requests) = median(iterations, &mut || {
+        let descriptors = plan.descriptors();
+        plan::lower(&descriptors, roce).work_request_count()
+    });
+    let descriptors = plan.descriptors().len() as u64;
+    Ok(ScalingRow {
+        plan_ms: plan_time.as_secs_f64() * 1e3,
+        lower_ms: lower_time.as_secs_f64() * 1e3,
+        descriptors,
+        copies: plan.copy_count(),
+        work_requests,
+        moved: moved_bytes(&plan),
+        registered: registered_bytes(&problem),
+        heap: plan_heap_bytes(&plan),
+    })
+}
+
+/// `kvrelay bench --scaling`: planning only (no fabric, no byte moves), one markdown row per shape.
+pub(super) fn bench_scaling(max_tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
+    let iterations = iterations.clamp(1, 5);
+    let show = |value: Option<u64>| value.map_or_else(|| "overflow".to_owned(), |it| it.to_string());
+    outln!(
+        "| tokens | shape | plan ms | plan ms / 1K tokens | descr+lower ms | descriptors | per-row copies | work requests (soft-roce) | bytes moved | registered bytes (both sides) | plan heap bytes |"
+    );
+    outln!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for shape in scaling_shapes(max_tokens) {
+        match scaling_row(&shape, iterations) {
+            Ok(row) => outln!(
+                "| {} | {} | {:.3} | {:.4} | {:.3} | {} | {} | {} | {} | {} | {} |",
+                shape.tokens,
+                shape.label,
+                row.plan_ms,
+                row.plan_ms / (f64::from(shape.tokens) / 1024.0),
+                row.lower_ms,
+                row.descriptors,
+                row.copies,
+                row.work_requests,
+                show(row.moved),
+                show(row.registered),
+                show(row.heap)
+            ),
+            Err(error) => {
+                outln!("| {} | {} | not planned: {} |||||||||", shape.tokens, shape.label, error.replace('|', "/"))
+            }
+        }
+    }
+    outln!(
+        "(median of {iterations} runs; plan = plan::plan; descr+lower = descriptors and their lowering to soft-roce limits, max_sge 32, 8 MiB messages; per-row copies counted, not expanded; plan heap = group vector and shared entry and row-run lists)"
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -168,6 +168,13 @@ pub enum Command {
         /// The scenario of the work-request rate run.
         #[arg(long, default_value = "scenarios/engines/dcp-relayout-two-stages.yaml")]
         wr_scenario: PathBuf,
+        /// Planning only (no fabric, no byte moves): a markdown table of plan time, descriptors, work requests and
+        /// memory over token counts (4K to 1M), DCP sizes (1 to 64) and TP sizes (up to 64).
+        #[arg(long, conflicts_with = "fabric")]
+        scaling: bool,
+        /// With --scaling: leave out shapes of more tokens than this.
+        #[arg(long, default_value_t = 1 << 20, requires = "scaling")]
+        max_tokens: u32,
     },
 }
 
@@ -362,6 +369,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             let fabric = harness::Fabric::parse(&name, device).map_err(anyhow::Error::msg)?;
             bench::bench_fabric(&fabric, &message_bytes, iterations, &wr_scenario)
         }
+        Command::Bench { scaling: true, max_tokens, iterations, .. } => bench::bench_scaling(max_tokens, iterations),
         Command::Bench { tokens, iterations, runs, .. } => {
             bench::bench_memory_fabric(runs)?;
             bench::bench(tokens, iterations)?;

@@ -284,3 +284,46 @@ fn serve_refuses_a_rank_the_scenario_does_not_have() {
         text(&output.stderr)
     );
 }
+
+/// `kvrelay bench --scaling` prints a markdown table whose K3 token sweep plans more with more tokens (counts, not
+/// timings): shuffled pages need more descriptors, contiguous pages never fewer, both more per-row copies.
+#[test]
+fn bench_scaling_table_grows_with_tokens() {
+    let output = kvrelay(&["bench", "--scaling", "--max-tokens", "16384", "--iterations", "1"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    assert!(
+        stdout.starts_with(
+            "| tokens | shape | plan ms | plan ms / 1K tokens | descr+lower ms | descriptors | per-row copies |"
+        ),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("not planned"), "{stdout}");
+    let rows: Vec<Vec<String>> = stdout
+        .lines()
+        .skip(2)
+        .filter(|line| line.starts_with('|'))
+        .map(|line| line.trim_matches('|').split('|').map(|cell| cell.trim().to_owned()).collect())
+        .collect();
+    for pages in ["contiguous", "shuffled"] {
+        let sweep: Vec<(u64, u64, u64)> = rows
+            .iter()
+            .filter(|row| row[1] == format!("K3 PP8/TP1->TP8/DCP8 {pages}"))
+            .map(|row| (row[0].parse().unwrap(), row[5].parse().unwrap(), row[6].parse().unwrap()))
+            .collect();
+        // The DCP sweep repeats the shuffled TP8/DCP8 shape at the largest token count; keep one row per count.
+        let mut sweep = sweep;
+        sweep.dedup_by_key(|row| row.0);
+        assert_eq!(sweep.iter().map(|row| row.0).collect::<Vec<_>>(), [4096, 16384], "{stdout}");
+        let (small, large) = (sweep[0], sweep[1]);
+        assert!(large.2 > small.2, "per-row copies must grow with tokens ({pages}): {stdout}");
+        if pages == "shuffled" {
+            assert!(large.1 > small.1, "descriptors must grow with tokens on shuffled pages: {stdout}");
+        } else {
+            assert!(large.1 >= small.1, "descriptors must not shrink with tokens: {stdout}");
+        }
+    }
+    // The DCP and TP sweeps are there, up to 64 decode ranks.
+    assert!(stdout.contains("| K3 PP8/TP1->TP64/DCP64 shuffled |"), "{stdout}");
+    assert!(stdout.contains("| Llama-3-70B TP8->TP64 shuffled |"), "{stdout}");
+}
