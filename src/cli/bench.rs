@@ -242,7 +242,7 @@ fn memcpy_seconds(bytes: u64) -> f64 {
 }
 
 /// The process's peak resident memory (`VmHWM` of /proc/self/status), in bytes.
-fn peak_rss_bytes() -> Option<u64> {
+pub(super) fn peak_rss_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = text.lines().find(|line| line.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -36,6 +36,7 @@ mod bench;
 mod certify;
 mod planners;
 mod ranks;
+mod replay;
 
 #[derive(Debug, Parser)]
 #[command(name = "kvrelay", version, about = "Byte-exact conformance harness for prefill -> decode KV-cache transfer")]
@@ -147,6 +148,10 @@ pub enum Command {
     Certify(certify::CertifyArgs),
     /// kvrelay's own planner behind the plan protocol, on stdin/stdout (the reference for `check --planner`).
     Planner,
+    /// Replay a load shape through the engines on the in-memory fabric (default: 128 requests of 32,768 input
+    /// tokens at concurrency 16 on Kimi-K3 PP8/TP1 -> TP8/DCP8 with KDA state), every decode byte verified; reports
+    /// input tokens/s, bytes/s, peak memory and per-request latency percentiles.
+    Replay(replay::ReplayArgs),
     /// Time the planner on the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape.
     Bench {
         /// Prompt length of the benchmarked request.
@@ -347,7 +352,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             };
             ranks::launch(&scenario, &loaded, &options)
         }
-        Command::Check { .. } | Command::Bench { .. } if seed.is_some() => {
+        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) if seed.is_some() => {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
         Command::Check { dir, planner: Some(command), planner_timeout, known, .. } => {
@@ -355,6 +360,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         Command::Check { dir, golden, .. } => check(&dir, &golden),
         Command::Certify(args) => certify::certify(&args),
+        Command::Replay(args) => replay::replay(&args),
         Command::Planner => {
             crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)

@@ -327,3 +327,27 @@ fn bench_scaling_table_grows_with_tokens() {
     assert!(stdout.contains("| K3 PP8/TP1->TP64/DCP64 shuffled |"), "{stdout}");
     assert!(stdout.contains("| Llama-3-70B TP8->TP64 shuffled |"), "{stdout}");
 }
+
+/// `kvrelay replay` runs a tiny load through the engines, verifies every byte and prints its report (lines, not
+/// timings).
+#[test]
+fn replay_reports_a_verified_load() {
+    let output = kvrelay(&["replay", "--requests", "2", "--tokens", "1024", "--concurrency", "2"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    for line in [
+        "requests: 2\n",
+        "input tokens: 2048\n",
+        "seconds: ",
+        "input tokens/s: ",
+        "bytes moved: ",
+        "bytes/s: ",
+        "peak rss bytes: ",
+        "latency ms (simulated completion of each request's rooms in its wave): p50 ",
+        "failed requests: 0\n",
+        "violations: 0\n",
+    ] {
+        assert!(stdout.contains(line), "no `{line}` in {stdout}");
+    }
+    assert!(text(&output.stderr).contains("replay: 2/2 requests"), "{}", text(&output.stderr));
+}

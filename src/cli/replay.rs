@@ -1,0 +1,132 @@
+//! `kvrelay replay`: a production load shape replayed through the engines on the in-memory fabric, every decode
+//! byte verified. Waves of `concurrency` requests (one problem per wave), each wave's memory released before the
+//! next; numbers only, never a pass/fail timing.
+
+#![allow(clippy::disallowed_methods, reason = "the replay reads the wall clock at the CLI edge")]
+
+use std::io::Write as _;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use crate::engine::sim::SimOptions;
+use crate::harness::{self, Budget};
+use crate::scenario;
+
+/// What `kvrelay replay` replays.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// Requests in all.
+    #[arg(long, default_value_t = 128)]
+    pub requests: u32,
+    /// Input tokens of every request.
+    #[arg(long, default_value_t = 32768)]
+    pub tokens: u32,
+    /// Requests in flight at once (one wave through the engines).
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: u32,
+}
+
+/// The scenario text of one wave: the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape (scenarios/basic/kimi-k3-...) with its
+/// KDA state, `count` requests of `tokens` tokens.
+fn wave_text(count: u32, tokens: u32) -> String {
+    let requests = vec![format!("{{tokens: {tokens}}}"); count as usize].join(", ");
+    format!(
+        "model: {{preset: kimi-k3}}\nprefill: {{tp: 1, pp: 8, page_size: 64}}\ndecode: {{tp: 8, dcp: 8, page_size: 64}}\nrequests: [{requests}]\nexpect: ok\n"
+    )
+}
+
+fn wave_problem(count: u32, tokens: u32, seed: u64) -> anyhow::Result<crate::model::Problem> {
+    Ok(scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(seed))?.problem)
+}
+
+/// The value at quantile `q` (nearest rank) of sorted `values`.
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
+    let (requests, tokens, concurrency) = (args.requests.max(1), args.tokens.max(1), args.concurrency.max(1));
+    let budget = Budget::from_env()?;
+    outln!(
+        "replay: {requests} requests of {tokens} input tokens at concurrency {concurrency}, Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8 with KDA state, in-memory fabric (sparse images), every decode byte verified"
+    );
+    // A wave of `concurrency` requests runs as one problem when its registered memory fits the budget
+    // (harness::check_budget); otherwise as consecutive runs of the most requests that fit.
+    let mut batch = concurrency;
+    while batch > 1 && harness::check_budget(&wave_problem(batch, tokens, 1)?, &budget).is_err() {
+        batch -= 1;
+    }
+    harness::check_budget(&wave_problem(batch, tokens, 1)?, &budget)?;
+    if batch < concurrency {
+        outln!("note: {concurrency} requests of {tokens} tokens do not fit the memory budget ({budget}); each wave runs as runs of at most {batch} requests");
+    }
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let start = Instant::now();
+    let (mut done, mut bytes, mut violations, mut failed) = (0u32, 0u64, 0usize, 0usize);
+    let mut latencies_ms: Vec<f64> = Vec::new();
+    let mut wave = 0u64;
+    let mut stderr = std::io::stderr();
+    while done < requests {
+        let count = batch.min(requests - done);
+        let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave + 1))?;
+        let problem = &scenario.problem;
+        harness::check_budget(problem, &budget)?;
+        let options = SimOptions { sparse_images: true, ..SimOptions::default() };
+        let run = crate::engine::sim::run(problem, &options)
+            .map_err(|error| anyhow::anyhow!("the simulated fabric failed in wave {wave}: {error}"))?;
+        failed += run.failures().len();
+        let ranks: Vec<_> = problem
+            .decode
+            .ranks
+            .iter()
+            .map(|layout| (layout.rank, harness::verdicts(&scenario.expect, &run, layout.rank)))
+            .collect();
+        violations += crate::verify::check_ranks(problem, &run.observation, &ranks).len();
+        bytes += run.observation.writes.iter().map(|write| write.length).sum::<u64>();
+        // A request's latency: the simulated time its last decode room ended (the run starts every room at 0).
+        let mut ended: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+        for rooms in run.rooms.values() {
+            for (id, room) in rooms {
+                let at = ended.entry(*id).or_default();
+                *at = (*at).max(room.ended_ns.unwrap_or(run.run_ns));
+            }
+        }
+        latencies_ms.extend(ended.values().map(|ns| *ns as f64 / 1e6));
+        drop(run);
+        done += count;
+        wave += 1;
+        let seconds = start.elapsed().as_secs_f64();
+        let _ = write!(
+            stderr,
+            "\rreplay: {done}/{requests} requests, {:.0} input tokens/s, {seconds:.1} s",
+            f64::from(done) * f64::from(tokens) / seconds.max(1e-12)
+        );
+        let _ = stderr.flush();
+    }
+    let _ = writeln!(stderr);
+    let seconds = start.elapsed().as_secs_f64();
+    let input_tokens = u64::from(requests) * u64::from(tokens);
+    latencies_ms.sort_by(f64::total_cmp);
+    let peak = super::bench::peak_rss_bytes();
+    outln!("requests: {requests}");
+    outln!("input tokens: {input_tokens}");
+    outln!("seconds: {seconds:.3}");
+    outln!("input tokens/s: {:.0}", input_tokens as f64 / seconds.max(1e-12));
+    outln!("bytes moved: {bytes}");
+    outln!("bytes/s: {:.0}", bytes as f64 / seconds.max(1e-12));
+    outln!("peak rss bytes: {}", peak.map_or_else(|| "unknown".to_owned(), |peak| peak.to_string()));
+    outln!(
+        "latency ms (simulated completion of each request's rooms in its wave): p50 {:.3} p90 {:.3} p99 {:.3} max {:.3}",
+        percentile(&latencies_ms, 0.50),
+        percentile(&latencies_ms, 0.90),
+        percentile(&latencies_ms, 0.99),
+        percentile(&latencies_ms, 1.0)
+    );
+    outln!("failed requests: {failed}");
+    outln!("violations: {violations}");
+    Ok(if violations == 0 && failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
