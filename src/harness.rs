@@ -274,16 +274,7 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> O
         Ok(mut run) => (std::mem::take(&mut run.observation), Some(run), None),
         Err(error) => (Observation::default(), None, Some(error)),
     };
-    let mut violations = Vec::new();
-    if let Some(run) = &engine {
-        let ranks: Vec<_> = problem
-            .decode
-            .ranks
-            .iter()
-            .map(|layout| (layout.rank, verdicts(&scenario.expect, run, layout.rank)))
-            .collect();
-        violations = verify::check_ranks(problem, &observation, &ranks);
-    }
+    let violations = engine.as_ref().map(|run| oracle(scenario, run, &observation)).unwrap_or_default();
     let ends = engine.as_ref().map(room_ends);
     let mut failures = match whose {
         Judge::OwnPlan => expectation_failures(&scenario.expect, &plan, ends.as_ref()),
@@ -294,6 +285,15 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> O
         failures.push(format!("{} oracle violations", violations.len()));
     }
     Outcome { plan, engine, observation, violations, failures }
+}
+
+/// The oracle over every decode rank of `run` (in parallel, results in rank order), each judged with its
+/// [`verdicts`]; `observation` is the run's (taken out of it by the caller, or still in it).
+pub fn oracle(scenario: &Scenario, run: &SimRun, observation: &Observation) -> Vec<Violation> {
+    let problem = &scenario.problem;
+    let ranks: Vec<_> =
+        problem.decode.ranks.iter().map(|layout| (layout.rank, verdicts(&scenario.expect, run, layout.rank))).collect();
+    verify::check_ranks(problem, observation, &ranks)
 }
 
 /// The oracle's verdicts for `rank`: a rejected scenario promises more than failed rooms (no byte may have moved

@@ -79,13 +79,7 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         let run = crate::engine::sim::run(problem, &options)
             .map_err(|error| anyhow::anyhow!("the simulated fabric failed in wave {wave}: {error}"))?;
         failed += run.failures().len();
-        let ranks: Vec<_> = problem
-            .decode
-            .ranks
-            .iter()
-            .map(|layout| (layout.rank, harness::verdicts(&scenario.expect, &run, layout.rank)))
-            .collect();
-        violations += crate::verify::check_ranks(problem, &run.observation, &ranks).len();
+        violations += harness::oracle(&scenario, &run, &run.observation).len();
         bytes += run.observation.writes.iter().map(|write| write.length).sum::<u64>();
         // A request's latency: the simulated time its last decode room ended (the run starts every room at 0).
         let mut ended: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
