@@ -68,13 +68,18 @@ impl Budget {
     /// `KVRELAY_MAX_FABRIC_BYTES` when set; otherwise half of the machine's available memory (`MemAvailable` of
     /// /proc/meminfo), or 4 GiB where that cannot be read.
     pub fn from_env() -> Result<Budget, RunError> {
+        Budget::from_env_share(DEFAULT_MEMORY_SHARE)
+    }
+
+    /// [`Budget::from_env`] with another share `(numerator, denominator)` of the available memory.
+    pub fn from_env_share(share: (u64, u64)) -> Result<Budget, RunError> {
         if let Ok(value) = std::env::var(MEMORY_BUDGET_ENV) {
             return match value.trim().parse() {
                 Ok(bytes) => Ok(Budget { bytes, source: format!("from {MEMORY_BUDGET_ENV}") }),
                 Err(_) => Err(RunError::BadBudget { value }),
             };
         }
-        let (numerator, denominator) = DEFAULT_MEMORY_SHARE;
+        let (numerator, denominator) = share;
         Ok(match available_memory() {
             Some(available) => Budget {
                 bytes: available / denominator * numerator,
@@ -256,11 +261,11 @@ fn rdma_run(_: &Problem, _: &LiveOptions, _: Option<&str>, _: Caps) -> Result<Si
     Err(RDMA_MISSING.to_owned())
 }
 
-/// What kvrelay asks of an RDMA device per endpoint (clamped to the device's limits): one SGE per write, as the
-/// engines post; a send queue of 256 (four signalling intervals in flight), so that a prefill rank serving many
-/// decode ranks keeps its queue pairs' completion-queue reservation within a soft device's CQ (Soft-RoCE ran out
-/// at 16 queue pairs of depth 1024).
-pub const RDMA_CAPS: Caps = Caps { max_sge: 1, max_message: 1 << 30, sq_depth: 256 };
+/// What kvrelay asks of an RDMA device per endpoint (clamped to the device's limits): gather lists of up to 30
+/// entries (a ConnectX send queue's; Soft-RoCE offers 32), as the engines gather; a send queue of 256 (four
+/// signalling intervals in flight), so that a prefill rank serving many decode ranks keeps its queue pairs'
+/// completion-queue reservation within a soft device's CQ (Soft-RoCE ran out at 16 queue pairs of depth 1024).
+pub const RDMA_CAPS: Caps = Caps { max_sge: 30, max_message: 1 << 30, sq_depth: 256 };
 
 /// Why `--fabric rdma` cannot run in a build without the feature.
 pub const RDMA_MISSING: &str =

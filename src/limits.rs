@@ -53,6 +53,9 @@ pub const MAX_POOL_ITEMS: u64 = 1 << 24;
 
 /// Default share of the machine's available memory a run may register as simulated memory.
 pub const DEFAULT_MEMORY_SHARE: (u64, u64) = (1, 2);
+/// Share of the available memory `kvrelay replay` may fill with decode bytes: its waves' footprint is measured (the
+/// chunks a one-request probe materialises), not bounded from registered pools, so it may go closer to the limit.
+pub const REPLAY_MEMORY_SHARE: (u64, u64) = (3, 4);
 /// Simulated-memory budget when the machine's available memory cannot be read.
 pub const FALLBACK_MEMORY_BUDGET: u64 = 4 << 30;
 /// Environment variable that overrides the simulated-memory budget (bytes).

@@ -1,6 +1,6 @@
 //! `kvrelay replay`: a production load shape replayed through the engines on the in-memory fabric, every decode
-//! byte verified. Waves of `concurrency` requests (one problem per wave), each wave's memory released before the
-//! next; numbers only, never a pass/fail timing.
+//! byte verified. Waves of `concurrency` requests (one problem per wave); a wave's decode chunks go back to a
+//! [`ChunkPool`] for the next, as a decode server reuses its pools; numbers only, never a pass/fail timing.
 
 #![allow(clippy::disallowed_methods, reason = "the replay reads the wall clock at the CLI edge")]
 
@@ -9,7 +9,9 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use crate::engine::sim::SimOptions;
+use crate::fabric::world::ChunkPool;
 use crate::harness::{self, Budget};
+use crate::limits::{MEMORY_BUDGET_ENV, REPLAY_MEMORY_SHARE};
 use crate::scenario;
 
 /// What `kvrelay replay` replays.
@@ -35,8 +37,29 @@ fn wave_text(count: u32, tokens: u32) -> String {
     )
 }
 
-fn wave_problem(count: u32, tokens: u32, seed: u64) -> anyhow::Result<crate::model::Problem> {
-    Ok(scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(seed))?.problem)
+/// Requests per wave: `concurrency`, or as many as fit `budget` at the footprint a one-request probe wave (run
+/// and verified before the clock starts, not counted) materialises; its chunks go to `pool` for the first wave.
+fn wave_size(concurrency: u32, tokens: u32, budget: &Budget, pool: &ChunkPool) -> anyhow::Result<u32> {
+    let probe = scenario::parse_seeded(&wave_text(1, tokens), "<replay>", "replay-kimi-k3", Some(0))?;
+    if harness::simulated_bytes(&probe.problem).is_none() {
+        anyhow::bail!("{tokens} tokens per request make the pools larger than 2^64 bytes (fix: fewer --tokens)");
+    }
+    let options = SimOptions { sparse_images: true, chunk_pool: Some(pool.clone()), ..SimOptions::default() };
+    let run = crate::engine::sim::run(&probe.problem, &options)
+        .map_err(|error| anyhow::anyhow!("the simulated fabric failed in the probe wave: {error}"))?;
+    let violations = harness::oracle(&probe, &run, &run.observation).len();
+    if violations > 0 || !run.failures().is_empty() {
+        anyhow::bail!("the one-request probe wave failed ({violations} violations): run `kvrelay replay --requests 1 --concurrency 1 --tokens {tokens}` to see it");
+    }
+    let footprint: u64 =
+        run.observation.sparse.values().flat_map(|image| image.chunks.values()).map(|c| c.len() as u64).sum();
+    crate::engine::sim::recycle(pool, run.observation);
+    outln!("footprint: {footprint} bytes of decode memory per request (a one-request probe wave, not counted)");
+    let fits = budget.bytes / footprint.max(1);
+    if fits == 0 {
+        anyhow::bail!("one request of {tokens} tokens materialises {footprint} bytes, more than the budget of {budget} (fix: fewer --tokens, or set {MEMORY_BUDGET_ENV})");
+    }
+    Ok(u32::try_from(fits).unwrap_or(u32::MAX).min(concurrency))
 }
 
 /// The value at quantile `q` (nearest rank) of sorted `values`.
@@ -50,17 +73,12 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 
 pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     let (requests, tokens, concurrency) = (args.requests.max(1), args.tokens.max(1), args.concurrency.max(1));
-    let budget = Budget::from_env()?;
+    let budget = Budget::from_env_share(REPLAY_MEMORY_SHARE)?;
     outln!(
         "replay: {requests} requests of {tokens} input tokens at concurrency {concurrency}, Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8 with KDA state, in-memory fabric (sparse images), every decode byte verified"
     );
-    // A wave of `concurrency` requests runs as one problem when its registered memory fits the budget
-    // (harness::check_budget); otherwise as consecutive runs of the most requests that fit.
-    let mut batch = concurrency;
-    while batch > 1 && harness::check_budget(&wave_problem(batch, tokens, 1)?, &budget).is_err() {
-        batch -= 1;
-    }
-    harness::check_budget(&wave_problem(batch, tokens, 1)?, &budget)?;
+    let pool = ChunkPool::new(budget.bytes);
+    let batch = wave_size(concurrency, tokens, &budget, &pool)?;
     if batch < concurrency {
         outln!("note: {concurrency} requests of {tokens} tokens do not fit the memory budget ({budget}); each wave runs as runs of at most {batch} requests");
     }
@@ -74,8 +92,7 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         let count = batch.min(requests - done);
         let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave + 1))?;
         let problem = &scenario.problem;
-        harness::check_budget(problem, &budget)?;
-        let options = SimOptions { sparse_images: true, ..SimOptions::default() };
+        let options = SimOptions { sparse_images: true, chunk_pool: Some(pool.clone()), ..SimOptions::default() };
         let run = crate::engine::sim::run(problem, &options)
             .map_err(|error| anyhow::anyhow!("the simulated fabric failed in wave {wave}: {error}"))?;
         failed += run.failures().len();
@@ -90,7 +107,7 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
             }
         }
         latencies_ms.extend(ended.values().map(|ns| *ns as f64 / 1e6));
-        drop(run);
+        crate::engine::sim::recycle(&pool, run.observation);
         done += count;
         wave += 1;
         let seconds = start.elapsed().as_secs_f64();

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::gather::{gather, Gathered, Piece};
 use super::handshake::{classify, Kind, LinkAck};
 use super::seat::{own_copies, view, LinkQuery, SeatCopy, SeatQuery, SharedPlanner};
 use super::{Nic, Outbox, CHUNK_COMPUTE_NS, SIGNAL_INTERVAL};
@@ -29,7 +30,8 @@ pub struct Written {
 struct Pending {
     room: u64,
     peer: NodeId,
-    sge: Sge,
+    /// The gather list (at most `max_sge` entries), landing contiguously at `remote`.
+    sges: Vec<Sge>,
     remote: RemoteAddr,
     written: Written,
 }
@@ -300,7 +302,6 @@ impl PrefillEngine {
         (Request { chunks, ..request.clone() }, Some(note))
     }
 
-    /// The plan's copies as writes between registered addresses, split to the fabric's largest message.
     /// The planner in the seat's copies per chunk, checked to cover every chunk.
     fn seat_copies(&self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
         let seat = self.seat.as_ref().expect("a peer is linked to the seat only when a planner sits there");
@@ -312,6 +313,8 @@ impl PrefillEngine {
         Ok(planned)
     }
 
+    /// The plan's copies as writes between registered addresses: cut to the fabric's largest message, then
+    /// gathered into work requests within its limits ([`gather`]).
     fn writes(
         &self,
         room: u64,
@@ -320,7 +323,7 @@ impl PrefillEngine {
         copies: &[SeatCopy],
         descs: &[MemoryDesc],
     ) -> Result<Vec<Pending>, String> {
-        let mut res = Vec::new();
+        let mut pieces = Vec::with_capacity(copies.len());
         for copy in copies {
             let source = self.regions.get(copy.source_region as usize).ok_or("a copy names no local region")?;
             let desc = descs.get(copy.target_region as usize).ok_or("a copy names no peer region")?;
@@ -333,22 +336,23 @@ impl PrefillEngine {
             let mut done = 0;
             while done < copy.length {
                 let length = (copy.length - done).min(self.caps.max_message.max(1));
-                res.push(Pending {
-                    room,
-                    peer,
+                pieces.push(Piece {
                     sge: Sge { addr: source_addr.saturating_add(done), len: length, lkey: source.lkey },
                     remote: RemoteAddr { addr: target_addr.saturating_add(done), rkey: desc.rkey },
-                    written: Written {
-                        target,
-                        region: copy.target_region,
-                        offset: copy.target_offset.saturating_add(done),
-                        length,
-                    },
+                    region: copy.target_region,
+                    offset: copy.target_offset.saturating_add(done),
                 });
                 done += length;
             }
         }
-        Ok(res)
+        let pending = |write: Gathered| Pending {
+            room,
+            peer,
+            written: Written { target, region: write.region, offset: write.offset, length: write.len },
+            sges: write.sges,
+            remote: write.remote,
+        };
+        Ok(gather(pieces, self.caps).into_iter().map(pending).collect())
     }
 
     /// The earliest time a chunk becomes ready, if any is still to send.
@@ -405,7 +409,7 @@ impl PrefillEngine {
                     let signaled = index + 1 == batch.len() || (self.next_wr as usize) % SIGNAL_INTERVAL == 0;
                     requests.push(WorkRequest {
                         wr_id: self.next_wr,
-                        sges: vec![pending.sge],
+                        sges: pending.sges.clone(),
                         remote: pending.remote,
                         imm: None,
                         signaled,

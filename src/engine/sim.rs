@@ -35,16 +35,20 @@ pub struct SimOptions {
     /// Hand decode memory back as the chunks the fabric materialised (`Observation::sparse`) instead of whole
     /// images: memory and verification follow the bytes written, not the pools. Golden layouts need whole images.
     pub sparse_images: bool,
+    /// Lazily filled regions take their chunks from this pool (the caller hands chunks back after judging a run).
+    pub chunk_pool: Option<crate::fabric::world::ChunkPool>,
 }
 
 impl Default for SimOptions {
     fn default() -> SimOptions {
         SimOptions {
-            caps: Caps { max_sge: 1, max_message: 1 << 30, sq_depth: 1024 },
+            // A ConnectX (mlx5) send queue's gather entries; one message may be as large as a region.
+            caps: Caps { max_sge: 30, max_message: 1 << 30, sq_depth: 1024 },
             trace: false,
             time_limit_ns: 10 * super::WAITING_TIMEOUT_NS,
             planner: None,
             sparse_images: false,
+            chunk_pool: None,
         }
     }
 }
@@ -135,6 +139,13 @@ pub fn run_marked(
     run
 }
 
+/// Hands a judged run's sparse decode chunks back to `pool` for the next run (`SimOptions::chunk_pool`).
+pub fn recycle(pool: &crate::fabric::world::ChunkPool, observation: Observation) {
+    for image in observation.sparse.into_values() {
+        pool.recycle(image.chunks.into_values());
+    }
+}
+
 /// [`run`] with the single-threaded event loop instead of tasks (the same engines, stepped by hand).
 pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
     let mut sim = Sim::build(problem, options)?;
@@ -146,6 +157,7 @@ pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, Fa
 impl Sim {
     pub(super) fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, FabricError> {
         let world = SimWorld::new(options.caps);
+        world.set_chunk_pool(options.chunk_pool.clone());
         let mut names = BTreeMap::new();
         let (mut prefill, decode) = build_nodes(problem, &mut names, |node| Ok(world.endpoint(node)))?;
         for node in &mut prefill {
@@ -409,9 +421,10 @@ pub(super) fn finish_nodes<N: Endpoint>(
         }
     }
     let prefill_rooms = prefill.iter().map(|node| (node.engine.rank(), node.engine.rooms())).collect();
+    // Prefill bytes are not observed: handed back sparsely, so a lazily filled source is never materialised.
     for node in prefill.iter_mut() {
         for region in &node.regions {
-            drop(node.nic.deregister(region)?);
+            drop(node.nic.deregister_sparse(region)?);
         }
     }
     let mut rooms = BTreeMap::new();

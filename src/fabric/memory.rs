@@ -4,16 +4,61 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use super::verbs::Fill;
 
 /// Bytes per materialised chunk of a lazily filled region (chunks start at multiples of it).
-pub(super) const CHUNK_BYTES: u64 = 64 << 10;
+pub const CHUNK_BYTES: u64 = 16 << 10;
 
 /// A region's bytes.
 pub(super) enum Memory {
     Dense(Vec<u8>),
-    Lazy { len: u64, fill: Fill, chunks: BTreeMap<u64, Box<[u8]>> },
+    Lazy { len: u64, fill: Fill, chunks: BTreeMap<u64, Box<[u8]>>, pool: Option<ChunkPool> },
+}
+
+/// Whole chunks handed back after a run, reused by the next lazily filled regions instead of fresh pages: a decode
+/// server registers its pools once and reuses them, and a replay or a bench should not pay the kernel's page faults
+/// for every request. A reused chunk's old bytes are never seen: a chunk is filled, or wholly written, before use.
+///
+/// Cloning gives another handle onto the same pool.
+#[derive(Debug, Clone, Default)]
+pub struct ChunkPool {
+    free: Arc<Mutex<Vec<Box<[u8]>>>>,
+    /// Chunks kept at most (more are freed).
+    limit: usize,
+}
+
+impl ChunkPool {
+    /// A pool keeping at most `limit_bytes` of chunks.
+    pub fn new(limit_bytes: u64) -> ChunkPool {
+        ChunkPool { free: Arc::default(), limit: usize::try_from(limit_bytes / CHUNK_BYTES).unwrap_or(usize::MAX) }
+    }
+
+    /// Takes back every chunk of `chunks` that has the full chunk size (a region's short last chunk is freed).
+    pub fn recycle(&self, chunks: impl IntoIterator<Item = Vec<u8>>) {
+        let mut free = self.free.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for chunk in chunks {
+            if free.len() >= self.limit {
+                break;
+            }
+            if chunk.len() as u64 == CHUNK_BYTES {
+                free.push(chunk.into_boxed_slice());
+            }
+        }
+    }
+
+    /// Bytes held for reuse.
+    pub fn held_bytes(&self) -> u64 {
+        self.free.lock().map_or(0, |free| free.len() as u64 * CHUNK_BYTES)
+    }
+
+    /// A chunk of `size` bytes with unspecified contents (a reused one when `size` is the chunk size).
+    fn take(&self, size: usize) -> Box<[u8]> {
+        let reused =
+            (size as u64 == CHUNK_BYTES).then(|| self.free.lock().ok().and_then(|mut free| free.pop())).flatten();
+        reused.unwrap_or_else(|| vec![0u8; size].into_boxed_slice())
+    }
 }
 
 impl std::fmt::Debug for Memory {
@@ -74,11 +119,15 @@ impl Memory {
         let pieces: Vec<_> = self.pieces(start, len).collect();
         match self {
             Memory::Dense(bytes) => write(0, &mut bytes[start as usize..(start + len) as usize]),
-            Memory::Lazy { len: region_len, fill, chunks } => {
+            Memory::Lazy { len: region_len, fill, chunks, pool } => {
                 for (chunk, within, part) in pieces {
                     let bytes = chunks.entry(chunk).or_insert_with(|| {
                         let size = (*region_len - chunk).min(CHUNK_BYTES) as usize;
-                        let mut bytes = vec![0u8; size].into_boxed_slice();
+                        let mut bytes = match pool {
+                            Some(pool) => pool.take(size),
+                            None => vec![0u8; size].into_boxed_slice(),
+                        };
+                        // Filled unless this write covers it whole: a reused chunk's old bytes never show.
                         if within.len() < size {
                             fill(chunk, &mut bytes);
                         }
@@ -148,7 +197,7 @@ mod tests {
     #[test]
     fn lazy_memory_reads_its_fill_and_materialises_only_written_chunks() {
         let len = 3 * CHUNK_BYTES + 100;
-        let mut lazy = Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new() };
+        let mut lazy = Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new(), pool: None };
         let mut dense = Memory::Dense(lazy_bytes(&lazy));
         assert_eq!(lazy.resident(), 0);
         let data: Vec<u8> = (0..CHUNK_BYTES + 10).map(|index| (index % 7) as u8 * 2).collect();
@@ -163,14 +212,36 @@ mod tests {
         lazy.read(CHUNK_BYTES / 2, &mut part);
         dense.read(CHUNK_BYTES / 2, &mut expected);
         assert_eq!(part, expected);
-        let source = Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new() };
-        let mut target = Memory::Lazy { len, fill: Arc::new(|_, out: &mut [u8]| out.fill(0)), chunks: BTreeMap::new() };
+        let source = Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new(), pool: None };
+        let zero: Fill = Arc::new(|_, out: &mut [u8]| out.fill(0));
+        let mut target = Memory::Lazy { len, fill: zero, chunks: BTreeMap::new(), pool: None };
         target.copy_from(7, &source, 3, CHUNK_BYTES);
         let mut moved = vec![0u8; CHUNK_BYTES as usize];
         target.read(7, &mut moved);
         assert!(moved.iter().enumerate().all(|(index, byte)| *byte == (3 + index as u64) as u8 | 1));
         assert_eq!(target.resident(), 2 * CHUNK_BYTES);
         assert_eq!(source.resident(), 0);
+    }
+
+    /// Chunks handed back are reused, and what they held never shows through: a partly written chunk is filled,
+    /// a wholly written one overwritten.
+    #[test]
+    fn reused_chunks_show_the_fill_or_the_write_never_their_old_bytes() {
+        let pool = ChunkPool::new(4 * CHUNK_BYTES);
+        pool.recycle([vec![0xAB; CHUNK_BYTES as usize], vec![0xCD; CHUNK_BYTES as usize], vec![1; 10]]);
+        assert_eq!(pool.held_bytes(), 2 * CHUNK_BYTES);
+        let len = 2 * CHUNK_BYTES;
+        let mut memory = Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new(), pool: Some(pool.clone()) };
+        memory.write(10, &[0, 0]);
+        memory.write(CHUNK_BYTES, &vec![2; CHUNK_BYTES as usize]);
+        assert_eq!(pool.held_bytes(), 0);
+        let mut expected = Memory::Dense(vec![0; len as usize]);
+        expected.write(0, &lazy_bytes(&Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new(), pool: None }));
+        expected.write(10, &[0, 0]);
+        expected.write(CHUNK_BYTES, &vec![2; CHUNK_BYTES as usize]);
+        assert_eq!(lazy_bytes(&memory), lazy_bytes(&expected));
+        pool.recycle(memory.into_chunks().into_values());
+        assert_eq!(pool.held_bytes(), 2 * CHUNK_BYTES);
     }
 
     fn lazy_bytes(memory: &Memory) -> Vec<u8> {

@@ -25,6 +25,7 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use super::memory::Memory;
+pub use super::memory::{ChunkPool, CHUNK_BYTES};
 use super::verbs::{
     Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, SendQueue, Sge, WcKind,
     WcStatus, WorkCompletion, WorkRequest,
@@ -75,8 +76,14 @@ impl SimWorld {
             next_key: FIRST_KEY,
             events: BTreeMap::new(),
             nodes: BTreeMap::new(),
+            pool: None,
         };
         SimWorld { inner: Rc::new(RefCell::new(world)) }
+    }
+
+    /// Lazily filled regions registered from now on take their chunks from `pool` ([`ChunkPool`]).
+    pub fn set_chunk_pool(&self, pool: Option<ChunkPool>) {
+        self.inner.borrow_mut().pool = pool;
     }
 
     /// The endpoint of `node`, creating the node on first use; a second call gives another handle onto the same node.
@@ -129,6 +136,7 @@ struct World {
     next_key: u32,
     events: BTreeMap<(u64, u64), Delivery>,
     nodes: BTreeMap<NodeId, Node>,
+    pool: Option<ChunkPool>,
 }
 
 /// A posted work request waiting for its delivery time.
@@ -482,9 +490,10 @@ impl Endpoint for SimEndpoint {
         self.world.borrow_mut().register(self.node, Memory::Dense(bytes))
     }
 
-    /// Lazily: no byte is materialised until a write reaches its chunk (64 KiB).
+    /// Lazily: no byte is materialised until a write reaches its chunk (16 KiB).
     fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
-        let memory = Memory::Lazy { len, fill, chunks: BTreeMap::new() };
+        let pool = self.world.borrow().pool.clone();
+        let memory = Memory::Lazy { len, fill, chunks: BTreeMap::new(), pool };
         self.world.borrow_mut().register(self.node, memory)
     }
 

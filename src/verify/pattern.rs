@@ -25,9 +25,6 @@ pub fn source_byte(region: u32, offset: u64) -> u8 {
     source_word(region, offset / 8).to_le_bytes()[(offset % 8) as usize]
 }
 
-/// Bytes compared or generated per block: a stack buffer that stays in L1.
-const BLOCK_BYTES: usize = 4096;
-
 /// Fills a whole source region.
 pub fn fill_source(region: u32, bytes: &mut [u8]) {
     fill_source_at(region, 0, bytes);
@@ -71,31 +68,56 @@ pub fn fill_sentinel_at(offset: u64, out: &mut [u8]) {
     }
 }
 
-/// Whether `found` equals source region `region` from byte `offset` on: the expected bytes are generated block by
-/// block into a stack buffer and compared as slices (a vectorised memcmp); nothing is decoded.
+/// Words compared per block before an early exit: a branch-free inner loop the compiler vectorises.
+const BLOCK_WORDS: usize = 256;
+
+/// Whether `found` equals source region `region` from byte `offset` on: each word is compared with the word the
+/// pattern puts there, XORs folded per block (no buffer, nothing decoded).
 pub fn matches_source(region: u32, offset: u64, found: &[u8]) -> bool {
-    let mut expected = [0u8; BLOCK_BYTES];
-    let mut at = offset;
-    found.chunks(BLOCK_BYTES).all(|block| {
-        let expected = &mut expected[..block.len()];
-        fill_source_at(region, at, expected);
-        at += block.len() as u64;
-        block == &expected[..]
-    })
+    let head = (((8 - offset % 8) % 8) as usize).min(found.len());
+    let bytes_match = |start: usize, bytes: &[u8]| {
+        bytes.iter().enumerate().all(|(index, byte)| *byte == source_byte(region, offset + (start + index) as u64))
+    };
+    if !bytes_match(0, &found[..head]) {
+        return false;
+    }
+    let base = source_word(region, 0);
+    let mut word = (offset + head as u64) / 8;
+    let mut blocks = found[head..].chunks_exact(8 * BLOCK_WORDS);
+    let block_matches = |block: &[u8], first: u64| {
+        let words = block.chunks_exact(8).enumerate();
+        words.fold(0u64, |diff, (k, bytes)| {
+            let found = u64::from_le_bytes(bytes.try_into().expect("8-byte chunks"));
+            diff | (found ^ (base | (first + k as u64)))
+        }) == 0
+    };
+    for block in &mut blocks {
+        if !block_matches(block, word) {
+            return false;
+        }
+        word += BLOCK_WORDS as u64;
+    }
+    let rest = blocks.remainder();
+    let whole = rest.len() / 8 * 8;
+    block_matches(&rest[..whole], word) && bytes_match(found.len() - (rest.len() - whole), &rest[whole..])
 }
 
 /// Whether `found` is untouched sentinel memory starting at byte `offset` of its region.
 pub fn matches_sentinel(offset: u64, found: &[u8]) -> bool {
-    let mut expected = [0u8; BLOCK_BYTES];
-    // Blocks are a multiple of 8 bytes long, so one block of the sentinel at `offset` serves every block.
-    let expected = &mut expected[..found.len().min(BLOCK_BYTES)];
-    fill_sentinel_at(offset, expected);
-    found.chunks(BLOCK_BYTES).all(|block| block == &expected[..block.len()])
+    let sentinel = SENTINEL_WORD.to_le_bytes();
+    if sentinel.iter().all(|byte| *byte == sentinel[0]) {
+        return found
+            .chunks(8 * BLOCK_WORDS)
+            .all(|block| block.iter().fold(0u8, |diff, b| diff | (b ^ sentinel[0])) == 0);
+    }
+    found.iter().enumerate().all(|(index, byte)| *byte == sentinel[(offset as usize + index) % 8])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const BLOCK_BYTES: usize = 8 * BLOCK_WORDS;
 
     #[test]
     fn words_decode_to_their_origin() {
@@ -123,9 +145,12 @@ mod tests {
             assert_eq!(part, whole[start..end], "bytes {start}..{end}");
             assert!(matches_source(7, start as u64, &whole[start..end]));
         }
-        let mut changed = whole.clone();
-        changed[2 * BLOCK_BYTES + 1] ^= 1;
-        assert!(!matches_source(7, 0, &changed));
+        // One flipped byte anywhere (head, a whole block, the word remainder, the byte tail) is found.
+        for (start, flip) in [(3, 4), (0, 2 * BLOCK_BYTES + 1), (0, 3 * BLOCK_BYTES + 2), (9, whole.len() - 1)] {
+            let mut changed = whole.clone();
+            changed[flip] ^= 1;
+            assert!(!matches_source(7, start as u64, &changed[start..]), "byte {flip} flipped, from {start}");
+        }
         let mut sentinel = vec![0u8; 2 * BLOCK_BYTES + 5];
         fill_sentinel(&mut sentinel);
         assert!(matches_sentinel(3, &sentinel[3..]));
