@@ -328,8 +328,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             };
             ranks::launch(&scenario, &loaded, &options)
         }
-        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) if seed.is_some() => {
-            bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
+        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) | Command::Certify(_) if seed.is_some() => {
+            bail!(
+                "--seed applies to run, layout, plan, diff and the rank commands; checks, certification and \
+                 benchmarks keep each scenario's own seed"
+            )
         }
         Command::Check { dir, planner: Some(command), planner_timeout, known, .. } => {
             planners::check(&dir, &command, Duration::from_secs(planner_timeout), known.as_deref())

@@ -211,3 +211,15 @@ fn a_failure_prints_a_reproduce_line_with_the_seed() {
     let line = stderr.lines().find(|line| line.starts_with("reproduce: ")).unwrap_or_else(|| panic!("{stderr}"));
     assert_eq!(line, format!("reproduce: cargo run --release -- run {} --seed 42", file.display()));
 }
+
+/// An explicit `--seed` where each file's own seed is the point (golden checks, certification) is an error, not
+/// silently ignored.
+#[test]
+fn check_and_certify_refuse_a_seed_flag() {
+    for args in [&["check", "scenarios", "--seed", "3"][..], &["certify", "--fabric", "sim", "--seed", "3"][..]] {
+        let output = kvrelay(args);
+        assert!(!output.status.success(), "{args:?}");
+        let stderr = text(&output.stderr);
+        assert!(stderr.contains("error: --seed applies to run, layout, plan, diff and the rank commands"), "{stderr}");
+    }
+}
