@@ -115,6 +115,12 @@ pub(super) fn run(args: &RunArgs, seed: Option<u64>) -> anyhow::Result<ExitCode>
             eprintln!("{reproduce}");
             Ok(ExitCode::FAILURE)
         }
+        // A closed stdout (`kvrelay run ... | head`) is the reader's choice: `main` ends quietly.
+        Err(error)
+            if error.downcast_ref::<std::io::Error>().is_some_and(|it| it.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            Err(error)
+        }
         Err(error) => {
             eprintln!("error: {error:#}");
             eprintln!("{reproduce}");
