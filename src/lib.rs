@@ -7,7 +7,8 @@
 //! - [`model`]: pure vocabulary (ranks, topologies, model geometry, registered regions, requests).
 //!   Start at [`model::Problem`].
 //! - [`limits`]: every size, count and depth limit, in one place (README.md lists them).
-//! - [`seed`]: the one seeded generator ([`seed::SimRng`], Xoshiro256++) and its named sub-streams.
+//! - [`seed`]: the seed and its named random streams ([`seed::SimRng`], ChaCha8 from the rand ecosystem, keyed by
+//!   the seed, one stream per name, so streams never alias across seeds nor shift each other's draws).
 //! - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows YAML.
 //! - [`plan`]: the pure planner: `link(Local, &Peer)` per connection from a decoded registration, `Link::chunk_groups`
 //!   per chunk, and `plan(&Problem)` composing them (domain.md §2–§4, §6.3).

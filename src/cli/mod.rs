@@ -12,8 +12,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 
-use crate::engine::sim::SimOptions;
-use crate::harness::{self, Budget};
+use crate::harness;
 use crate::plan;
 use crate::render;
 use crate::scenario::{self, Scenario};
@@ -37,28 +36,24 @@ mod certify;
 mod planners;
 mod ranks;
 mod replay;
+mod run;
 
 #[derive(Debug, Parser)]
 #[command(name = "kvrelay", version, about = "Byte-exact conformance harness for prefill -> decode KV-cache transfer")]
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
-    /// Replace the scenario's allocator seed (run, layout and plan; golden checks keep each file's own seed).
+    /// Replace the scenario's allocator seed (run, layout, plan, diff and the rank commands; golden checks keep each
+    /// file's own seed). Without it, `KVRELAY_SEED` when set.
     #[arg(long, global = true)]
     pub seed: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Plan a scenario, run it through the per-rank engines on the in-memory fabric, verify every decode byte.
-    Run {
-        scenario: PathBuf,
-        /// Print the message and engine event sequence (time, sender -> receiver: message).
-        #[arg(long)]
-        trace: bool,
-        #[command(flatten)]
-        fabric: FabricArgs,
-    },
+    /// Plan a scenario, run it through the per-rank engines on the in-memory fabric, verify every decode byte; print
+    /// the seed and the trace hash.
+    Run(run::RunArgs),
     /// Run scenarios on the in-memory fabric and on another (default: RDMA verbs) and compare every decode rank's
     /// final image byte for byte; differences are decoded into coordinates.
     Diff {
@@ -260,37 +255,18 @@ fn load(path: &Path, seed: Option<u64>) -> anyhow::Result<Scenario> {
 
 /// Runs one command; `Ok(FAILURE)` for a completed command whose verdict is negative.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let seed = args.seed;
-    match args.command {
-        Command::Run { scenario, trace, fabric } => {
-            let scenario = load(&scenario, seed)?;
-            let fabric = fabric.fabric("sim")?;
-            let outcome = match fabric {
-                harness::Fabric::Sim => {
-                    let options = SimOptions { trace, ..SimOptions::default() };
-                    harness::run_with(&scenario, &Budget::from_env()?, &options)?
-                }
-                other => {
-                    outln!("fabric: {}", other.name());
-                    harness::run_on(&scenario, &Budget::from_env()?, &other, trace)?
-                }
-            };
-            if trace {
-                for line in outcome.engine.iter().flat_map(|run| &run.trace) {
-                    outln!("{line}");
-                }
-            }
-            outln!("seed: {}", scenario.seed);
-            out!("{}", render::golden_header(&scenario, &outcome));
-            if outcome.passed() {
-                outln!("pass {}", scenario.name);
-                Ok(ExitCode::SUCCESS)
-            } else {
-                eprintln!("FAIL {}: {}", scenario.name, outcome.failures.join("; "));
-                eprintln!("reproduce: cargo run --release -- run {} --seed {}", scenario.file, scenario.seed);
-                Ok(ExitCode::FAILURE)
-            }
+    let seed = match run::seed_override(args.seed)? {
+        // The variable is for the commands that take a seed; the others say they leave it alone (the planner
+        // quietly: `check --planner` starts it once per scenario).
+        Some((_, run::SeedSource::Env)) if matches!(args.command, Command::Planner) => None,
+        Some((seed, run::SeedSource::Env)) if !takes_seed(&args.command) => {
+            eprintln!("note: {}={seed} ignored: checks and benchmarks keep each scenario's own seed", run::SEED_ENV);
+            None
         }
+        other => other.map(|(seed, _)| seed),
+    };
+    match args.command {
+        Command::Run(args) => run::run(&args, seed),
         Command::Layout { scenario, rank } => {
             let scenario = load(&scenario, seed)?;
             let only = match rank {
@@ -352,8 +328,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             };
             ranks::launch(&scenario, &loaded, &options)
         }
-        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) if seed.is_some() => {
-            bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
+        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) | Command::Certify(_) if seed.is_some() => {
+            bail!(
+                "--seed applies to run, layout, plan, diff and the rank commands; checks, certification and \
+                 benchmarks keep each scenario's own seed"
+            )
         }
         Command::Check { dir, planner: Some(command), planner_timeout, known, .. } => {
             planners::check(&dir, &command, Duration::from_secs(planner_timeout), known.as_deref())
@@ -382,6 +361,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             bench::bench_engines(runs)
         }
     }
+}
+
+/// Whether `command` loads scenarios under a seed override (`--seed` or `KVRELAY_SEED`).
+fn takes_seed(command: &Command) -> bool {
+    !matches!(
+        command,
+        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) | Command::Certify(_) | Command::Planner
+    )
 }
 
 /// The scenario files under a directory and what was passed over, with the reason.
@@ -449,7 +436,7 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
             Ok(outcome) => outcome,
             Err(error) => {
                 eprintln!("FAIL {}: {error}", relative.display());
-                eprintln!("reproduce: cargo run --release -- run {}", file.display());
+                eprintln!("{}", check_reproduce(file, scenario.seed));
                 failed += 1;
                 continue;
             }
@@ -481,9 +468,15 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
             if !golden_diff.is_empty() {
                 eprint!("golden diff:\n{golden_diff}");
             }
-            eprintln!("reproduce: cargo run --release -- run {}", file.display());
+            eprintln!("{}", check_reproduce(file, scenario.seed));
         }
     }
     outln!("{} scenarios, {} passed, {failed} failed", files.len(), files.len() - failed);
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The reproduce line of a scenario that failed `check`: the file's own seed, explicit so that a `KVRELAY_SEED` in
+/// the reader's shell does not replace it.
+fn check_reproduce(file: &Path, seed: u64) -> String {
+    format!("reproduce: cargo run --release -- run {} --seed {seed}", run::shell_word(&file.display().to_string()))
 }

@@ -165,7 +165,7 @@ struct Live<N, C> {
     names: BTreeMap<NodeId, String>,
     start: Instant,
     time_limit: Duration,
-    trace: Option<Vec<String>>,
+    trace: Option<Vec<super::trace::TraceEvent>>,
     messages: BTreeMap<&'static str, u64>,
 }
 

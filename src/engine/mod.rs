@@ -22,6 +22,7 @@ mod prefill;
 pub mod seat;
 pub mod sim;
 mod tasks;
+pub mod trace;
 
 pub use decode::{DecodeEngine, RoomState};
 pub use prefill::PrefillEngine;

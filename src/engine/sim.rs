@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use super::decode::RoomState;
 use super::handshake::{classify, Kind};
+use super::trace::{TraceEvent, NOTE};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
 use crate::fabric::verbs::{Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, WorkCompletion};
 use crate::fabric::world::{SimEndpoint, SimWorld};
@@ -65,8 +66,8 @@ pub struct SimRun {
     pub rooms: BTreeMap<RankId, BTreeMap<u64, RoomState>>,
     /// How each request ended on each prefill rank (`None`: it never became ready there).
     pub prefill_rooms: BTreeMap<RankId, BTreeMap<u64, PrefillRoom>>,
-    /// Message and event log (when asked for).
-    pub trace: Vec<String>,
+    /// Message and event log (when asked for), in the order logged (`engine::trace`).
+    pub trace: Vec<TraceEvent>,
     /// Control messages delivered, by kind.
     pub messages: BTreeMap<&'static str, u64>,
     /// How long the engines ran: simulated nanoseconds, or wall nanoseconds of a live run (from the first message
@@ -111,7 +112,7 @@ pub(super) struct Sim {
     network: BTreeMap<(u64, u64), (NodeId, Envelope)>,
     sequence: u64,
     pub(super) now: u64,
-    pub(super) trace: Option<Vec<String>>,
+    pub(super) trace: Option<Vec<TraceEvent>>,
     pub(super) messages: BTreeMap<&'static str, u64>,
     sparse_images: bool,
 }
@@ -490,15 +491,26 @@ fn register_regions<N: Endpoint>(
     Ok(regions)
 }
 
-/// The trace line of an engine's note at `now`.
-pub(super) fn note_line(now: u64, names: &BTreeMap<NodeId, String>, from: NodeId, note: &str) -> String {
-    format!("{:>12.3} us  {}: {note}", now as f64 / 1e3, names[&from])
+/// The trace event of an engine's note at `now`.
+pub(super) fn note_line(now: u64, names: &BTreeMap<NodeId, String>, from: NodeId, note: &str) -> TraceEvent {
+    TraceEvent { time_ns: now, kind: NOTE, from: names[&from].clone(), to: None, text: note.to_owned() }
 }
 
-/// The trace line of a message delivered at `now`.
-pub(super) fn message_line(now: u64, names: &BTreeMap<NodeId, String>, from: NodeId, envelope: &Envelope) -> String {
-    let to = names.get(&envelope.to).map_or("?", String::as_str);
-    format!("{:>12.3} us  {} -> {to}: {}", now as f64 / 1e3, names[&from], describe(&envelope.frames))
+/// The trace event of a message delivered at `now`.
+pub(super) fn message_line(
+    now: u64,
+    names: &BTreeMap<NodeId, String>,
+    from: NodeId,
+    envelope: &Envelope,
+) -> TraceEvent {
+    let to = names.get(&envelope.to).map_or("?", String::as_str).to_owned();
+    TraceEvent {
+        time_ns: now,
+        kind: kind_name(&envelope.frames),
+        from: names[&from].clone(),
+        to: Some(to),
+        text: describe(&envelope.frames),
+    }
 }
 
 /// One trace line for a batch of polled completions: how many, on which queue pairs, with which statuses.
@@ -545,10 +557,17 @@ fn describe(frames: &[Vec<u8>]) -> String {
         Kind::RequestMeta => match RequestMeta::decode(frames) {
             Ok(meta) if meta.is_dummy() => format!("metadata room {} (dummy)", meta.room),
             Ok(meta) => format!(
-                "metadata room {} ({} pages, prefix {})",
+                "metadata room {} ({} pages, prefix {}): pages {}{}{}",
                 meta.room,
                 meta.kv_indices.len(),
-                meta.decode_prefix_len
+                meta.decode_prefix_len,
+                numbers(&meta.kv_indices),
+                meta.aux_index.map(|aux| format!(", aux row {aux}")).unwrap_or_default(),
+                meta.state_indices
+                    .iter()
+                    .enumerate()
+                    .map(|(component, indices)| format!(", state{component} {}", numbers(indices)))
+                    .collect::<String>(),
             ),
             Err(error) => format!("malformed metadata: {error}"),
         },
@@ -559,4 +578,10 @@ fn describe(frames: &[Vec<u8>]) -> String {
         },
         Kind::Unknown => format!("unknown message of {} frames", frames.len()),
     }
+}
+
+/// A list of page or slot numbers for a trace line: `[7 3 12]`.
+fn numbers(values: &[u32]) -> String {
+    let values: Vec<String> = values.iter().map(u32::to_string).collect();
+    format!("[{}]", values.join(" "))
 }

@@ -40,7 +40,7 @@ struct Context {
 /// The trace and the message counts, kept as `Sim` keeps them.
 struct Log {
     names: BTreeMap<NodeId, String>,
-    trace: Option<Vec<String>>,
+    trace: Option<Vec<super::trace::TraceEvent>>,
     messages: BTreeMap<&'static str, u64>,
 }
 

@@ -13,7 +13,8 @@ use crate::model::{
     build_side_layout, stage_layers, Advertise, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem,
     Request, Side, SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
 };
-use crate::seed::{Seed, SimRng};
+use crate::seed::Seed;
+use rand::seq::SliceRandom as _;
 
 /// The first [`MAX_DIAGNOSTICS`] diagnostics, and a count of the rest (an aliased list can repeat one mistake
 /// half a million times).
@@ -975,7 +976,7 @@ fn allocate(
         return capacity;
     }
     let mut free: Vec<u32> = (1..capacity).filter(|page| !taken.contains(page)).collect();
-    SimRng::stream(seed, &format!("pages.{side}")).shuffle(&mut free);
+    free.shuffle(&mut seed.stream(&format!("pages.{side}")));
     let mut free = free.into_iter();
     for (index, request) in requests.iter_mut().enumerate() {
         if explicit(index) {
@@ -1012,7 +1013,7 @@ fn allocate_slots(side: Side, slot_count: u32, requests: &mut [Request], seed: S
     }
     for (stream, pick) in [("slots", 0), ("aux", 1)] {
         let mut free: Vec<u32> = (1..slot_count).collect();
-        SimRng::stream(seed, &format!("{stream}.{side}")).shuffle(&mut free);
+        free.shuffle(&mut seed.stream(&format!("{stream}.{side}")));
         for (request, index) in requests.iter_mut().zip(free) {
             let state = match side {
                 Side::Prefill => &mut request.prefill_state,
@@ -1055,7 +1056,7 @@ fn allocate_state_pages(
         }
         let capacity = (2 * needed + 1) as u32;
         let mut free: Vec<u32> = (1..capacity).collect();
-        SimRng::stream(seed, &format!("state{component}.{side}")).shuffle(&mut free);
+        free.shuffle(&mut seed.stream(&format!("state{component}.{side}")));
         let mut free = free.into_iter();
         for request in requests.iter_mut() {
             for page in pages_of(side, component, request).iter_mut() {

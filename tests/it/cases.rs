@@ -144,7 +144,7 @@ fn oracle_decodes_misplaced_rows_into_tokens() {
     let rendered = violations.join("\n");
     assert_eq!(violations.len(), 2 * 3, "two rows in each of three layers:\n{rendered}");
     assert!(
-        rendered.contains("layer 0 kv, row 24: expected token 16 of request 0 from prefill pp0/tp0 layer 0 kv, found token 20 of request 0"),
+        rendered.contains("layer 0 kv, row 12: expected token 16 of request 0 from prefill pp0/tp0 layer 0 kv, found token 20 of request 0"),
         "{rendered}"
     );
 }
@@ -299,6 +299,7 @@ fn early_send_follows_the_peers_layout(#[case] decode: &str, #[case] note: &str)
     let outcome =
         kvrelay::harness::run_with(&scenario(&yaml), &kvrelay::harness::Budget::bytes(1 << 30), &options).unwrap();
     assert!(outcome.passed(), "{}", outcome.failures.join("; "));
-    let trace = outcome.engine.unwrap().trace.join("\n");
+    let trace: Vec<String> = outcome.engine.unwrap().trace.iter().map(ToString::to_string).collect();
+    let trace = trace.join("\n");
     assert!(trace.contains(note), "{trace}");
 }

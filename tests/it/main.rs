@@ -9,6 +9,8 @@ mod certify;
 mod cli;
 /// The fabric seam's conformance suite (`certify::conformance`) on every backend, and proof its cases can fail.
 mod conformance;
+/// Determinism and replay: seeded placement, the trace hash, `--check-determinism`, `--trace-out`, `KVRELAY_SEED`.
+mod determinism;
 /// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
 mod golden;
 /// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.

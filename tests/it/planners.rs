@@ -139,7 +139,7 @@ fn a_listed_failure_passes_as_known_and_an_unlisted_or_different_one_fails_the_r
         )
     };
     // Listed, failing as recorded: reported as known with its reason and source lines, and the run passes.
-    let known = known_file("listed", &entry("layer 0 kv, row 48: expected token 48 of request 0"));
+    let known = known_file("listed", &entry("layer 0 kv, row 16: expected token 48 of request 0"));
     let (passed, output) = check_known("scenarios/basic/mla-tp2-to-tp4.yaml", &planner, &known);
     assert!(passed, "{output}");
     assert!(

@@ -23,11 +23,18 @@ pub(crate) fn check_run(yaml: &str) -> Outcome {
     outcome
 }
 
-/// Runs the `kvrelay` binary from the repository root.
+/// Runs the `kvrelay` binary from the repository root (without any `KVRELAY_SEED` of the caller's shell).
 pub(crate) fn kvrelay(args: &[&str]) -> std::process::Output {
+    kvrelay_with_env(args, &[])
+}
+
+/// [`kvrelay`] with these environment variables set.
+pub(crate) fn kvrelay_with_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_kvrelay"))
         .args(args)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_remove("KVRELAY_SEED")
+        .envs(env.iter().copied())
         .output()
         .unwrap()
 }
