@@ -259,8 +259,8 @@ impl World {
         if !self.connected_back(peer, QpInfo::plain(delivery.node, delivery.qp)) {
             return WcStatus::RetryExceeded;
         }
-        if let ([sge], None, true) = (delivery.wr.sges.as_slice(), delivery.wr.imm, peer.node != delivery.node) {
-            return self.copy_across(delivery.node, sge, peer.node, delivery.wr.remote);
+        if delivery.wr.imm.is_none() && peer.node != delivery.node {
+            return self.copy_across(delivery.node, &delivery.wr.sges, peer.node, delivery.wr.remote);
         }
         let Some(bytes) = self.node(delivery.node).gather(&delivery.wr.sges) else {
             return WcStatus::LocalProtection;
@@ -283,24 +283,43 @@ impl World {
         WcStatus::Success
     }
 
-    /// The common case of one SGE between two nodes, without a staging copy: the source region's bytes are lent out
-    /// of their node for the copy and put back. Same checks, same order, same statuses as gather then scatter.
-    fn copy_across(&mut self, from: NodeId, sge: &Sge, to: NodeId, remote: RemoteAddr) -> WcStatus {
-        let source = self.node_mut(from);
-        let Some(region) = source.by_lkey.get(&sge.lkey).copied().and_then(|addr| source.regions.get_mut(&addr)) else {
-            return WcStatus::LocalProtection;
-        };
-        let Some(range) = region.range(sge.addr, sge.len) else {
-            return WcStatus::LocalProtection;
-        };
-        let (addr, memory) = (region.addr, std::mem::replace(&mut region.memory, Memory::Dense(Vec::new())));
-        let landed = self.node_mut(to).scatter_from(remote, &memory, range.start as u64, sge.len);
-        self.node_mut(from).regions.get_mut(&addr).expect("lent above").memory = memory;
-        if landed {
-            WcStatus::Success
-        } else {
-            WcStatus::RemoteAccess
+    /// The common case, a WRITE between two nodes, without a staging copy: every SGE is checked, then the remote
+    /// range, then each SGE's bytes are copied (or generated) straight into place. Same checks, same order, same
+    /// statuses as gather then scatter, and nothing is written unless all pass.
+    fn copy_across(&mut self, from: NodeId, sges: &[Sge], to: NodeId, remote: RemoteAddr) -> WcStatus {
+        let (mut source, mut target) = (None, None);
+        for (id, node) in self.nodes.iter_mut() {
+            if *id == from {
+                source = Some(&*node);
+            } else if *id == to {
+                target = Some(node);
+            }
         }
+        let (source, target) = (source.expect("the posting node exists"), target.expect("a connected peer exists"));
+        let mut pieces = Vec::with_capacity(sges.len());
+        for sge in sges {
+            let Some(region) = source.by_lkey.get(&sge.lkey).map(|addr| &source.regions[addr]) else {
+                return WcStatus::LocalProtection;
+            };
+            let Some(range) = region.range(sge.addr, sge.len) else {
+                return WcStatus::LocalProtection;
+            };
+            pieces.push((&region.memory, range.start as u64, sge.len));
+        }
+        let len = pieces.iter().map(|(.., len)| len).sum();
+        let Some(&addr) = target.by_rkey.get(&remote.rkey) else {
+            return WcStatus::RemoteAccess;
+        };
+        let region = target.regions.get_mut(&addr).expect("key index follows the regions");
+        let Some(range) = region.range(remote.addr, len) else {
+            return WcStatus::RemoteAccess;
+        };
+        let mut at = range.start as u64;
+        for (memory, start, len) in pieces {
+            region.memory.copy_from(at, memory, start, len);
+            at += len;
+        }
+        WcStatus::Success
     }
 
     /// Whether `peer` exists and is connected to `local` (an RC QP answers only its own peer).
@@ -429,19 +448,6 @@ impl Node {
             return false;
         };
         region.memory.write(range.start as u64, bytes);
-        true
-    }
-
-    /// [`Node::scatter`] of `len` bytes of `source` from `source_start`, copied (or generated) straight into place.
-    fn scatter_from(&mut self, remote: RemoteAddr, source: &Memory, source_start: u64, len: u64) -> bool {
-        let Some(&addr) = self.by_rkey.get(&remote.rkey) else {
-            return false;
-        };
-        let region = self.regions.get_mut(&addr).expect("key index follows the regions");
-        let Some(range) = region.range(remote.addr, len) else {
-            return false;
-        };
-        region.memory.copy_from(range.start as u64, source, source_start, len);
         true
     }
 
