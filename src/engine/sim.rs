@@ -12,6 +12,7 @@ use super::decode::RoomState;
 use super::handshake::{classify, Kind};
 use super::trace::{TraceEvent, NOTE};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
+use crate::fabric::faults::{FaultKind, FaultPlan, Injector};
 use crate::fabric::verbs::{Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, WorkCompletion};
 use crate::fabric::world::{SimEndpoint, SimWorld};
 use crate::model::{Problem, RankId, RankLayout, Side, Topology};
@@ -38,6 +39,8 @@ pub struct SimOptions {
     pub sparse_images: bool,
     /// Lazily filled regions take their chunks from this pool (the caller hands chunks back after judging a run).
     pub chunk_pool: Option<crate::fabric::world::ChunkPool>,
+    /// Seeded faults on work requests and control messages (`fabric::faults`); empty: none.
+    pub faults: FaultPlan,
 }
 
 impl Default for SimOptions {
@@ -50,6 +53,7 @@ impl Default for SimOptions {
             planner: None,
             sparse_images: false,
             chunk_pool: None,
+            faults: FaultPlan::default(),
         }
     }
 }
@@ -70,6 +74,8 @@ pub struct SimRun {
     pub trace: Vec<TraceEvent>,
     /// Control messages delivered, by kind.
     pub messages: BTreeMap<&'static str, u64>,
+    /// Faults injected (`SimOptions::faults`), by kind name.
+    pub faults: BTreeMap<&'static str, u64>,
     /// How long the engines ran: simulated nanoseconds, or wall nanoseconds of a live run (from the first message
     /// to the end; memory set-up and read-back excluded).
     pub run_ns: u64,
@@ -115,6 +121,8 @@ pub(super) struct Sim {
     pub(super) trace: Option<Vec<TraceEvent>>,
     pub(super) messages: BTreeMap<&'static str, u64>,
     sparse_images: bool,
+    /// Control-message faults (work-request faults live in the world).
+    pub(super) message_faults: Option<Injector>,
 }
 
 /// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
@@ -140,6 +148,15 @@ pub fn run_marked(
     run
 }
 
+/// How many copies of a control message from `from` to `to` the network carries: 0 (dropped), 1, or 2 (duplicated).
+pub(super) fn message_copies(faults: &mut Option<Injector>, from: NodeId, to: NodeId) -> usize {
+    match faults.as_mut().and_then(|faults| faults.on_message(from, to)) {
+        Some(FaultKind::DropMessage) => 0,
+        Some(FaultKind::DuplicateMessage) => 2,
+        _ => 1,
+    }
+}
+
 /// Hands a judged run's sparse decode chunks back to `pool` for the next run (`SimOptions::chunk_pool`).
 pub fn recycle(pool: &crate::fabric::world::ChunkPool, observation: Observation) {
     for image in observation.sparse.into_values() {
@@ -159,6 +176,7 @@ impl Sim {
     pub(super) fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, FabricError> {
         let world = SimWorld::new(options.caps);
         world.set_chunk_pool(options.chunk_pool.clone());
+        world.set_faults(&options.faults);
         let mut names = BTreeMap::new();
         let (mut prefill, decode) = build_nodes(problem, &mut names, |node| Ok(world.endpoint(node)))?;
         for node in &mut prefill {
@@ -176,6 +194,7 @@ impl Sim {
             trace,
             messages: BTreeMap::new(),
             sparse_images: options.sparse_images,
+            message_faults: (!options.faults.is_empty()).then(|| Injector::new(&options.faults)),
         })
     }
 
@@ -202,8 +221,10 @@ impl Sim {
             trace.extend(out.notes.iter().map(|note| note_line(self.now, &self.names, from, note)));
         }
         for envelope in out.messages {
-            self.sequence += 1;
-            self.network.insert((self.now + CONTROL_LATENCY_NS, self.sequence), (from, envelope));
+            for _ in 0..message_copies(&mut self.message_faults, from, envelope.to) {
+                self.sequence += 1;
+                self.network.insert((self.now + CONTROL_LATENCY_NS, self.sequence), (from, envelope.clone()));
+            }
         }
     }
 
@@ -263,6 +284,10 @@ impl Sim {
         run.run_ns = self.now;
         run.trace = self.trace.unwrap_or_default();
         run.messages = self.messages;
+        run.faults = self.world.injected_faults();
+        for (kind, count) in self.message_faults.iter().flat_map(|faults| faults.injected()) {
+            *run.faults.entry(kind).or_default() += count;
+        }
         Ok(run)
     }
 }
@@ -442,7 +467,15 @@ pub(super) fn finish_nodes<N: Endpoint>(
         }
         rooms.insert(rank, node.engine.rooms().clone());
     }
-    Ok(SimRun { observation, rooms, prefill_rooms, trace: Vec::new(), messages: BTreeMap::new(), run_ns: 0 })
+    Ok(SimRun {
+        observation,
+        rooms,
+        prefill_rooms,
+        trace: Vec::new(),
+        messages: BTreeMap::new(),
+        faults: BTreeMap::new(),
+        run_ns: 0,
+    })
 }
 
 /// What prefill rank 0 publishes at bootstrap (domain.md §6.1 step 1): its parallel layout and page size.

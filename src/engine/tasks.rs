@@ -15,8 +15,11 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::{sleep_until, Instant};
 
-use super::sim::{completion_summary, kind_name, message_line, note_line, Node, Sim, CONTROL_LATENCY_NS};
+use super::sim::{
+    completion_summary, kind_name, message_copies, message_line, note_line, Node, Sim, CONTROL_LATENCY_NS,
+};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
+use crate::fabric::faults::Injector;
 use crate::fabric::verbs::{Endpoint, FabricError, NodeId, WorkCompletion};
 use crate::fabric::world::SimWorld;
 use crate::model::{Problem, RankId, Topology};
@@ -35,6 +38,7 @@ struct Context {
     /// Rung (per node) after every delivery, so the node polls its completion queue.
     completions: Vec<Rc<Notify>>,
     log: RefCell<Log>,
+    message_faults: RefCell<Option<Injector>>,
 }
 
 /// The trace and the message counts, kept as `Sim` keeps them.
@@ -73,9 +77,12 @@ impl Context {
         if let Some(trace) = &mut log.trace {
             trace.extend(out.notes.iter().map(|note| note_line(now, &log.names, from, note)));
         }
+        let mut faults = self.message_faults.borrow_mut();
         for envelope in out.messages {
             if let Some(link) = self.links.get(envelope.to.0 as usize) {
-                let _ = link.send((now + CONTROL_LATENCY_NS, from, envelope));
+                for _ in 0..message_copies(&mut faults, from, envelope.to) {
+                    let _ = link.send((now + CONTROL_LATENCY_NS, from, envelope.clone()));
+                }
             }
         }
         self.doorbell.notify_one();
@@ -110,6 +117,7 @@ pub(super) fn drive(mut sim: Sim, problem: &Problem, limit_ns: u64) -> Result<Si
         doorbell: Rc::new(Notify::new()),
         completions: (0..nodes).map(|_| Rc::new(Notify::new())).collect(),
         log: RefCell::new(Log { names: sim.names.clone(), trace: sim.trace.take(), messages: BTreeMap::new() }),
+        message_faults: RefCell::new(sim.message_faults.take()),
     });
     let prefill = std::mem::take(&mut sim.prefill);
     let decode = std::mem::take(&mut sim.decode);
@@ -121,6 +129,7 @@ pub(super) fn drive(mut sim: Sim, problem: &Problem, limit_ns: u64) -> Result<Si
     let log = context.log.replace(Log { names: BTreeMap::new(), trace: None, messages: BTreeMap::new() });
     sim.trace = log.trace;
     sim.messages = log.messages;
+    sim.message_faults = context.message_faults.take();
     Ok(sim)
 }
 

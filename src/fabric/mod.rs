@@ -5,6 +5,7 @@
 //! Nothing here knows plans, models or the oracle: a fabric moves bytes between addresses it was given keys for.
 //! The RDMA fabric (feature `rdma`) implements the same [`verbs::Endpoint`] and passes the same conformance suite.
 
+pub mod faults;
 mod memory;
 pub mod plugin;
 #[cfg(feature = "rdma")]

@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 
+use super::faults::{FaultKind, FaultPlan, Injector};
 use super::memory::Memory;
 pub use super::memory::{ChunkPool, CHUNK_BYTES};
 use super::verbs::{
@@ -77,8 +78,19 @@ impl SimWorld {
             events: BTreeMap::new(),
             nodes: BTreeMap::new(),
             pool: None,
+            faults: None,
         };
         SimWorld { inner: Rc::new(RefCell::new(world)) }
+    }
+
+    /// Work requests delivered from now on may fail as `plan` draws ([`super::faults`]).
+    pub fn set_faults(&self, plan: &FaultPlan) {
+        self.inner.borrow_mut().faults = (!plan.is_empty()).then(|| Injector::new(plan));
+    }
+
+    /// The faults injected so far, by kind name.
+    pub fn injected_faults(&self) -> BTreeMap<&'static str, u64> {
+        self.inner.borrow().faults.as_ref().map(|faults| faults.injected().clone()).unwrap_or_default()
     }
 
     /// Lazily filled regions registered from now on take their chunks from `pool` ([`ChunkPool`]).
@@ -137,6 +149,7 @@ struct World {
     events: BTreeMap<(u64, u64), Delivery>,
     nodes: BTreeMap<NodeId, Node>,
     pool: Option<ChunkPool>,
+    faults: Option<Injector>,
 }
 
 /// A posted work request waiting for its delivery time.
@@ -240,12 +253,62 @@ impl World {
     fn deliver_next(&mut self) {
         let ((time_ns, _), delivery) = self.events.pop_first().expect("caller checked an event is pending");
         self.now_ns = self.now_ns.max(time_ns);
-        let status = self.execute(&delivery);
+        let failed = self.node(delivery.node).qps[&delivery.qp].failed;
+        let fault = match &mut self.faults {
+            Some(faults) if !failed => faults.on_work_request(delivery.node, delivery.qp),
+            _ => None,
+        };
+        let status = self.execute_with(&delivery, fault);
         let node = self.node_mut(delivery.node);
         let qp = node.qps.get_mut(&delivery.qp).expect("QPs are never destroyed");
         qp.failed |= status != WcStatus::Success;
         if delivery.wr.signaled || status != WcStatus::Success {
-            node.cq.push_back(send_completion(&delivery, status));
+            let completions = match fault {
+                Some(FaultKind::DropCompletion) => 0,
+                Some(FaultKind::DuplicateCompletion) => 2,
+                _ => 1,
+            };
+            for _ in 0..completions {
+                node.cq.push_back(send_completion(&delivery, status));
+            }
+        }
+    }
+
+    /// [`World::execute`] under a drawn fault (module docs of [`super::faults`]).
+    fn execute_with(&mut self, delivery: &Delivery, fault: Option<FaultKind>) -> WcStatus {
+        match fault {
+            Some(FaultKind::WrError(status)) => status,
+            Some(FaultKind::TornWrite) => {
+                let half = delivery.wr.byte_len().expect("checked by check_post") / 2;
+                let wr = WorkRequest { sges: cut_sges(&delivery.wr.sges, half), ..delivery.wr.clone() };
+                let torn = Delivery { node: delivery.node, qp: delivery.qp, seq: delivery.seq, wr };
+                match self.execute(&torn) {
+                    WcStatus::Success => WcStatus::RetryExceeded,
+                    status => status,
+                }
+            }
+            Some(FaultKind::Corrupt) => {
+                let status = self.execute(delivery);
+                let len = delivery.wr.byte_len().expect("checked by check_post");
+                if status == WcStatus::Success && len > 0 {
+                    self.flip_remote_byte(delivery, len / 2);
+                }
+                status
+            }
+            _ => self.execute(delivery),
+        }
+    }
+
+    /// Flips byte `at` of the message `delivery` wrote on its peer (a silent corruption).
+    fn flip_remote_byte(&mut self, delivery: &Delivery, at: u64) {
+        let peer = self.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
+        let target = self.node_mut(peer.node);
+        let Some(&addr) = target.by_rkey.get(&delivery.wr.remote.rkey) else { return };
+        let region = target.regions.get_mut(&addr).expect("key index follows the regions");
+        if let Some(range) = region.range(delivery.wr.remote.addr + at, 1) {
+            let mut byte = [0u8];
+            region.memory.read(range.start as u64, &mut byte);
+            region.memory.write(range.start as u64, &[byte[0] ^ 0x5A]);
         }
     }
 
@@ -327,6 +390,20 @@ impl World {
         let peer_qp = self.nodes.get(&peer.node).and_then(|node| node.qps.get(&peer.qpn));
         peer_qp.is_some_and(|qp| qp.peer == Some(local))
     }
+}
+
+/// The first `len` bytes of a gather list.
+fn cut_sges(sges: &[Sge], len: u64) -> Vec<Sge> {
+    let mut left = len;
+    let mut res = Vec::new();
+    for sge in sges {
+        if left == 0 {
+            break;
+        }
+        res.push(Sge { len: sge.len.min(left), ..*sge });
+        left -= sge.len.min(left);
+    }
+    res
 }
 
 /// The sender's completion of a delivered work request; polling it frees the slots up to and including its own.

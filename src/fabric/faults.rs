@@ -1,0 +1,195 @@
+//! Seeded faults, as data: what can go wrong on a work request or a control message, and how often.
+//!
+//! A [`FaultPlan`] is a list of [`FaultRule`]s and a seed. For every work request delivered (per queue pair) and
+//! every control message sent (per ordered pair of nodes), an [`Injector`] consults each rule that applies to it, in
+//! the plan's order, and every such rule draws exactly once from its own named stream
+//! (`faults.rule<i>.qp<node>.<qpn>` or `faults.rule<i>.link<from>.<to>`, [`crate::seed`]): adding or removing a
+//! rule, or another queue pair's traffic, never shifts the draws of the others. The first rule that fires decides.
+//!
+//! The fault kinds and what the fabric or the network does ([I] kvrelay's model, after what verbs and TCP can do):
+//! - `wr_error` (`remote_access` or `retry_exceeded`): the work request moves no byte and completes in error; the
+//!   queue pair enters the error state and flushes what follows (`IBV_WC_WR_FLUSH_ERR`).
+//! - `torn_write`: the first half of the message lands, then the work request completes `retry_exceeded`.
+//! - `corrupt`: every byte lands, then one byte of the target (the message's middle) is flipped, and the work
+//!   request completes successfully: silent corruption no engine can see; the oracle must.
+//! - `drop_completion` / `duplicate_completion`: the sender's completion is lost (its send-queue slots are never
+//!   freed) or delivered twice.
+//! - `drop_message` / `duplicate_message`: a control message is lost or delivered twice (in order).
+
+use std::collections::BTreeMap;
+
+use rand::RngExt as _;
+
+use super::verbs::{NodeId, QpNum, WcStatus};
+use crate::seed::{Seed, SimRng, StreamId};
+
+/// What goes wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FaultKind {
+    WrError(WcStatus),
+    TornWrite,
+    Corrupt,
+    DropCompletion,
+    DuplicateCompletion,
+    DropMessage,
+    DuplicateMessage,
+}
+
+impl FaultKind {
+    /// Every kind, in the order of the names below (swarm runs draw subsets of it).
+    pub const ALL: [FaultKind; 8] = [
+        FaultKind::WrError(WcStatus::RemoteAccess),
+        FaultKind::WrError(WcStatus::RetryExceeded),
+        FaultKind::TornWrite,
+        FaultKind::Corrupt,
+        FaultKind::DropCompletion,
+        FaultKind::DuplicateCompletion,
+        FaultKind::DropMessage,
+        FaultKind::DuplicateMessage,
+    ];
+
+    /// The name in a `faults:` list.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::WrError(WcStatus::RemoteAccess) => "wr_error_remote_access",
+            FaultKind::WrError(_) => "wr_error_retry_exceeded",
+            FaultKind::TornWrite => "torn_write",
+            FaultKind::Corrupt => "corrupt",
+            FaultKind::DropCompletion => "drop_completion",
+            FaultKind::DuplicateCompletion => "duplicate_completion",
+            FaultKind::DropMessage => "drop_message",
+            FaultKind::DuplicateMessage => "duplicate_message",
+        }
+    }
+
+    /// The kind named `name`, if any.
+    pub fn parse(name: &str) -> Option<FaultKind> {
+        FaultKind::ALL.into_iter().find(|kind| kind.name() == name)
+    }
+
+    /// Whether it happens to a work request (otherwise to a control message).
+    pub fn on_work_request(self) -> bool {
+        !matches!(self, FaultKind::DropMessage | FaultKind::DuplicateMessage)
+    }
+
+    /// Whether the bytes it leaves are wrong while every status says Success (only the oracle can see it).
+    pub fn silent(self) -> bool {
+        self == FaultKind::Corrupt
+    }
+}
+
+/// One rule: `kind` happens with `probability` (0 to 1) to each work request or message it applies to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FaultRule {
+    pub kind: FaultKind,
+    pub probability: f64,
+}
+
+/// The rules of a run and the seed their streams derive from.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FaultPlan {
+    pub seed: u64,
+    pub rules: Vec<FaultRule>,
+}
+
+impl FaultPlan {
+    /// Whether any rule can fire.
+    pub fn is_empty(&self) -> bool {
+        self.rules.iter().all(|rule| rule.probability <= 0.0)
+    }
+}
+
+/// Draws the plan's faults, stream by stream, and counts what it injected.
+#[derive(Debug)]
+pub struct Injector {
+    seed: Seed,
+    rules: Vec<FaultRule>,
+    streams: BTreeMap<(usize, String), SimRng>,
+    injected: BTreeMap<&'static str, u64>,
+}
+
+impl Injector {
+    pub fn new(plan: &FaultPlan) -> Injector {
+        Injector {
+            seed: Seed(plan.seed),
+            rules: plan.rules.clone(),
+            streams: BTreeMap::new(),
+            injected: BTreeMap::new(),
+        }
+    }
+
+    /// The fault of the next work request delivered on `qp` of `node`, if one fires.
+    pub fn on_work_request(&mut self, node: NodeId, qp: QpNum) -> Option<FaultKind> {
+        self.draw(&format!("qp{}.{}", node.0, qp.0), FaultKind::on_work_request)
+    }
+
+    /// The fault of the next control message from `from` to `to`, if one fires.
+    pub fn on_message(&mut self, from: NodeId, to: NodeId) -> Option<FaultKind> {
+        self.draw(&format!("link{}.{}", from.0, to.0), |kind| !kind.on_work_request())
+    }
+
+    /// Faults injected so far, by kind name.
+    pub fn injected(&self) -> &BTreeMap<&'static str, u64> {
+        &self.injected
+    }
+
+    fn draw(&mut self, scope: &str, applies: impl Fn(FaultKind) -> bool) -> Option<FaultKind> {
+        let mut fired = None;
+        for (index, rule) in self.rules.iter().enumerate() {
+            if !applies(rule.kind) {
+                continue;
+            }
+            let seed = self.seed;
+            let rng = self
+                .streams
+                .entry((index, scope.to_owned()))
+                .or_insert_with(|| seed.stream_of(StreamId::named(&format!("faults.rule{index}.{scope}"))));
+            let hit = rng.random_bool(rule.probability.clamp(0.0, 1.0));
+            if hit && fired.is_none() {
+                fired = Some(rule.kind);
+            }
+        }
+        if let Some(kind) = fired {
+            *self.injected.entry(kind.name()).or_default() += 1;
+        }
+        fired
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(rules: &[(FaultKind, f64)]) -> FaultPlan {
+        FaultPlan { seed: 9, rules: rules.iter().map(|&(kind, probability)| FaultRule { kind, probability }).collect() }
+    }
+
+    fn fired(injector: &mut Injector, count: usize) -> Vec<Option<FaultKind>> {
+        (0..count).map(|_| injector.on_work_request(NodeId(1), QpNum(2))).collect()
+    }
+
+    /// A rule added after another (or one for messages) leaves the first rule's draws where they were.
+    #[test]
+    fn adding_a_rule_does_not_shift_the_draws_of_the_others() {
+        let alone = fired(&mut Injector::new(&plan(&[(FaultKind::TornWrite, 0.3)])), 200);
+        let more = plan(&[(FaultKind::TornWrite, 0.3), (FaultKind::DropMessage, 0.5), (FaultKind::Corrupt, 0.9)]);
+        let with_more = fired(&mut Injector::new(&more), 200);
+        for (one, other) in alone.iter().zip(&with_more) {
+            if *one == Some(FaultKind::TornWrite) {
+                assert_eq!(*other, Some(FaultKind::TornWrite));
+            } else {
+                assert_ne!(*other, Some(FaultKind::TornWrite));
+            }
+        }
+        assert!(alone.iter().flatten().count() > 30, "about 60 of 200 fire");
+        assert_eq!(fired(&mut Injector::new(&plan(&[(FaultKind::TornWrite, 0.3)])), 200), alone);
+    }
+
+    #[test]
+    fn kinds_round_trip_their_names() {
+        for kind in FaultKind::ALL {
+            assert_eq!(FaultKind::parse(kind.name()), Some(kind));
+        }
+        assert_eq!(FaultKind::parse("teleport"), None);
+    }
+}
