@@ -37,6 +37,7 @@ mod certify;
 mod planners;
 mod ranks;
 mod replay;
+mod selftest;
 
 #[derive(Debug, Parser)]
 #[command(name = "kvrelay", version, about = "Byte-exact conformance harness for prefill -> decode KV-cache transfer")]
@@ -152,6 +153,9 @@ pub enum Command {
     /// tokens at concurrency 16 on Kimi-K3 PP8/TP1 -> TP8/DCP8 with KDA state), every decode byte verified; reports
     /// input tokens/s, bytes/s, peak memory and per-request latency percentiles.
     Replay(replay::ReplayArgs),
+    /// Plant known layout bugs (mutants) in kvrelay's own plans, run each through the engines on the in-memory
+    /// fabric, and require the oracle to catch every one; prints the table of mutants caught.
+    Selftest(selftest::SelftestArgs),
     /// Time the planner on the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape.
     Bench {
         /// Prompt length of the benchmarked request.
@@ -352,7 +356,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             };
             ranks::launch(&scenario, &loaded, &options)
         }
-        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) if seed.is_some() => {
+        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) | Command::Selftest(_) if seed.is_some() => {
             bail!("--seed applies to run, layout and plan; golden checks and benchmarks keep each scenario's own seed")
         }
         Command::Check { dir, planner: Some(command), planner_timeout, known, .. } => {
@@ -361,6 +365,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Check { dir, golden, .. } => check(&dir, &golden),
         Command::Certify(args) => certify::certify(&args),
         Command::Replay(args) => replay::replay(&args),
+        Command::Selftest(args) => selftest::selftest(&args),
         Command::Planner => {
             crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)
