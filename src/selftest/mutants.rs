@@ -193,8 +193,8 @@ fn dims_advertised(problem: &Problem) -> bool {
 
 fn has_odd_list(rank: &RankLayout) -> bool {
     let count = |draft: bool| {
-        let kinds = rank.kv_entries.iter().map(|index| &rank.regions[*index as usize].kind);
-        kinds.filter(|kind| (**kind == RegionKind::Draft) == draft).count()
+        let kinds = rank.kv_entries.iter().filter_map(|index| rank.regions.get(*index as usize));
+        kinds.filter(|region| (region.kind == RegionKind::Draft) == draft).count()
     };
     let state = rank.state.regions.iter().map(Vec::len);
     [count(false), count(true), rank.aux_entries.len()].into_iter().chain(state).any(|len| len % 2 == 1)
@@ -433,23 +433,8 @@ fn blocks_for(
     let (source_row, target_row) = (source.item_len / source.outer, target.item_len / source.outer);
     let unit = source_row / source.dim;
     let layer = site.query.local.layout.regions.get(source_region as usize)?.layer;
-    let mut res = Vec::new();
-    let (mut source_offset, mut target_offset) = (0, 0);
-    let mut units = Vec::new();
-    for group in groups {
-        let (source_width, target_width) = (group / prefill_tp, group / decode_tp);
-        if prefill_tp > decode_tp {
-            let position = prefill_rank % (prefill_tp / decode_tp);
-            units.push((source_offset, target_offset + position * source_width, source_width));
-        } else {
-            units.push((
-                source_offset + (decode_rank * target_width) % source_width.max(1),
-                target_offset,
-                target_width,
-            ));
-        }
-        (source_offset, target_offset) = (source_offset + source_width, target_offset + target_width);
-    }
+    let units = dim_units(&groups, (prefill_tp, decode_tp), (prefill_rank, decode_rank));
+    let mut res = Vec::with_capacity(units.len() * source.outer as usize);
     for row in 0..source.outer {
         for (source_unit, target_unit, count) in &units {
             res.push(EntryPair {
@@ -465,6 +450,29 @@ fn blocks_for(
         }
     }
     Some(res)
+}
+
+/// `compute_mamba_state_slice_blocks` restated (§5.3): `(source unit, target unit, count)` per group, for the
+/// `(prefill, decode)` TP sizes and ranks given (a mutant passes the wrong ones).
+fn dim_units(
+    groups: &[u64],
+    (prefill_tp, decode_tp): (u64, u64),
+    (prefill_rank, decode_rank): (u64, u64),
+) -> Vec<(u64, u64, u64)> {
+    let mut res = Vec::with_capacity(groups.len());
+    let (mut source_offset, mut target_offset) = (0, 0);
+    for group in groups {
+        let (source_width, target_width) = (group / prefill_tp.max(1), group / decode_tp.max(1));
+        if prefill_tp > decode_tp {
+            let position = prefill_rank % (prefill_tp / decode_tp.max(1));
+            res.push((source_offset, target_offset + position * source_width, source_width));
+        } else {
+            let start = (decode_rank * target_width) % source_width.max(1);
+            res.push((source_offset + start, target_offset, target_width));
+        }
+        (source_offset, target_offset) = (source_offset + source_width, target_offset + target_width);
+    }
+    res
 }
 
 fn odd_list_last_entry(groups: Vec<TransferGroup>) -> Vec<TransferGroup> {
@@ -529,4 +537,30 @@ fn aux_from_wrong_stage(site: &Site<'_>, groups: Vec<TransferGroup>) -> Vec<Tran
         runs: Arc::from(vec![run]),
     });
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// domain.md §5.4, PR #37358 test: TP1 -> TP8 decode rank 3, dims 24 -> 3, groups [8, 8, 8]: units 3, 11, 19
+    /// (bytes 12, 44, 76 at 4 B per unit). The restated rule must agree before its mutants mean anything.
+    #[test]
+    fn restated_slice_rule_matches_the_worked_example() {
+        assert_eq!(dim_units(&[8, 8, 8], (1, 8), (0, 3)), vec![(3, 0, 1), (11, 1, 1), (19, 2, 1)]);
+    }
+
+    /// The wrong-rank mutant swaps the ranks: decode rank 3 is cut as rank 0 (the prefill rank), one flat group is
+    /// the flat-conv mutant; both differ from the rule.
+    #[test]
+    fn wrong_rank_and_flat_split_differ_from_the_rule() {
+        assert_eq!(dim_units(&[8, 8, 8], (1, 8), (3, 0)), vec![(0, 0, 1), (8, 1, 1), (16, 2, 1)]);
+        assert_eq!(dim_units(&[24], (1, 8), (0, 3)), vec![(9, 0, 3)]);
+    }
+
+    /// domain.md §5.4 aggregation: TP4 -> TP2, prefill rank 3, 8 local heads land in the second half (unit 8).
+    #[test]
+    fn aggregation_places_the_prefill_slice_at_its_position() {
+        assert_eq!(dim_units(&[32], (4, 2), (3, 1)), vec![(0, 8, 8)]);
+    }
 }
