@@ -262,7 +262,12 @@ fn restarted(request: &Request, index: usize, prefill_page: u32) -> Option<Reque
     let offset = (before / prefill_page) as usize;
     let mut prefill_pages = request.prefill_pages.get(..first_page)?.to_vec();
     prefill_pages.extend_from_slice(request.prefill_pages.get(first_page + offset..)?);
-    Some(Request { chunks: vec![tokens], tokens: request.decode_prefix + tokens, prefill_pages, ..request.clone() })
+    Some(Request {
+        chunks: vec![tokens],
+        tokens: request.decode_prefix.saturating_add(tokens),
+        prefill_pages,
+        ..request.clone()
+    })
 }
 
 fn decode_pages_per_chunk(site: &Site<'_>, groups: Vec<TransferGroup>) -> Result<Vec<TransferGroup>, String> {
@@ -326,7 +331,7 @@ enum HeadBug {
 /// MHA head slices (§3.2) recomputed with the bug: the source head start on scatter, the target's on aggregation.
 fn head_slices(site: &Site<'_>, groups: Vec<TransferGroup>, bug: HeadBug) -> Vec<TransferGroup> {
     let Attention::Mha { kv_heads, .. } = site.query.local.model.attention else { return groups };
-    let (heads, prefill_tp, decode_tp) = (kv_heads, site.query.local.topology.tp, site.peer.tp);
+    let (heads, prefill_tp, decode_tp) = (kv_heads.max(1), site.query.local.topology.tp.max(1), site.peer.tp.max(1));
     let (source_heads, target_heads) = ((heads / prefill_tp).max(1), (heads / decode_tp).max(1));
     let (prefill_rank, decode_rank) = (site.query.local.layout.rank.tp, site.peer.rank.tp);
     let select = |group: &TransferGroup| group.kind == TransferKind::Kv && prefill_tp != decode_tp;
