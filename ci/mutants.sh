@@ -45,5 +45,5 @@ if ((viable == 0)); then
     echo "ci/mutants.sh: no viable mutants (unviable: $unviable)"
     exit 0
 fi
-echo "cargo-mutants over src/plan${KVRELAY_MUTANTS_SHARD:+ (shard $KVRELAY_MUTANTS_SHARD)}: $caught caught, $timeout timed out, $missed missed, $unviable unviable"
+echo "cargo-mutants over ${KVRELAY_MUTANTS_FILES:-src/plan/*.rs}${KVRELAY_MUTANTS_SHARD:+ (shard $KVRELAY_MUTANTS_SHARD)}: $caught caught, $timeout timed out, $missed missed, $unviable unviable"
 echo "kill rate: $(((caught + timeout) * 1000 / viable / 10)).$(((caught + timeout) * 1000 / viable % 10)) % of $viable viable mutants (timeouts count as killed); missed ones: $out/mutants.out/missed.txt"
