@@ -29,6 +29,8 @@
 //!   byte-for-byte `diff` of two fabrics.
 //! - [`certify`]: transport certification: the versioned case set run through a [`certify::Transport`], JUnit XML,
 //!   JSON report and manifest.
+//! - [`selftest`]: the oracle's mutation self-test: known layout bugs planted in kvrelay's own plans, in the planner's
+//!   seat, each required to be caught by the oracle (`kvrelay selftest`).
 //! - [`render`]: stable text for golden files and the CLI.
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
 
@@ -47,5 +49,6 @@ pub mod process;
 pub mod render;
 pub mod scenario;
 pub mod seed;
+pub mod selftest;
 pub mod verify;
 pub mod wire;

@@ -37,6 +37,7 @@ mod planners;
 mod ranks;
 mod replay;
 mod run;
+mod selftest;
 
 #[derive(Debug, Parser)]
 #[command(name = "kvrelay", version, about = "Byte-exact conformance harness for prefill -> decode KV-cache transfer")]
@@ -147,6 +148,9 @@ pub enum Command {
     /// tokens at concurrency 16 on Kimi-K3 PP8/TP1 -> TP8/DCP8 with KDA state), every decode byte verified; reports
     /// input tokens/s, bytes/s, peak memory and per-request latency percentiles.
     Replay(replay::ReplayArgs),
+    /// Plant known layout bugs (mutants) in kvrelay's own plans, run each through the engines on the in-memory
+    /// fabric, and require the oracle to catch every one; prints the table of mutants caught.
+    Selftest(selftest::SelftestArgs),
     /// Time the planner on the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape.
     Bench {
         /// Prompt length of the benchmarked request.
@@ -328,10 +332,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             };
             ranks::launch(&scenario, &loaded, &options)
         }
-        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) | Command::Certify(_) if seed.is_some() => {
+        Command::Check { .. }
+        | Command::Bench { .. }
+        | Command::Replay(_)
+        | Command::Certify(_)
+        | Command::Selftest(_)
+            if seed.is_some() =>
+        {
             bail!(
-                "--seed applies to run, layout, plan, diff and the rank commands; checks, certification and \
-                 benchmarks keep each scenario's own seed"
+                "--seed applies to run, layout, plan, diff and the rank commands; checks, certification, the \
+                 self-test and benchmarks keep each scenario's own seed"
             )
         }
         Command::Check { dir, planner: Some(command), planner_timeout, known, .. } => {
@@ -340,6 +350,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Check { dir, golden, .. } => check(&dir, &golden),
         Command::Certify(args) => certify::certify(&args),
         Command::Replay(args) => replay::replay(&args),
+        Command::Selftest(args) => selftest::selftest(&args),
         Command::Planner => {
             crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)

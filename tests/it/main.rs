@@ -28,6 +28,8 @@ mod props;
 /// Real RDMA verbs: engines over the verbs fabric, ranks as processes (feature `rdma`, run in the CI guest).
 #[cfg(feature = "rdma")]
 mod rdma;
+/// The mutation self-test: every planted layout bug caught on a named scenario, no false alarm, `n/a` kept apart.
+mod selftest;
 /// Shared `#[track_caller]` helpers: scenario builders and pipeline runners.
 mod support;
 /// Repository hygiene: module docs, purity of pure modules, scenario headers, golden coverage.
