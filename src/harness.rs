@@ -129,15 +129,31 @@ pub fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> 
 /// Runs `scenario` through the per-rank engines on the in-memory fabric (the one path of `run` and `check`):
 /// the composed plan gives the decisions and the expected verdict, the engines move the bytes, and the oracle
 /// judges every decode rank with the rooms it saw fail.
+///
+/// A scenario with `faults:` runs them (unless `options` brings faults of its own) and is judged by the fault
+/// guarantee instead of its expectation ([`crate::swarm::guarantee`]).
 pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> Result<Outcome, RunError> {
     check_budget(&scenario.problem, budget)?;
+    let faulted;
+    let options = if options.faults.is_empty() && !scenario.faults.is_empty() {
+        faulted = SimOptions { faults: scenario.faults.clone(), ..options.clone() };
+        &faulted
+    } else {
+        options
+    };
     let engine = sim::run(&scenario.problem, options).map_err(|error| format!("the simulated fabric failed: {error}"));
-    Ok(judge(scenario, engine, Judge::OwnPlan))
+    let whose = if options.faults.is_empty() { Judge::OwnPlan } else { Judge::Guarantee };
+    Ok(judge(scenario, engine, whose))
 }
 
 /// [`run_with`] on any [`Fabric`]: the same engines, plan and oracle.
 pub fn run_on(scenario: &Scenario, budget: &Budget, fabric: &Fabric, trace: bool) -> Result<Outcome, RunError> {
     check_budget(&scenario.problem, budget)?;
+    if !scenario.faults.is_empty() {
+        let error =
+            format!("the scenario's faults are injected by the in-memory fabric only, not on {}", fabric.name());
+        return Ok(judge(scenario, Err(error), Judge::OwnPlan));
+    }
     Ok(judge(scenario, engine_run(&scenario.problem, fabric, trace), Judge::OwnPlan))
 }
 
@@ -171,6 +187,8 @@ enum Judge {
     OwnPlan,
     /// Only the rooms (another planner sat in the seat).
     SeatOnly,
+    /// The fault guarantee (the run had seeded faults).
+    Guarantee,
 }
 
 /// Where the engines run.
@@ -284,9 +302,12 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> O
     let mut failures = match whose {
         Judge::OwnPlan => expectation_failures(&scenario.expect, &plan, ends.as_ref()),
         Judge::SeatOnly => ends.as_ref().map(|ends| room_failures(&scenario.expect, ends)).unwrap_or_default(),
+        Judge::Guarantee => {
+            engine.as_ref().map(|run| crate::swarm::guarantee(run, &violations).failures).unwrap_or_default()
+        }
     };
     failures.extend(run_error);
-    if !violations.is_empty() {
+    if !violations.is_empty() && whose != Judge::Guarantee {
         failures.push(format!("{} oracle violations", violations.len()));
     }
     Outcome { plan, engine, observation, violations, failures }

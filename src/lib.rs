@@ -15,7 +15,7 @@
 //! - [`verify`]: the independent oracle; the source byte pattern, row decoding and `check`. Never calls `plan`.
 //! - [`wire`]: the Mori control messages as bytes (registration, request metadata, status; domain.md §6.2).
 //! - [`fabric`]: the verbs-shaped seam [`fabric::verbs::Endpoint`] and its in-memory, simulated-time
-//!   [`fabric::world::SimWorld`]; nothing here knows plans, models or the oracle.
+//!   [`fabric::world::SimWorld`], and seeded faults as data ([`fabric::faults`]); nothing here knows plans, models or the oracle.
 //! - [`engine`]: prefill and decode ranks as sans-IO engines (domain.md §6), the deterministic simulation that
 //!   drives them over [`fabric::world::SimWorld`], and the live driver ([`engine::live`]) that drives the same
 //!   engines on a real clock over a NIC.
@@ -31,6 +31,8 @@
 //!   JSON report and manifest.
 //! - [`selftest`]: the oracle's mutation self-test: known layout bugs planted in kvrelay's own plans, in the planner's
 //!   seat, each required to be caught by the oracle (`kvrelay selftest`).
+//! - [`swarm`]: the fault guarantee (every request Success byte-exact or Failed with a reason, no hang) and swarm
+//!   runs drawing a random subset of seeded faults ([`fabric::faults`]) per seed.
 //! - [`render`]: stable text for golden files and the CLI.
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
 
@@ -50,5 +52,6 @@ pub mod render;
 pub mod scenario;
 pub mod seed;
 pub mod selftest;
+pub mod swarm;
 pub mod verify;
 pub mod wire;

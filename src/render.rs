@@ -63,6 +63,10 @@ pub fn events(outcome: &Outcome) -> String {
     let Some(run) = &outcome.engine else { return "events: none, the simulated fabric failed\n".to_owned() };
     let counts: Vec<String> = run.messages.iter().map(|(kind, count)| format!("{count} {kind}")).collect();
     let mut out = format!("events: {} control messages ({})\n", run.messages.values().sum::<u64>(), counts.join(", "));
+    if !run.faults.is_empty() {
+        let faults: Vec<String> = run.faults.iter().map(|(kind, count)| format!("{count} {kind}")).collect();
+        let _ = writeln!(out, "faults injected: {}", faults.join(", "));
+    }
     for (rank, rooms) in &run.rooms {
         for (id, room) in rooms {
             let ended = match (&room.reason, room.poll) {

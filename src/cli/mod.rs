@@ -38,6 +38,7 @@ mod ranks;
 mod replay;
 mod run;
 mod selftest;
+mod sim;
 
 #[derive(Debug, Parser)]
 #[command(name = "kvrelay", version, about = "Byte-exact conformance harness for prefill -> decode KV-cache transfer")]
@@ -151,6 +152,11 @@ pub enum Command {
     /// Plant known layout bugs (mutants) in kvrelay's own plans, run each through the engines on the in-memory
     /// fabric, and require the oracle to catch every one; prints the table of mutants caught.
     Selftest(selftest::SelftestArgs),
+    /// Swarm runs under seeded faults: per seed a random subset of fault kinds (work-request errors, torn writes,
+    /// corruption, lost or duplicated completions and messages), every scenario through the engines, each run
+    /// judged by the guarantee (Success byte-exact or Failed with a reason, no hang); non-zero exit on any
+    /// harness failure, with its reproduce line.
+    Sim(sim::SimArgs),
     /// Time the planner on the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape.
     Bench {
         /// Prompt length of the benchmarked request.
@@ -337,6 +343,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         | Command::Replay(_)
         | Command::Certify(_)
         | Command::Selftest(_)
+        | Command::Sim(_)
             if seed.is_some() =>
         {
             bail!(
@@ -351,6 +358,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Certify(args) => certify::certify(&args),
         Command::Replay(args) => replay::replay(&args),
         Command::Selftest(args) => selftest::selftest(&args),
+        Command::Sim(args) => sim::sim(&args),
         Command::Planner => {
             crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)
@@ -378,7 +386,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 fn takes_seed(command: &Command) -> bool {
     !matches!(
         command,
-        Command::Check { .. } | Command::Bench { .. } | Command::Replay(_) | Command::Certify(_) | Command::Planner
+        Command::Check { .. }
+            | Command::Bench { .. }
+            | Command::Replay(_)
+            | Command::Certify(_)
+            | Command::Planner
+            | Command::Selftest(_)
+            | Command::Sim(_)
     )
 }
 

@@ -169,6 +169,11 @@ fn run_checked(args: &RunArgs, scenario: &Scenario, fabric: &Fabric) -> anyhow::
         deterministic = report_determinism(events, repeated)?;
     }
     out!("{}", render::golden_header(scenario, &outcome));
+    if !scenario.faults.is_empty() {
+        // A faulted run: what was injected and how each request ended is the story (judged by the guarantee).
+        out!("{}", render::events(&outcome));
+        out!("{}", render::violations(&outcome.violations));
+    }
     if outcome.passed() && deterministic {
         outln!("pass {}", scenario.name);
         return Ok(true);

@@ -8,6 +8,7 @@ pub mod raw;
 mod text;
 mod yaml;
 
+use crate::fabric::faults::{FaultKind, FaultPlan, FaultRule};
 use std::fmt;
 use std::io::Read as _;
 use std::path::Path;
@@ -51,6 +52,8 @@ pub struct Scenario {
     pub expect: Expectation,
     /// Golden files record the engines' event summary too.
     pub events: bool,
+    /// Seeded faults (the `faults:` section, drawn from `seed`); empty: a clean run.
+    pub faults: FaultPlan,
 }
 
 /// One problem found in a scenario file.
@@ -150,6 +153,7 @@ pub fn parse_bytes(bytes: &[u8], file: &str, default_name: &str, seed: Option<u6
     raw.seed = seed.or(raw.seed);
     let seed = raw.seed.unwrap_or(1);
     let events = raw.events;
+    let faults = faults(&raw.faults, seed).map_err(|diagnostic| ScenarioError::one(file, diagnostic))?;
     let (problem, expect) = lower::lower(raw, default_name).map_err(|(mut diagnostics, omitted)| {
         for diagnostic in &mut diagnostics {
             diagnostic.line = lower::locate(text, &diagnostic.path);
@@ -157,5 +161,24 @@ pub fn parse_bytes(bytes: &[u8], file: &str, default_name: &str, seed: Option<u6
         }
         ScenarioError { file: file.to_owned(), diagnostics, omitted }
     })?;
-    Ok(Scenario { name: problem.name.clone(), file: file.to_owned(), seed, problem, expect, events })
+    Ok(Scenario { name: problem.name.clone(), file: file.to_owned(), seed, problem, expect, events, faults })
+}
+
+/// The `faults:` section as a plan seeded with the scenario's seed.
+pub fn faults(raw: &[raw::RawFault], seed: u64) -> Result<FaultPlan, Diagnostic> {
+    let mut rules = Vec::new();
+    for (index, fault) in raw.iter().enumerate() {
+        let path = format!("faults[{index}]");
+        let Some(kind) = FaultKind::parse(&fault.kind) else {
+            let kinds: Vec<&str> = FaultKind::ALL.iter().map(|kind| kind.name()).collect();
+            let message = format!("unknown fault kind `{}` (fix: one of {})", fault.kind, kinds.join(", "));
+            return Err(Diagnostic { line: None, column: None, path: format!("{path}.kind"), message });
+        };
+        if !(0.0..=1.0).contains(&fault.probability) {
+            let message = format!("probability {} is not in 0..=1 (fix: e.g. 0.01)", fault.probability);
+            return Err(Diagnostic { line: None, column: None, path: format!("{path}.probability"), message });
+        }
+        rules.push(FaultRule { kind, probability: fault.probability });
+    }
+    Ok(FaultPlan { seed, rules })
 }

@@ -11,6 +11,7 @@ mod cli;
 mod conformance;
 /// Determinism and replay: seeded placement, the trace hash, `--check-determinism`, `--trace-out`, `KVRELAY_SEED`.
 mod determinism;
+mod faults;
 /// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
 mod golden;
 /// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.

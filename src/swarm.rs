@@ -1,0 +1,127 @@
+//! The fault guarantee and swarm runs (issue 11): under any seeded faults ([`crate::fabric::faults`]), every
+//! request ends Success with a byte-exact decode image or Failed with a reason, within bounded simulated time, and no
+//! other request's bytes change. A run that breaks it is a harness failure: Success over wrong bytes (unless a
+//! silent corruption was planted, which the oracle must then find: "detected"), a request that never ends, or a
+//! failure without a reason.
+//!
+//! A swarm draws, per seed, a random subset of fault kinds and a probability for each (swarm testing: different
+//! runs stress different combinations), runs each scenario through the engines and judges it.
+
+use std::collections::BTreeMap;
+
+use rand::RngExt as _;
+
+use crate::engine::sim::{self, SimOptions, SimRun};
+use crate::fabric::faults::{FaultKind, FaultPlan, FaultRule};
+use crate::scenario::{Expectation, Scenario};
+use crate::seed::Seed;
+use crate::verify::Violation;
+use crate::wire::KvPoll;
+
+/// How one faulted run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Judgement {
+    /// Requests (per decode rank) that ended Success, byte-exact.
+    pub succeeded: u64,
+    /// Requests (per decode rank) that ended Failed with a reason.
+    pub failed: u64,
+    /// A silent corruption was planted and the oracle found it.
+    pub detected: bool,
+    /// Broken guarantees, in words (empty: the run kept it).
+    pub failures: Vec<String>,
+}
+
+/// Judges `run` (with the oracle's `violations` over its own room verdicts) against the guarantee.
+pub fn guarantee(run: &SimRun, violations: &[Violation]) -> Judgement {
+    let (mut succeeded, mut failed, mut failures) = (0, 0, Vec::new());
+    for (rank, rooms) in &run.rooms {
+        for (id, room) in rooms {
+            match (room.poll, room.reason.as_deref(), room.ended_ns) {
+                (KvPoll::Success, _, Some(_)) => succeeded += 1,
+                (KvPoll::Failed, Some(reason), Some(_)) if !reason.is_empty() => failed += 1,
+                (KvPoll::Failed, _, Some(_)) => {
+                    failures.push(format!("decode {rank}: request {id} Failed without a reason"))
+                }
+                (poll, ..) => failures.push(format!(
+                    "decode {rank}: request {id} never ended (still {poll:?} when the run stopped at {} ns): a hang",
+                    run.run_ns
+                )),
+            }
+        }
+    }
+    let silent = run.faults.keys().any(|name| FaultKind::parse(name).is_some_and(FaultKind::silent));
+    let detected = silent && !violations.is_empty();
+    if !violations.is_empty() && !silent {
+        failures.push(format!(
+            "{} oracle violations under Success or in another request's bytes, the first: {}",
+            violations.len(),
+            violations[0]
+        ));
+    }
+    Judgement { succeeded, failed, detected, failures }
+}
+
+/// Runs `scenario` with `faults` through the engines on the in-memory fabric and judges it.
+pub fn run_faulted(scenario: &Scenario, faults: &FaultPlan) -> Result<(SimRun, Judgement), String> {
+    let options = SimOptions { faults: faults.clone(), ..SimOptions::default() };
+    let run = sim::run(&scenario.problem, &options).map_err(|error| format!("the simulated fabric failed: {error}"))?;
+    let violations = crate::harness::oracle(scenario, &run, &run.observation);
+    let judgement = guarantee(&run, &violations);
+    Ok((run, judgement))
+}
+
+/// Probabilities a swarm draws from, per fault kind chosen.
+const PROBABILITIES: [f64; 4] = [0.001, 0.01, 0.05, 0.2];
+
+/// The faults of swarm seed `seed`: each kind in with probability one half (at least one), each at a probability
+/// drawn from [`PROBABILITIES`]; the fault streams are seeded with `seed` too.
+pub fn swarm_faults(seed: u64) -> FaultPlan {
+    let mut rng = Seed(seed).stream("swarm.faults");
+    let mut rules = Vec::new();
+    for kind in FaultKind::ALL {
+        // Both draws are made for every kind, so one kind's choice never shifts another's.
+        let (chosen, level) = (rng.random_bool(0.5), rng.random_range(0..PROBABILITIES.len()));
+        if chosen {
+            rules.push(FaultRule { kind, probability: PROBABILITIES[level] });
+        }
+    }
+    if rules.is_empty() {
+        let kind = FaultKind::ALL[rng.random_range(0..FaultKind::ALL.len())];
+        rules.push(FaultRule { kind, probability: PROBABILITIES[rng.random_range(0..PROBABILITIES.len())] });
+    }
+    FaultPlan { seed, rules }
+}
+
+/// Whether a scenario takes part in a swarm: it expects a clean transfer (rejections move no byte to fault).
+pub fn swarmable(scenario: &Scenario) -> bool {
+    scenario.expect == Expectation::Ok
+}
+
+/// Totals of a swarm.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub runs: u64,
+    pub succeeded: u64,
+    pub failed: u64,
+    pub detected: u64,
+    /// Faults injected, by kind name.
+    pub injected: BTreeMap<&'static str, u64>,
+    /// (scenario file, seed, first broken guarantee) per harness failure.
+    pub harness_failures: Vec<(String, u64, String)>,
+}
+
+impl Tally {
+    /// Adds one run's judgement.
+    pub fn add(&mut self, file: &str, seed: u64, run: &SimRun, judgement: Judgement) {
+        self.runs += 1;
+        self.succeeded += judgement.succeeded;
+        self.failed += judgement.failed;
+        self.detected += u64::from(judgement.detected);
+        for (kind, count) in &run.faults {
+            *self.injected.entry(kind).or_default() += count;
+        }
+        if let Some(first) = judgement.failures.into_iter().next() {
+            self.harness_failures.push((file.to_owned(), seed, first));
+        }
+    }
+}
