@@ -13,6 +13,7 @@ use rand::RngExt as _;
 
 use crate::engine::sim::{self, SimOptions, SimRun};
 use crate::fabric::faults::{FaultKind, FaultPlan, FaultRule};
+use crate::model::RankId;
 use crate::scenario::{Expectation, Scenario};
 use crate::seed::Seed;
 use crate::verify::Violation;
@@ -49,8 +50,16 @@ pub fn guarantee(run: &SimRun, violations: &[Violation]) -> Judgement {
             }
         }
     }
+    let premature = premature_successes(run);
     let silent = run.faults.keys().any(|name| FaultKind::parse(name).is_some_and(FaultKind::silent));
-    let detected = silent && !violations.is_empty();
+    let notified_early = run.faults.contains_key(FaultKind::NotifyBeforeData.name());
+    let detected = silent && (!violations.is_empty() || !premature.is_empty());
+    if let (Some((rank, id)), false) = (premature.first(), notified_early) {
+        failures.push(format!(
+            "decode {rank}: request {id} reported Success before all of its bytes had landed ({} such requests)",
+            premature.len()
+        ));
+    }
     if !violations.is_empty() && !silent {
         failures.push(format!(
             "{} oracle violations under Success or in another request's bytes, the first: {}",
@@ -59,6 +68,22 @@ pub fn guarantee(run: &SimRun, violations: &[Violation]) -> Judgement {
         ));
     }
     Judgement { succeeded, failed, detected, failures }
+}
+
+/// Every (decode rank, request) reported Success before all of its bytes had landed: the world records when the
+/// bytes of each write landed ([`SimRun::late_landings`]), the decode rank when the request turned Success.
+pub fn premature_successes(run: &SimRun) -> Vec<(RankId, u64)> {
+    let mut premature = Vec::new();
+    for &(rank, id, landed_ns) in &run.late_landings {
+        let room = run.rooms.get(&rank).and_then(|rooms| rooms.get(&id));
+        if let Some(ended_ns) = room.filter(|room| room.poll == KvPoll::Success).and_then(|room| room.ended_ns) {
+            if ended_ns < landed_ns && !premature.contains(&(rank, id)) {
+                premature.push((rank, id));
+            }
+        }
+    }
+    premature.sort_unstable();
+    premature
 }
 
 /// Runs `scenario` with `faults` through the engines on the in-memory fabric and judges it.

@@ -75,7 +75,10 @@ fn report(tally: &Tally, seconds: f64, seeds: u64) -> anyhow::Result<()> {
     outln!("runs: {} in {seconds:.1} s ({:.1} seeds/s)", tally.runs, seeds as f64 / seconds.max(1e-9));
     outln!("requests ended Success byte-exact: {}", tally.succeeded);
     outln!("requests ended Failed with a reason: {}", tally.failed);
-    outln!("runs with a planted silent corruption the oracle found: {}", tally.detected);
+    outln!(
+        "runs with a planted silent fault (corruption, notification before data) the guarantee found: {}",
+        tally.detected
+    );
     let injected: Vec<String> = tally.injected.iter().map(|(kind, count)| format!("{kind} {count}")).collect();
     outln!("faults injected: {}", if injected.is_empty() { "none".to_owned() } else { injected.join(", ") });
     outln!("harness failures: {}", tally.harness_failures.len());

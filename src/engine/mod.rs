@@ -61,6 +61,11 @@ pub type Nic<'a> = &'a mut dyn Endpoint;
 /// time instead of upstream's 300 s).
 pub const WAITING_TIMEOUT_NS: u64 = 2_000_000_000;
 
+/// Time after its first metadata within which a prefill rank must finish a room, or fail it (domain.md §6.4: a
+/// bounded prefill-side transfer timeout, like Mori's transfer SLA): a room whose completions were lost or whose
+/// peers went away still ends.
+pub const TRANSFER_TIMEOUT_NS: u64 = WAITING_TIMEOUT_NS;
+
 /// Simulated compute time of one prefill chunk (chunks become ready one after another).
 pub const CHUNK_COMPUTE_NS: u64 = 20_000;
 

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, VecDeque};
 use super::gather::{gather, Gathered, Piece};
 use super::handshake::{classify, Kind, LinkAck};
 use super::seat::{own_copies, view, LinkQuery, SeatCopy, SeatQuery, SharedPlanner};
-use super::{Nic, Outbox, CHUNK_COMPUTE_NS, SIGNAL_INTERVAL};
+use super::{Nic, Outbox, CHUNK_COMPUTE_NS, SIGNAL_INTERVAL, TRANSFER_TIMEOUT_NS};
 use crate::fabric::verbs::{
     Caps, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcStatus, WorkCompletion, WorkRequest,
 };
@@ -19,6 +19,11 @@ use crate::wire::{KvPoll, MemoryDesc, Registration, RequestMeta, Status};
 /// One write the fabric confirmed: `length` bytes at `offset` of region `region` on decode rank `target`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Written {
+    /// The request the write belongs to.
+    pub room: u64,
+    /// The queue pair and work request that carried it.
+    pub qp: QpNum,
+    pub wr_id: u64,
     pub target: RankId,
     pub region: u32,
     pub offset: u64,
@@ -67,6 +72,8 @@ struct Room {
     refused: BTreeMap<NodeId, String>,
     /// Why the room failed on this rank, if it did.
     reason: Option<String>,
+    /// When its first metadata arrived: the prefill-side timeout runs from here.
+    created_ns: u64,
 }
 
 /// The send queue of one queue pair: writes waiting for credits and writes posted but not yet confirmed.
@@ -96,6 +103,10 @@ pub struct PrefillEngine {
     early_send: bool,
     /// Another planner in the seat (`None`: kvrelay's own).
     seat: Option<SharedPlanner>,
+    /// The rank crashed (its endpoint said so, `crash_prefill`): it processes nothing more.
+    crashed: bool,
+    /// Time a room may stay unfinished on this rank, from its first metadata.
+    timeout: u64,
 }
 
 impl PrefillEngine {
@@ -125,6 +136,8 @@ impl PrefillEngine {
             written: Vec::new(),
             early_send: false,
             seat: None,
+            crashed: false,
+            timeout: TRANSFER_TIMEOUT_NS,
         }
     }
 
@@ -149,9 +162,39 @@ impl PrefillEngine {
         &self.written
     }
 
-    /// How each room ended on this rank (`None`: still going, or never became ready), and why it failed.
+    /// How each room ended on this rank (`None`: still going, or never became ready), and why it failed. A crashed
+    /// rank's unfinished rooms are Failed with the crash as reason.
     pub fn rooms(&self) -> BTreeMap<u64, super::sim::PrefillRoom> {
-        self.rooms.iter().map(|(id, room)| (*id, (room.poll, room.reason.clone()))).collect()
+        let ended = |poll: Option<KvPoll>| matches!(poll, Some(KvPoll::Success | KvPoll::Failed));
+        self.rooms
+            .iter()
+            .map(|(id, room)| match self.crashed && !ended(room.poll) {
+                true => (*id, (Some(KvPoll::Failed), Some(format!("prefill {} crashed", self.rank)))),
+                false => (*id, (room.poll, room.reason.clone())),
+            })
+            .collect()
+    }
+
+    /// Every room that reached this rank ended (Success or Failed), or the rank crashed.
+    pub fn done(&self) -> bool {
+        self.crashed || self.rooms.values().all(|room| matches!(room.poll, Some(KvPoll::Success | KvPoll::Failed)))
+    }
+
+    /// Whether the rank crashed.
+    pub fn crashed(&self) -> bool {
+        self.crashed
+    }
+
+    /// Sets the prefill-side timeout (default [`TRANSFER_TIMEOUT_NS`]).
+    pub fn with_timeout(mut self, timeout_ns: u64) -> PrefillEngine {
+        self.timeout = timeout_ns;
+        self
+    }
+
+    /// Notices a crash of this rank's node: from then on every input is ignored.
+    fn down(&mut self, nic: &dyn crate::fabric::verbs::Endpoint) -> bool {
+        self.crashed |= nic.crashed();
+        self.crashed
     }
 
     /// `prefill_unique_rank` of domain.md §6.1 (CP 1).
@@ -165,6 +208,9 @@ impl PrefillEngine {
 
     /// A message from `from`.
     pub fn on_message(&mut self, now: u64, from: NodeId, frames: &[Vec<u8>], nic: Nic<'_>, out: &mut Outbox) {
+        if self.down(nic) {
+            return;
+        }
         match classify(frames) {
             Kind::Registration => self.on_registration(from, frames, nic, out),
             Kind::RequestMeta => match RequestMeta::decode(frames) {
@@ -212,7 +258,7 @@ impl PrefillEngine {
     fn on_meta(&mut self, now: u64, from: NodeId, meta: RequestMeta, out: &mut Outbox) {
         let room_id = meta.room;
         let required = meta.required_dst_info_num as usize;
-        let room = self.rooms.entry(room_id).or_default();
+        let room = self.rooms.entry(room_id).or_insert_with(|| Room { created_ns: now, ..Room::default() });
         if room.poll.is_some() {
             return out.note(format!("room {room_id}: late metadata from {from} ignored"));
         }
@@ -348,25 +394,56 @@ impl PrefillEngine {
         let pending = |write: Gathered| Pending {
             room,
             peer,
-            written: Written { target, region: write.region, offset: write.offset, length: write.len },
+            written: Written {
+                room,
+                qp: QpNum(0),
+                wr_id: 0,
+                target,
+                region: write.region,
+                offset: write.offset,
+                length: write.len,
+            },
             sges: write.sges,
             remote: write.remote,
         };
         Ok(gather(pieces, self.caps).into_iter().map(pending).collect())
     }
 
-    /// The earliest time a chunk becomes ready, if any is still to send.
+    /// The earliest time a chunk becomes ready or an unfinished room times out, if any.
     pub fn next_timer(&self) -> Option<u64> {
-        self.rooms
+        if self.crashed {
+            return None;
+        }
+        let chunks = self
+            .rooms
             .values()
             .filter(|room| room.poll == Some(KvPoll::Transferring) && room.next_chunk < room.chunks.len())
-            .map(|room| room.ready_at + CHUNK_COMPUTE_NS * (room.next_chunk as u64 + 1))
-            .min()
+            .map(|room| room.ready_at + CHUNK_COMPUTE_NS * (room.next_chunk as u64 + 1));
+        let timeouts = self
+            .rooms
+            .values()
+            .filter(|room| matches!(room.poll, None | Some(KvPoll::Transferring)))
+            .map(|room| room.created_ns.saturating_add(self.timeout));
+        chunks.chain(timeouts).min()
     }
 
-    /// Sends every chunk that is ready by `now`.
+    /// Sends every chunk that is ready by `now`; fails every room unfinished after the timeout (domain.md §6.4: a
+    /// bounded prefill-side transfer timeout, so a room whose completions or peers never come still ends).
     pub fn on_tick(&mut self, now: u64, nic: Nic<'_>, out: &mut Outbox) {
+        if self.down(nic) {
+            return;
+        }
         let ids: Vec<u64> = self.rooms.keys().copied().collect();
+        for room_id in &ids {
+            let room = &self.rooms[room_id];
+            if matches!(room.poll, None | Some(KvPoll::Transferring))
+                && now >= room.created_ns.saturating_add(self.timeout)
+            {
+                let waiting = if room.poll.is_none() { "waiting for metadata" } else { "transferring" };
+                let reason = format!("prefill {} timed out after {} ns {waiting}", self.rank, self.timeout);
+                self.fail_room(*room_id, &reason, out);
+            }
+        }
         for room_id in ids {
             loop {
                 let room = self.rooms.get_mut(&room_id).expect("listed");
@@ -431,6 +508,9 @@ impl PrefillEngine {
 
     /// A work completion from this rank's completion queue.
     pub fn on_completion(&mut self, completion: WorkCompletion, nic: Nic<'_>, out: &mut Outbox) {
+        if self.down(nic) {
+            return;
+        }
         let Some((_, queue)) = self.queues.get_mut(&completion.qp) else {
             return out.note(format!("completion for unknown {}", completion.qp));
         };
@@ -439,7 +519,8 @@ impl PrefillEngine {
         }
         // Completions arrive in order per queue pair: this one settles every unsignalled write before it.
         let mut settled = Vec::new();
-        while let Some((wr_id, pending)) = queue.in_flight.pop_front() {
+        while let Some((wr_id, mut pending)) = queue.in_flight.pop_front() {
+            (pending.written.qp, pending.written.wr_id) = (completion.qp, wr_id);
             settled.push(pending);
             if wr_id == completion.wr_id {
                 break;

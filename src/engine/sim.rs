@@ -76,6 +76,9 @@ pub struct SimRun {
     pub messages: BTreeMap<&'static str, u64>,
     /// Faults injected (`SimOptions::faults`), by kind name.
     pub faults: BTreeMap<&'static str, u64>,
+    /// Writes whose bytes landed after their completion (`notify_before_data`): (decode rank, request, landing
+    /// time in simulated nanoseconds; later than the run when they never landed).
+    pub late_landings: Vec<(RankId, u64, u64)>,
     /// How long the engines ran: simulated nanoseconds, or wall nanoseconds of a live run (from the first message
     /// to the end; memory set-up and read-back excluded).
     pub run_ns: u64,
@@ -220,7 +223,9 @@ impl Sim {
         if let Some(trace) = &mut self.trace {
             trace.extend(out.notes.iter().map(|note| note_line(self.now, &self.names, from, note)));
         }
-        for envelope in out.messages {
+        // A crashed node sends nothing (`crash_prefill`).
+        let messages = if self.world.crashed(from) { Vec::new() } else { out.messages };
+        for envelope in messages {
             for _ in 0..message_copies(&mut self.message_faults, from, envelope.to) {
                 self.sequence += 1;
                 self.network.insert((self.now + CONTROL_LATENCY_NS, self.sequence), (from, envelope.clone()));
@@ -236,7 +241,8 @@ impl Sim {
     }
 
     fn run_loop(&mut self, limit: u64) {
-        while !self.decode.iter().all(|node| node.engine.done()) {
+        while !self.decode.iter().all(|node| node.engine.done()) || !self.prefill.iter().all(|node| node.engine.done())
+        {
             let Some(next) = self.next_time() else { break };
             if next > limit {
                 break;
@@ -285,6 +291,14 @@ impl Sim {
         run.trace = self.trace.unwrap_or_default();
         run.messages = self.messages;
         run.faults = self.world.injected_faults();
+        let late = self.world.late_landings();
+        for node in &self.prefill {
+            for written in node.engine.written() {
+                if let Some(&land) = late.get(&(node.nic.node(), written.qp, written.wr_id)) {
+                    run.late_landings.push((written.target, written.room, land));
+                }
+            }
+        }
         for (kind, count) in self.message_faults.iter().flat_map(|faults| faults.injected()) {
             *run.faults.entry(kind).or_default() += count;
         }
@@ -474,6 +488,7 @@ pub(super) fn finish_nodes<N: Endpoint>(
         trace: Vec::new(),
         messages: BTreeMap::new(),
         faults: BTreeMap::new(),
+        late_landings: Vec::new(),
         run_ns: 0,
     })
 }

@@ -78,7 +78,9 @@ impl Context {
             trace.extend(out.notes.iter().map(|note| note_line(now, &log.names, from, note)));
         }
         let mut faults = self.message_faults.borrow_mut();
-        for envelope in out.messages {
+        // A crashed node sends nothing (`crash_prefill`).
+        let messages = if self.world.crashed(from) { Vec::new() } else { out.messages };
+        for envelope in messages {
             if let Some(link) = self.links.get(envelope.to.0 as usize) {
                 for _ in 0..message_copies(&mut faults, from, envelope.to) {
                     let _ = link.send((now + CONTROL_LATENCY_NS, from, envelope.clone()));
@@ -160,25 +162,32 @@ async fn run_tasks(
     }
     tokio::task::spawn_local(fabric(context.clone(), stopped.clone()));
     let mut queues = queues.into_iter();
+    let flags = (0..prefill.len() + decode.len()).map(|_| std::cell::Cell::new(false)).collect();
+    let finished = Rc::new(Finished { done: flags, notify: Notify::new() });
+    let prefill_count = prefill.len();
     let prefill: Vec<_> = prefill
         .into_iter()
-        .map(|node| {
+        .enumerate()
+        .map(|(index, node)| {
             let queue = queues.next().expect("a queue per node");
-            tokio::task::spawn_local(prefill_rank(context.clone(), node, queue, stopped.clone()))
+            let rank = PrefillRank { index, limit_ns, finished: finished.clone() };
+            tokio::task::spawn_local(prefill_rank(context.clone(), node, queue, rank, stopped.clone()))
         })
         .collect();
-    let finished = Rc::new(Finished { count: std::cell::Cell::new(0), notify: Notify::new() });
-    let decode_count = decode.len();
+
     let decode: Vec<_> = decode
         .into_iter()
-        .map(|node| {
+        .enumerate()
+        .map(|(index, node)| {
             let queue = queues.next().expect("a queue per node");
-            let rank = DecodeRank { bootstrap: bootstrap.clone(), limit_ns, finished: finished.clone() };
+            let index = prefill_count + index;
+            let rank = DecodeRank { index, bootstrap: bootstrap.clone(), limit_ns, finished: finished.clone() };
             tokio::task::spawn_local(decode_rank(context.clone(), node, queue, rank, stopped.clone()))
         })
         .collect();
-    // Every rank keeps serving (a finished decode rank still takes late statuses) until all decode ranks are done.
-    while finished.count.get() < decode_count {
+    // Every rank keeps serving (a finished decode rank still takes late statuses) until all ranks are done: every
+    // decode room and every prefill room ended (or the rank crashed, or the time limit passed).
+    while !finished.done.iter().all(std::cell::Cell::get) {
         finished.notify.notified().await;
     }
     let _ = stop.send(true);
@@ -206,17 +215,32 @@ async fn fabric(context: Rc<Context>, mut stopped: watch::Receiver<bool>) {
     }
 }
 
+/// What a prefill task needs besides its node: the time limit, and where to say it is done.
+struct PrefillRank {
+    /// Its flag in `finished`.
+    index: usize,
+    limit_ns: u64,
+    finished: Rc<Finished>,
+}
+
 async fn prefill_rank(
     context: Rc<Context>,
     mut node: Node<PrefillEngine>,
     mut inbox: mpsc::UnboundedReceiver<(NodeId, Envelope)>,
+    rank: PrefillRank,
     mut stopped: watch::Receiver<bool>,
 ) -> Node<PrefillEngine> {
     let me = node.nic.node();
     let ring = context.completions[me.0 as usize].clone();
     let mut completions: Vec<WorkCompletion> = Vec::new();
     loop {
-        let timer = node.engine.next_timer();
+        // Done while every room that reached it ended (or it crashed): a room may still come, so this is a state,
+        // set again after every step, not an event.
+        let done = node.engine.done() || context.now() > rank.limit_ns;
+        if rank.finished.done[rank.index].replace(done) != done {
+            rank.finished.notify.notify_one();
+        }
+        let timer = node.engine.next_timer().map(|timer| timer.min(rank.limit_ns + 1));
         let mut out = Outbox::default();
         tokio::select! {
             biased;
@@ -247,14 +271,16 @@ async fn prefill_rank(
 
 /// What a decode task needs besides its node: the bootstrap, the time limit, and where to say it is done.
 struct DecodeRank {
+    /// Its flag in `finished`.
+    index: usize,
     bootstrap: (Topology, BTreeMap<RankId, NodeId>),
     limit_ns: u64,
     finished: Rc<Finished>,
 }
 
-/// How many decode ranks are done (every room ended, or the time limit passed).
+/// Which ranks are done (prefill ranks first, then decode ranks): every room ended, or the time limit passed.
 struct Finished {
-    count: std::cell::Cell<usize>,
+    done: Vec<std::cell::Cell<bool>>,
     notify: Notify,
 }
 
@@ -275,7 +301,7 @@ async fn decode_rank(
     loop {
         if !reported && (node.engine.done() || context.now() > rank.limit_ns) {
             reported = true;
-            rank.finished.count.set(rank.finished.count.get() + 1);
+            rank.finished.done[rank.index].set(true);
             rank.finished.notify.notify_one();
         }
         let timer = node.engine.next_timer().filter(|_| !reported).map(|timer| timer.min(rank.limit_ns + 1));

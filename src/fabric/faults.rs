@@ -15,6 +15,21 @@
 //! - `drop_completion` / `duplicate_completion`: the sender's completion is lost (its send-queue slots are never
 //!   freed) or delivered twice.
 //! - `drop_message` / `duplicate_message`: a control message is lost or delivered twice (in order).
+//! - `crash_prefill`: drawn per work request delivered on a prefill rank's queue pairs (the only ones that post),
+//!   from that queue pair's stream: the rank dies just before the work request goes on the wire. Its bytes never
+//!   land; every queue pair of the node enters the error state, so what is still queued flushes; its completion
+//!   queue is lost; its engine processes nothing more (no message, completion or timer reaches it and it sends
+//!   nothing: the drivers ask [`crate::fabric::verbs::Endpoint::crashed`]). No restart: a crashed rank stays down,
+//!   and the decode ranks waiting for it end their rooms Failed at their waiting timeout (domain.md §6.4).
+//! - `notify_before_data`: the sender's completion of the work request (Success) is queued at delivery, but its
+//!   bytes land [`NOTIFY_LEAD_NS`] later. [I] RC forbids this on one queue pair (a WRITE completes only once the
+//!   responder acknowledged the placement, and kvrelay's prefill sends a Success status only after the completions
+//!   of all its writes), so no engine on RC verbs can see or defend against it: it is what a fabric without
+//!   completion-after-placement does (an unordered transport, or GPUDirect writes not yet visible without a flush),
+//!   and the status control message then overtakes the data. Like `corrupt` it is a fault only the guarantee can
+//!   find: the in-memory world records when each write's bytes landed, and a decode room reported Success before
+//!   all of its writes landed is flagged ([`crate::swarm::guarantee`]): "detected" when this fault was injected,
+//!   a harness failure (an engine that reports Success too early) otherwise.
 
 use std::collections::BTreeMap;
 
@@ -33,11 +48,17 @@ pub enum FaultKind {
     DuplicateCompletion,
     DropMessage,
     DuplicateMessage,
+    CrashPrefill,
+    NotifyBeforeData,
 }
+
+/// How long after its completion the bytes of a `notify_before_data` work request land: ten control-message
+/// latencies, so the Success status usually overtakes them.
+pub const NOTIFY_LEAD_NS: u64 = 200_000;
 
 impl FaultKind {
     /// Every kind, in the order of the names below (swarm runs draw subsets of it).
-    pub const ALL: [FaultKind; 8] = [
+    pub const ALL: [FaultKind; 10] = [
         FaultKind::WrError(WcStatus::RemoteAccess),
         FaultKind::WrError(WcStatus::RetryExceeded),
         FaultKind::TornWrite,
@@ -46,6 +67,8 @@ impl FaultKind {
         FaultKind::DuplicateCompletion,
         FaultKind::DropMessage,
         FaultKind::DuplicateMessage,
+        FaultKind::CrashPrefill,
+        FaultKind::NotifyBeforeData,
     ];
 
     /// The name in a `faults:` list.
@@ -59,6 +82,8 @@ impl FaultKind {
             FaultKind::DuplicateCompletion => "duplicate_completion",
             FaultKind::DropMessage => "drop_message",
             FaultKind::DuplicateMessage => "duplicate_message",
+            FaultKind::CrashPrefill => "crash_prefill",
+            FaultKind::NotifyBeforeData => "notify_before_data",
         }
     }
 
@@ -74,7 +99,7 @@ impl FaultKind {
 
     /// Whether the bytes it leaves are wrong while every status says Success (only the oracle can see it).
     pub fn silent(self) -> bool {
-        self == FaultKind::Corrupt
+        matches!(self, FaultKind::Corrupt | FaultKind::NotifyBeforeData)
     }
 }
 

@@ -388,6 +388,11 @@ pub trait Endpoint {
         let _ = timeout;
         false
     }
+    /// Whether this endpoint's node crashed (the in-memory fabric's `crash_prefill` fault): its engine must then
+    /// process nothing more. A real endpoint never reports it (a crashed process runs no code).
+    fn crashed(&self) -> bool {
+        false
+    }
 }
 
 /// A boxed endpoint is an endpoint (the certification kit and the live driver take transports' endpoints boxed).
@@ -438,5 +443,9 @@ impl<E: Endpoint + ?Sized> Endpoint for Box<E> {
 
     fn wait(&mut self, timeout: std::time::Duration) -> bool {
         (**self).wait(timeout)
+    }
+
+    fn crashed(&self) -> bool {
+        (**self).crashed()
     }
 }

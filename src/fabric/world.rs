@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 
-use super::faults::{FaultKind, FaultPlan, Injector};
+use super::faults::{FaultKind, FaultPlan, Injector, NOTIFY_LEAD_NS};
 use super::memory::Memory;
 pub use super::memory::{ChunkPool, CHUNK_BYTES};
 use super::verbs::{
@@ -79,6 +79,7 @@ impl SimWorld {
             nodes: BTreeMap::new(),
             pool: None,
             faults: None,
+            late: BTreeMap::new(),
         };
         SimWorld { inner: Rc::new(RefCell::new(world)) }
     }
@@ -91,6 +92,17 @@ impl SimWorld {
     /// The faults injected so far, by kind name.
     pub fn injected_faults(&self) -> BTreeMap<&'static str, u64> {
         self.inner.borrow().faults.as_ref().map(|faults| faults.injected().clone()).unwrap_or_default()
+    }
+
+    /// Whether `node` crashed (a `crash_prefill` fault): it takes part in nothing any more.
+    pub fn crashed(&self, node: NodeId) -> bool {
+        self.inner.borrow().nodes.get(&node).is_some_and(|node| node.crashed)
+    }
+
+    /// When the bytes of each `notify_before_data` work request landed or are due to land, by (posting node, QP,
+    /// wr_id): later than its completion.
+    pub fn late_landings(&self) -> BTreeMap<(NodeId, QpNum, u64), u64> {
+        self.inner.borrow().late.clone()
     }
 
     /// Lazily filled regions registered from now on take their chunks from `pool` ([`ChunkPool`]).
@@ -150,6 +162,8 @@ struct World {
     nodes: BTreeMap<NodeId, Node>,
     pool: Option<ChunkPool>,
     faults: Option<Injector>,
+    /// When the bytes of each `notify_before_data` work request land (or are due to), by (node, QP, wr_id).
+    late: BTreeMap<(NodeId, QpNum, u64), u64>,
 }
 
 /// A posted work request waiting for its delivery time.
@@ -160,6 +174,8 @@ struct Delivery {
     /// Position on its QP (0 for the first work request ever posted on it).
     seq: u64,
     wr: WorkRequest,
+    /// The late placement of a `notify_before_data` work request: its bytes only (its completion was queued).
+    late: bool,
 }
 
 #[derive(Debug)]
@@ -172,6 +188,8 @@ struct Node {
     qps: BTreeMap<QpNum, Qp>,
     next_qpn: u32,
     cq: VecDeque<Cqe>,
+    /// Crashed (`crash_prefill`): every QP in the error state, the CQ lost, nothing polled any more.
+    crashed: bool,
 }
 
 #[derive(Debug)]
@@ -243,7 +261,7 @@ impl World {
         let seq = state.queue.push(wr.signaled);
         let key = (time_ns, self.next_event);
         self.next_event += 1;
-        self.events.insert(key, Delivery { node, qp, seq, wr });
+        self.events.insert(key, Delivery { node, qp, seq, wr, late: false });
     }
 
     fn next_event_at_or_before(&self, time_ns: u64) -> bool {
@@ -253,13 +271,31 @@ impl World {
     fn deliver_next(&mut self) {
         let ((time_ns, _), delivery) = self.events.pop_first().expect("caller checked an event is pending");
         self.now_ns = self.now_ns.max(time_ns);
+        if delivery.late {
+            // The bytes of a completed `notify_before_data` work request, landing now whatever its QP's state.
+            let peer = self.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
+            self.copy_across(delivery.node, &delivery.wr.sges, peer.node, delivery.wr.remote);
+            return;
+        }
         let failed = self.node(delivery.node).qps[&delivery.qp].failed;
         let fault = match &mut self.faults {
             Some(faults) if !failed => faults.on_work_request(delivery.node, delivery.qp),
             _ => None,
         };
+        if fault == Some(FaultKind::CrashPrefill) {
+            // The node dies before this work request goes on the wire: its QPs fail, its CQ is lost.
+            let node = self.node_mut(delivery.node);
+            node.crashed = true;
+            node.cq.clear();
+            node.qps.values_mut().for_each(|qp| qp.failed = true);
+            return;
+        }
         let status = self.execute_with(&delivery, fault);
         let node = self.node_mut(delivery.node);
+        if node.crashed {
+            // Flushed work requests of a crashed node complete into a CQ nobody polls.
+            return;
+        }
         let qp = node.qps.get_mut(&delivery.qp).expect("QPs are never destroyed");
         qp.failed |= status != WcStatus::Success;
         if delivery.wr.signaled || status != WcStatus::Success {
@@ -281,11 +317,26 @@ impl World {
             Some(FaultKind::TornWrite) => {
                 let half = delivery.wr.byte_len().expect("checked by check_post") / 2;
                 let wr = WorkRequest { sges: cut_sges(&delivery.wr.sges, half), ..delivery.wr.clone() };
-                let torn = Delivery { node: delivery.node, qp: delivery.qp, seq: delivery.seq, wr };
+                let torn = Delivery { node: delivery.node, qp: delivery.qp, seq: delivery.seq, wr, late: false };
                 match self.execute(&torn) {
                     WcStatus::Success => WcStatus::RetryExceeded,
                     status => status,
                 }
+            }
+            Some(FaultKind::NotifyBeforeData) => {
+                // Completes now; the bytes land NOTIFY_LEAD_NS later (the checks happen then).
+                let land_ns = self.now_ns + NOTIFY_LEAD_NS;
+                let late = Delivery {
+                    node: delivery.node,
+                    qp: delivery.qp,
+                    seq: delivery.seq,
+                    wr: delivery.wr.clone(),
+                    late: true,
+                };
+                self.late.insert((delivery.node, delivery.qp, delivery.wr.wr_id), land_ns);
+                self.events.insert((land_ns, self.next_event), late);
+                self.next_event += 1;
+                WcStatus::Success
             }
             Some(FaultKind::Corrupt) => {
                 let status = self.execute(delivery);
@@ -438,6 +489,7 @@ impl Node {
             qps: BTreeMap::new(),
             next_qpn: FIRST_QPN,
             cq: VecDeque::new(),
+            crashed: false,
         }
     }
 
@@ -603,6 +655,10 @@ impl Endpoint for SimEndpoint {
 
     fn post_send(&mut self, qp: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
         self.world.borrow_mut().post(self.node, qp, wrs)
+    }
+
+    fn crashed(&self) -> bool {
+        self.with(|node| node.crashed)
     }
 
     fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {

@@ -44,7 +44,7 @@
 //! | `requests[].cached_prefix` | u32 | 0 | tokens of the prompt cached on the prefill device (the early chunk ends at it, rounded down to the page) |
 //! | `requests[].state_pages[]` | list | window / all pages | `{component, prefill, decode}`: state page counts of a paged component |
 //! | `events` | bool | false | the golden file also records the engines' events: messages by kind, and how each request ended on each decode rank |
-//! | `faults` | list | none | seeded faults (`fabric::faults`): `{kind: torn_write, probability: 0.01}`; kinds `wr_error_remote_access`, `wr_error_retry_exceeded`, `torn_write`, `corrupt`, `drop_completion`, `duplicate_completion`, `drop_message`, `duplicate_message`; drawn from the scenario's seed; the run is then judged by the guarantee (each request Success byte-exact or Failed with a reason) |
+//! | `faults` | list | none | seeded faults (`fabric::faults`): `{kind: torn_write, probability: 0.01}`; kinds `wr_error_remote_access`, `wr_error_retry_exceeded`, `torn_write`, `corrupt`, `drop_completion`, `duplicate_completion`, `drop_message`, `duplicate_message`, `crash_prefill` (a prefill rank dies before a work request, no restart), `notify_before_data` (a write completes before its bytes land); drawn from the scenario's seed; the run is then judged by the guarantee (each request Success byte-exact or Failed with a reason) |
 //! | `expect` | `ok` or `{error: msg}` | required | the verdict: a clean transfer, or this exact planner error |
 //! | `expect.ranks`, `expect.requests` | [u32] | all | only these decode ranks (stage-major) and requests fail, with `error`; every other request succeeds byte-exact |
 

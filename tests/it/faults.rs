@@ -118,7 +118,7 @@ fn a_short_swarm_over_the_fault_scenarios_has_no_harness_failure() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
     assert!(stdout.contains("harness failures: 0"), "{stdout}");
-    assert!(stdout.contains("runs: 100 "), "{stdout}");
+    assert!(stdout.contains("runs: 140 "), "{stdout}");
 }
 
 /// A `faults:` entry of an unknown kind or probability is an error naming the field.
@@ -129,4 +129,115 @@ fn bad_fault_entries_are_errors_naming_the_field() {
         let error = kvrelay::scenario::parse(&text.replace(bad, field), "f.yaml", "f").unwrap_err().to_string();
         assert!(error.contains("faults[0]"), "{error}");
     }
+}
+
+/// Every request that reached a prefill rank ended there (Success or Failed), none left Transferring.
+fn every_prefill_room_ended(run: &SimRun) -> bool {
+    run.prefill_rooms.values().flatten().all(|(_, (poll, _))| matches!(poll, Some(KvPoll::Success | KvPoll::Failed)))
+}
+
+/// A prefill rank crashing mid-transfer (no restart): the decode ranks end the requests it had not reported Failed
+/// at their waiting timeout, the crashed rank's rooms are reported Failed with the crash, the surviving stages'
+/// rooms end too, and nothing succeeds over missing bytes. Both drivers agree.
+#[test]
+fn a_prefill_crash_mid_transfer_fails_the_requests_it_served() {
+    let scenario = load("crash-mid-transfer.yaml");
+    let (run, judgement) = swarm::run_faulted(&scenario, &scenario.faults).unwrap();
+    assert!(judgement.failures.is_empty(), "{:?}", judgement.failures);
+    assert!(run.faults.get("crash_prefill").is_some_and(|count| *count > 0), "{:?}", run.faults);
+    let reasons: Vec<String> = run.failures().into_iter().map(|(.., reason)| reason).collect();
+    assert!(!reasons.is_empty() && reasons.iter().all(|reason| reason.contains("timed out")), "{reasons:?}");
+    let crashed = run
+        .prefill_rooms
+        .values()
+        .flatten()
+        .filter(|(_, (_, reason))| reason.as_deref().is_some_and(|reason| reason.ends_with("crashed")));
+    assert!(crashed.count() > 0);
+    assert!(every_prefill_room_ended(&run), "{:?}", run.prefill_rooms);
+    assert!(run.run_ns <= 2 * kvrelay::engine::WAITING_TIMEOUT_NS, "bounded: {} ns", run.run_ns);
+    // Some write had been confirmed before the crash: it did happen mid-transfer.
+    assert!(!run.observation.writes.is_empty());
+    let options = kvrelay::engine::sim::SimOptions { faults: scenario.faults.clone(), ..Default::default() };
+    let stepped = kvrelay::engine::sim::run_stepped(&scenario.problem, &options).unwrap();
+    assert_eq!(stepped.rooms, run.rooms);
+    assert_eq!(stepped.prefill_rooms, run.prefill_rooms);
+}
+
+/// A crashed rank sends nothing after its crash: no status of a request it had not finished ever leaves it.
+#[test]
+fn a_crashed_prefill_rank_sends_nothing_more() {
+    let scenario = load("crash-mid-transfer.yaml");
+    let options =
+        kvrelay::engine::sim::SimOptions { trace: true, faults: scenario.faults.clone(), ..Default::default() };
+    let run = kvrelay::engine::sim::run(&scenario.problem, &options).unwrap();
+    let mut checked = 0;
+    for (rank, rooms) in &run.prefill_rooms {
+        let name = format!("prefill {rank}");
+        for (id, (_, reason)) in rooms {
+            if !reason.as_deref().is_some_and(|reason| reason.ends_with("crashed")) {
+                continue;
+            }
+            checked += 1;
+            let status = format!("status room {id} ");
+            let sent = run.trace.iter().filter(|event| event.from == name && event.text.starts_with(&status));
+            assert_eq!(sent.count(), 0, "{name} reported room {id} after crashing");
+        }
+    }
+    assert!(checked > 0);
+}
+
+/// Notification before its data: a write completes before its bytes land, the Success status overtakes them, and
+/// the guarantee finds the request reported Success too early ("detected", no harness failure). Without the fault
+/// in the run's record, the same run is what an engine reporting Success too early looks like: a harness failure.
+#[test]
+fn success_before_the_bytes_landed_is_found_by_the_guarantee() {
+    let scenario = load("notify-before-data.yaml");
+    let (mut run, judgement) = swarm::run_faulted(&scenario, &scenario.faults).unwrap();
+    assert!(judgement.failures.is_empty(), "{:?}", judgement.failures);
+    assert!(judgement.detected);
+    assert!(!run.late_landings.is_empty());
+    assert!(!swarm::premature_successes(&run).is_empty());
+    run.faults.remove("notify_before_data");
+    let broken = guarantee(&run, &[]);
+    assert!(broken.failures[0].contains("before all of its bytes had landed"), "{:?}", broken.failures);
+    // A clean run records no late landing and nothing premature.
+    let (clean, judgement) = swarm::run_faulted(&scenario, &plan(FaultKind::NotifyBeforeData, 0.0, 3)).unwrap();
+    assert!(clean.late_landings.is_empty() && !judgement.detected && judgement.failures.is_empty());
+}
+
+/// The engines report Success only after every completion, which RC gives only once the bytes landed: with the
+/// bytes landing late but before the status could arrive, nothing is premature.
+#[test]
+fn a_success_after_its_late_bytes_is_not_flagged() {
+    let (_, mut run) = clean_faulted_run();
+    let (rank, rooms) = run.rooms.iter().next().map(|(rank, rooms)| (*rank, rooms.clone())).unwrap();
+    let (id, room) = rooms.iter().next().unwrap();
+    run.late_landings.push((rank, *id, room.ended_ns.unwrap()));
+    assert!(swarm::premature_successes(&run).is_empty());
+    run.late_landings.push((rank, *id, room.ended_ns.unwrap() + 1));
+    assert_eq!(swarm::premature_successes(&run), vec![(rank, *id)]);
+}
+
+/// Prefill rooms end too when their decode peers failed (the stage that kept sending finishes) or when their
+/// completions or metadata were lost (the prefill-side transfer timeout): none is left Transferring.
+#[test]
+fn prefill_rooms_end_when_their_peers_fail_or_their_completions_are_lost() {
+    let scenario = load("flushed-queue-pair.yaml");
+    let (run, _) = swarm::run_faulted(&scenario, &scenario.faults).unwrap();
+    assert!(every_prefill_room_ended(&run), "{:?}", run.prefill_rooms);
+    let mut timed_out = 0;
+    for seed in 0..6 {
+        for kind in [FaultKind::DropCompletion, FaultKind::DropMessage] {
+            let (run, judgement) = swarm::run_faulted(&scenario, &plan(kind, 0.05, seed)).unwrap();
+            assert!(judgement.failures.is_empty(), "{kind:?} seed {seed}: {:?}", judgement.failures);
+            assert!(every_prefill_room_ended(&run), "{kind:?} seed {seed}: {:?}", run.prefill_rooms);
+            timed_out += run
+                .prefill_rooms
+                .values()
+                .flatten()
+                .filter(|(_, (_, reason))| reason.as_deref().is_some_and(|reason| reason.contains("timed out")))
+                .count();
+        }
+    }
+    assert!(timed_out > 0, "some prefill room ended by its timeout");
 }
