@@ -76,6 +76,8 @@ pub struct SimRun {
     pub messages: BTreeMap<&'static str, u64>,
     /// Faults injected (`SimOptions::faults`), by kind name.
     pub faults: BTreeMap<&'static str, u64>,
+    /// Decode bytes a planted silent corruption flipped: (region, offset, the flipped value written there).
+    pub corruptions: Vec<(RegionKey, u64, u8)>,
     /// How long the engines ran: simulated nanoseconds, or wall nanoseconds of a live run (from the first message
     /// to the end; memory set-up and read-back excluded).
     pub run_ns: u64,
@@ -146,6 +148,23 @@ pub fn run_marked(
     let run = sim.finish();
     mark("observe");
     run
+}
+
+/// The world's corruption log in decode coordinates (region key and offset), in the order planted.
+fn corrupted_regions(world: &SimWorld, decode: &[Node<DecodeEngine>]) -> Vec<(RegionKey, u64, u8)> {
+    let mut res = Vec::new();
+    for (node_id, addr, byte) in world.corruptions() {
+        for node in decode.iter().filter(|node| node.nic.node() == node_id) {
+            let rank = node.engine.rank();
+            for (index, region) in node.regions.iter().enumerate() {
+                if (region.addr..region.addr + region.len).contains(&addr) {
+                    let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
+                    res.push((key, addr - region.addr, byte));
+                }
+            }
+        }
+    }
+    res
 }
 
 /// How many copies of a control message from `from` to `to` the network carries: 0 (dropped), 1, or 2 (duplicated).
@@ -285,6 +304,7 @@ impl Sim {
         run.trace = self.trace.unwrap_or_default();
         run.messages = self.messages;
         run.faults = self.world.injected_faults();
+        run.corruptions = corrupted_regions(&self.world, &self.decode);
         for (kind, count) in self.message_faults.iter().flat_map(|faults| faults.injected()) {
             *run.faults.entry(kind).or_default() += count;
         }
@@ -474,6 +494,7 @@ pub(super) fn finish_nodes<N: Endpoint>(
         trace: Vec::new(),
         messages: BTreeMap::new(),
         faults: BTreeMap::new(),
+        corruptions: Vec::new(),
         run_ns: 0,
     })
 }

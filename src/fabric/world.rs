@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 
-use super::faults::{FaultKind, FaultPlan, Injector};
+use super::faults::{FaultKind, FaultPlan, Injector, CORRUPTION_MASK};
 use super::memory::Memory;
 pub use super::memory::{ChunkPool, CHUNK_BYTES};
 use super::verbs::{
@@ -79,6 +79,7 @@ impl SimWorld {
             nodes: BTreeMap::new(),
             pool: None,
             faults: None,
+            corruptions: Vec::new(),
         };
         SimWorld { inner: Rc::new(RefCell::new(world)) }
     }
@@ -91,6 +92,11 @@ impl SimWorld {
     /// The faults injected so far, by kind name.
     pub fn injected_faults(&self) -> BTreeMap<&'static str, u64> {
         self.inner.borrow().faults.as_ref().map(|faults| faults.injected().clone()).unwrap_or_default()
+    }
+
+    /// Every byte a planted silent corruption flipped: (node, virtual address, the flipped value left there).
+    pub fn corruptions(&self) -> Vec<(NodeId, u64, u8)> {
+        self.inner.borrow().corruptions.clone()
     }
 
     /// Lazily filled regions registered from now on take their chunks from `pool` ([`ChunkPool`]).
@@ -150,6 +156,8 @@ struct World {
     nodes: BTreeMap<NodeId, Node>,
     pool: Option<ChunkPool>,
     faults: Option<Injector>,
+    /// Bytes a silent corruption flipped: (node, virtual address, the byte written there).
+    corruptions: Vec<(NodeId, u64, u8)>,
 }
 
 /// A posted work request waiting for its delivery time.
@@ -308,7 +316,8 @@ impl World {
         if let Some(range) = region.range(delivery.wr.remote.addr + at, 1) {
             let mut byte = [0u8];
             region.memory.read(range.start as u64, &mut byte);
-            region.memory.write(range.start as u64, &[byte[0] ^ 0x5A]);
+            region.memory.write(range.start as u64, &[byte[0] ^ CORRUPTION_MASK]);
+            self.corruptions.push((peer.node, delivery.wr.remote.addr + at, byte[0] ^ CORRUPTION_MASK));
         }
     }
 
