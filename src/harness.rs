@@ -302,9 +302,10 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> O
     let mut failures = match whose {
         Judge::OwnPlan => expectation_failures(&scenario.expect, &plan, ends.as_ref()),
         Judge::SeatOnly => ends.as_ref().map(|ends| room_failures(&scenario.expect, ends)).unwrap_or_default(),
-        Judge::Guarantee => {
-            engine.as_ref().map(|run| crate::swarm::guarantee(run, &violations).failures).unwrap_or_default()
-        }
+        Judge::Guarantee => engine
+            .as_ref()
+            .map(|run| crate::swarm::guarantee(scenario, run, &observation, &violations).failures)
+            .unwrap_or_default(),
     };
     failures.extend(run_error);
     if !violations.is_empty() && whose != Judge::Guarantee {

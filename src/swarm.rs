@@ -16,7 +16,7 @@ use crate::fabric::faults::{FaultKind, FaultPlan, FaultRule};
 use crate::model::RankId;
 use crate::scenario::{Expectation, Scenario};
 use crate::seed::Seed;
-use crate::verify::Violation;
+use crate::verify::{Observation, RegionKey, Violation};
 use crate::wire::KvPoll;
 
 /// How one faulted run ended.
@@ -26,14 +26,17 @@ pub struct Judgement {
     pub succeeded: u64,
     /// Requests (per decode rank) that ended Failed with a reason.
     pub failed: u64,
-    /// A silent corruption was planted and the oracle found it.
+    /// A silent fault was planted and the guarantee found it: a corruption the oracle found (and nothing else), or a
+    /// Success reported before its bytes landed (`notify_before_data`).
     pub detected: bool,
     /// Broken guarantees, in words (empty: the run kept it).
     pub failures: Vec<String>,
 }
 
-/// Judges `run` (with the oracle's `violations` over its own room verdicts) against the guarantee.
-pub fn guarantee(run: &SimRun, violations: &[Violation]) -> Judgement {
+/// Judges `run` (its decode memory `observation`, with the oracle's `violations` over its own room verdicts) against
+/// the guarantee. Violations under planted silent corruptions count as detected only when undoing exactly the
+/// planted flips leaves the oracle nothing to find; anything else is wrong bytes no fault explains.
+pub fn guarantee(scenario: &Scenario, run: &SimRun, observation: &Observation, violations: &[Violation]) -> Judgement {
     let (mut succeeded, mut failed, mut failures) = (0, 0, Vec::new());
     for (rank, rooms) in &run.rooms {
         for (id, room) in rooms {
@@ -50,24 +53,50 @@ pub fn guarantee(run: &SimRun, violations: &[Violation]) -> Judgement {
             }
         }
     }
+    // Success reported before all of its bytes landed: expected under `notify_before_data` (detected), a broken
+    // engine otherwise.
     let premature = premature_successes(run);
-    let silent = run.faults.keys().any(|name| FaultKind::parse(name).is_some_and(FaultKind::silent));
     let notified_early = run.faults.contains_key(FaultKind::NotifyBeforeData.name());
-    let detected = silent && (!violations.is_empty() || !premature.is_empty());
     if let (Some((rank, id)), false) = (premature.first(), notified_early) {
         failures.push(format!(
             "decode {rank}: request {id} reported Success before all of its bytes had landed ({} such requests)",
             premature.len()
         ));
     }
-    if !violations.is_empty() && !silent {
+    let corrupted = !violations.is_empty() && !run.corruptions.is_empty();
+    let unexplained = match corrupted {
+        true => crate::harness::oracle(scenario, run, &undo_corruptions(observation, &run.corruptions)),
+        false => violations.to_vec(),
+    };
+    if let Some(first) = unexplained.first() {
         failures.push(format!(
-            "{} oracle violations under Success or in another request's bytes, the first: {}",
-            violations.len(),
-            violations[0]
+            "{} oracle violations under Success or in another request's bytes (none of them a planted corruption), the first: {first}",
+            unexplained.len()
         ));
     }
+    let detected = (corrupted && unexplained.is_empty()) || (notified_early && !premature.is_empty());
     Judgement { succeeded, failed, detected, failures }
+}
+
+/// `observation` with every planted flip undone where the flipped value is still there (a later write may have
+/// overwritten it with the right byte).
+fn undo_corruptions(observation: &Observation, corruptions: &[(RegionKey, u64, u8)]) -> Observation {
+    let mut restored = observation.clone();
+    for &(key, offset, flipped) in corruptions {
+        let byte = match (restored.images.get_mut(&key), restored.sparse.get_mut(&key)) {
+            (Some(image), _) => image.get_mut(offset as usize),
+            (None, Some(sparse)) => sparse
+                .chunks
+                .range_mut(..=offset)
+                .next_back()
+                .and_then(|(start, chunk)| chunk.get_mut((offset - start) as usize)),
+            (None, None) => None,
+        };
+        if let Some(byte) = byte.filter(|byte| **byte == flipped) {
+            *byte ^= crate::fabric::faults::CORRUPTION_MASK;
+        }
+    }
+    restored
 }
 
 /// Every (decode rank, request) reported Success before all of its bytes had landed: the world records when the
@@ -91,7 +120,7 @@ pub fn run_faulted(scenario: &Scenario, faults: &FaultPlan) -> Result<(SimRun, J
     let options = SimOptions { faults: faults.clone(), ..SimOptions::default() };
     let run = sim::run(&scenario.problem, &options).map_err(|error| format!("the simulated fabric failed: {error}"))?;
     let violations = crate::harness::oracle(scenario, &run, &run.observation);
-    let judgement = guarantee(&run, &violations);
+    let judgement = guarantee(scenario, &run, &run.observation, &violations);
     Ok((run, judgement))
 }
 

@@ -79,6 +79,8 @@ pub struct SimRun {
     /// Writes whose bytes landed after their completion (`notify_before_data`): (decode rank, request, landing
     /// time in simulated nanoseconds; later than the run when they never landed).
     pub late_landings: Vec<(RankId, u64, u64)>,
+    /// Decode bytes a planted silent corruption flipped: (region, offset, the flipped value written there).
+    pub corruptions: Vec<(RegionKey, u64, u8)>,
     /// How long the engines ran: simulated nanoseconds, or wall nanoseconds of a live run (from the first message
     /// to the end; memory set-up and read-back excluded).
     pub run_ns: u64,
@@ -149,6 +151,23 @@ pub fn run_marked(
     let run = sim.finish();
     mark("observe");
     run
+}
+
+/// The world's corruption log in decode coordinates (region key and offset), in the order planted.
+fn corrupted_regions(world: &SimWorld, decode: &[Node<DecodeEngine>]) -> Vec<(RegionKey, u64, u8)> {
+    let mut res = Vec::new();
+    for (node_id, addr, byte) in world.corruptions() {
+        for node in decode.iter().filter(|node| node.nic.node() == node_id) {
+            let rank = node.engine.rank();
+            for (index, region) in node.regions.iter().enumerate() {
+                if (region.addr..region.addr + region.len).contains(&addr) {
+                    let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
+                    res.push((key, addr - region.addr, byte));
+                }
+            }
+        }
+    }
+    res
 }
 
 /// How many copies of a control message from `from` to `to` the network carries: 0 (dropped), 1, or 2 (duplicated).
@@ -286,6 +305,7 @@ impl Sim {
 
     /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
     pub(super) fn finish(mut self) -> Result<SimRun, FabricError> {
+        self.world.land_late();
         let mut run = finish_nodes(&mut self.prefill, &mut self.decode, self.sparse_images)?;
         run.run_ns = self.now;
         run.trace = self.trace.unwrap_or_default();
@@ -299,6 +319,7 @@ impl Sim {
                 }
             }
         }
+        run.corruptions = corrupted_regions(&self.world, &self.decode);
         for (kind, count) in self.message_faults.iter().flat_map(|faults| faults.injected()) {
             *run.faults.entry(kind).or_default() += count;
         }
@@ -489,6 +510,7 @@ pub(super) fn finish_nodes<N: Endpoint>(
         messages: BTreeMap::new(),
         faults: BTreeMap::new(),
         late_landings: Vec::new(),
+        corruptions: Vec::new(),
         run_ns: 0,
     })
 }

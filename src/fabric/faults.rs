@@ -38,6 +38,9 @@ use rand::RngExt as _;
 use super::verbs::{NodeId, QpNum, WcStatus};
 use crate::seed::{Seed, SimRng, StreamId};
 
+/// The bits a `corrupt` fault flips in its byte.
+pub const CORRUPTION_MASK: u8 = 0x5A;
+
 /// What goes wrong.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum FaultKind {

@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 
-use super::faults::{FaultKind, FaultPlan, Injector, NOTIFY_LEAD_NS};
+use super::faults::{FaultKind, FaultPlan, Injector, CORRUPTION_MASK, NOTIFY_LEAD_NS};
 use super::memory::Memory;
 pub use super::memory::{ChunkPool, CHUNK_BYTES};
 use super::verbs::{
@@ -80,6 +80,7 @@ impl SimWorld {
             pool: None,
             faults: None,
             late: BTreeMap::new(),
+            corruptions: Vec::new(),
         };
         SimWorld { inner: Rc::new(RefCell::new(world)) }
     }
@@ -103,6 +104,24 @@ impl SimWorld {
     /// wr_id): later than its completion.
     pub fn late_landings(&self) -> BTreeMap<(NodeId, QpNum, u64), u64> {
         self.inner.borrow().late.clone()
+    }
+
+    /// Lands the bytes of every `notify_before_data` work request still on its way (at its landing time; nothing
+    /// else is delivered): a run read back after its engines stopped sees every byte a completion promised.
+    pub fn land_late(&self) {
+        let mut world = self.inner.borrow_mut();
+        let keys: Vec<(u64, u64)> =
+            world.events.iter().filter(|(_, delivery)| delivery.late).map(|(key, _)| *key).collect();
+        for key in keys {
+            let delivery = world.events.remove(&key).expect("listed");
+            let peer = world.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
+            world.copy_across(delivery.node, &delivery.wr.sges, peer.node, delivery.wr.remote);
+        }
+    }
+
+    /// Every byte a planted silent corruption flipped: (node, virtual address, the flipped value left there).
+    pub fn corruptions(&self) -> Vec<(NodeId, u64, u8)> {
+        self.inner.borrow().corruptions.clone()
     }
 
     /// Lazily filled regions registered from now on take their chunks from `pool` ([`ChunkPool`]).
@@ -164,6 +183,8 @@ struct World {
     faults: Option<Injector>,
     /// When the bytes of each `notify_before_data` work request land (or are due to), by (node, QP, wr_id).
     late: BTreeMap<(NodeId, QpNum, u64), u64>,
+    /// Bytes a silent corruption flipped: (node, virtual address, the byte written there).
+    corruptions: Vec<(NodeId, u64, u8)>,
 }
 
 /// A posted work request waiting for its delivery time.
@@ -359,7 +380,8 @@ impl World {
         if let Some(range) = region.range(delivery.wr.remote.addr + at, 1) {
             let mut byte = [0u8];
             region.memory.read(range.start as u64, &mut byte);
-            region.memory.write(range.start as u64, &[byte[0] ^ 0x5A]);
+            region.memory.write(range.start as u64, &[byte[0] ^ CORRUPTION_MASK]);
+            self.corruptions.push((peer.node, delivery.wr.remote.addr + at, byte[0] ^ CORRUPTION_MASK));
         }
     }
 

@@ -35,7 +35,7 @@ fn success_over_wrong_bytes_breaks_the_guarantee() {
     let image = run.observation.images.get_mut(&write.target).expect("a dense image");
     image[write.offset as usize] ^= 0x01;
     let violations = kvrelay::harness::oracle(&scenario, &run, &run.observation);
-    let judgement = guarantee(&run, &violations);
+    let judgement = guarantee(&scenario, &run, &run.observation, &violations);
     assert!(!judgement.detected);
     assert!(judgement.failures[0].contains("oracle violations under Success"), "{:?}", judgement.failures);
 }
@@ -43,11 +43,11 @@ fn success_over_wrong_bytes_breaks_the_guarantee() {
 /// A request that never ended (still waiting when the run stopped) is a hang.
 #[test]
 fn a_request_that_never_ends_breaks_the_guarantee() {
-    let (_, mut run) = clean_faulted_run();
+    let (scenario, mut run) = clean_faulted_run();
     let room = run.rooms.values_mut().next().unwrap().values_mut().next().unwrap();
     room.poll = KvPoll::Transferring;
     room.ended_ns = None;
-    let judgement = guarantee(&run, &[]);
+    let judgement = guarantee(&scenario, &run, &run.observation, &[]);
     assert!(judgement.failures[0].contains("never ended"), "{:?}", judgement.failures);
 }
 
@@ -72,6 +72,22 @@ fn a_silent_corruption_is_found_by_the_oracle() {
     assert!(judgement.detected && judgement.failures.is_empty());
     let (_, clean) = swarm::run_faulted(&scenario, &plan(FaultKind::Corrupt, 0.0, 3)).unwrap();
     assert!(!clean.detected);
+}
+
+/// A planted corruption does not cover for other wrong bytes: the planted flips are undone and the oracle must then
+/// find nothing, so one more wrong byte beside them is a harness failure.
+#[test]
+fn a_planted_corruption_does_not_excuse_other_wrong_bytes() {
+    let scenario = load("silent-corruption.yaml");
+    let (mut run, judgement) = swarm::run_faulted(&scenario, &scenario.faults).unwrap();
+    assert!(judgement.detected && !run.corruptions.is_empty());
+    let (planted, ..) = run.corruptions[0];
+    let write = run.observation.writes.iter().rev().find(|write| write.target != planted).copied().unwrap();
+    run.observation.images.get_mut(&write.target).unwrap()[write.offset as usize] ^= 0x01;
+    let violations = kvrelay::harness::oracle(&scenario, &run, &run.observation);
+    let judgement = guarantee(&scenario, &run, &run.observation, &violations);
+    assert!(!judgement.detected);
+    assert!(judgement.failures[0].contains("none of them a planted corruption"), "{:?}", judgement.failures);
 }
 
 /// A torn write lands half its bytes and fails: the rooms it hits end Failed, and the oracle (judging failed rooms
@@ -198,7 +214,7 @@ fn success_before_the_bytes_landed_is_found_by_the_guarantee() {
     assert!(!run.late_landings.is_empty());
     assert!(!swarm::premature_successes(&run).is_empty());
     run.faults.remove("notify_before_data");
-    let broken = guarantee(&run, &[]);
+    let broken = guarantee(&scenario, &run, &run.observation, &[]);
     assert!(broken.failures[0].contains("before all of its bytes had landed"), "{:?}", broken.failures);
     // A clean run records no late landing and nothing premature.
     let (clean, judgement) = swarm::run_faulted(&scenario, &plan(FaultKind::NotifyBeforeData, 0.0, 3)).unwrap();
