@@ -718,4 +718,70 @@ mod tests {
         let keys = [first.lkey, first.rkey, second.lkey, second.rkey, third.lkey, third.rkey];
         assert!(keys.windows(2).all(|pair| pair[0] < pair[1]), "keys must be fresh: {keys:?}");
     }
+
+    /// Two connected nodes, each with a 64-byte region (the source filled with 7s), and a world planting `kind` on
+    /// every work request.
+    fn linked(kind: FaultKind) -> (SimWorld, SimEndpoint, SimEndpoint, QpNum, MemoryRegion, MemoryRegion) {
+        let world = SimWorld::new(Caps { max_sge: 4, max_message: 1 << 20, sq_depth: 16 });
+        world.set_faults(&FaultPlan {
+            seed: 1,
+            rules: vec![super::super::faults::FaultRule { kind, probability: 1.0 }],
+        });
+        let (mut sender, mut receiver) = (world.endpoint(NodeId(0)), world.endpoint(NodeId(1)));
+        let source = sender.register(vec![7; 64]).unwrap();
+        let target = receiver.register(vec![0; 64]).unwrap();
+        let (a, b) = (sender.create_qp().unwrap(), receiver.create_qp().unwrap());
+        sender.connect_qp(a.qpn, b).unwrap();
+        receiver.connect_qp(b.qpn, a).unwrap();
+        (world, sender, receiver, a.qpn, source, target)
+    }
+
+    fn write(source: &MemoryRegion, target: &MemoryRegion, wr_id: u64) -> WorkRequest {
+        WorkRequest {
+            wr_id,
+            sges: vec![Sge { addr: source.addr, len: 64, lkey: source.lkey }],
+            remote: RemoteAddr { addr: target.addr, rkey: target.rkey },
+            imm: None,
+            signaled: true,
+        }
+    }
+
+    /// A crash: the write never lands, the node is marked crashed, its completion queue stays empty, and what it
+    /// posts later is flushed into nothing.
+    #[test]
+    fn a_crashed_node_moves_no_byte_and_completes_nothing() {
+        let (world, mut sender, receiver, qp, source, target) = linked(FaultKind::CrashPrefill);
+        sender.post_send(qp, &[write(&source, &target, 1)]).unwrap();
+        world.run_until_idle();
+        assert!(world.crashed(NodeId(0)) && sender.crashed() && !receiver.crashed());
+        let mut completions = Vec::new();
+        assert_eq!(sender.poll_cq(&mut completions, 16), 0);
+        sender.post_send(qp, &[write(&source, &target, 2)]).unwrap();
+        world.run_until_idle();
+        assert_eq!(sender.poll_cq(&mut completions, 16), 0);
+        let mut bytes = vec![1; 64];
+        receiver.read_local(&target, 0, &mut bytes).unwrap();
+        assert_eq!(bytes, vec![0; 64]);
+        assert_eq!(world.injected_faults().get("crash_prefill"), Some(&1));
+    }
+
+    /// A notification before its data: the Success completion is there before the bytes, which land
+    /// NOTIFY_LEAD_NS later (their time logged).
+    #[test]
+    fn a_notification_before_its_data_completes_before_the_bytes_land() {
+        let (world, mut sender, receiver, qp, source, target) = linked(FaultKind::NotifyBeforeData);
+        sender.post_send(qp, &[write(&source, &target, 1)]).unwrap();
+        let delivered = world.next_event().unwrap();
+        world.advance_to(delivered);
+        let mut completions = Vec::new();
+        assert_eq!(sender.poll_cq(&mut completions, 16), 1);
+        assert_eq!(completions[0].status, WcStatus::Success);
+        let mut bytes = vec![1; 64];
+        receiver.read_local(&target, 0, &mut bytes).unwrap();
+        assert_eq!(bytes, vec![0; 64], "not landed yet");
+        assert_eq!(world.late_landings().get(&(NodeId(0), qp, 1)), Some(&(delivered + NOTIFY_LEAD_NS)));
+        world.advance_to(delivered + NOTIFY_LEAD_NS);
+        receiver.read_local(&target, 0, &mut bytes).unwrap();
+        assert_eq!(bytes, vec![7; 64]);
+    }
 }
