@@ -263,7 +263,8 @@ pub fn shrink(
     let mut size = before;
     let (mut steps, mut runs, mut unloadable, mut capped) = (Vec::new(), 0, 0, false);
     'rounds: loop {
-        let candidates = draft.candidates(current.1.problem.model.layer_count);
+        let model = &current.1.problem.model;
+        let candidates = draft.candidates(model.layer_count, &model.kv_layers);
         let mut kept = false;
         for candidate in candidates {
             let yaml = candidate.draft.to_yaml();

@@ -80,14 +80,14 @@ impl Draft {
         (root != self.root).then(|| Candidate { what, draft: Draft { root } })
     }
 
-    /// Every one-step reduction of this document, coarse first; `layer_count` is the model's layer count as lowered
-    /// (a preset's when the file gives none).
-    pub fn candidates(&self, layer_count: u32) -> Vec<Candidate> {
+    /// Every one-step reduction of this document, coarse first; `layer_count` and `kv_layers` are the model's as
+    /// lowered (a preset's when the file gives none).
+    pub fn candidates(&self, layer_count: u32, kv_layers: &[u32]) -> Vec<Candidate> {
         let mut res = Vec::new();
         self.request_drops(&mut res);
         self.fault_drops(&mut res);
         self.topology(&mut res);
-        self.layers(&mut res, layer_count);
+        self.layers(&mut res, layer_count, kv_layers);
         self.model_parts(&mut res);
         self.request_parts(&mut res);
         self.side_parts(&mut res);
@@ -197,7 +197,7 @@ impl Draft {
         }
     }
 
-    fn layers(&self, res: &mut Vec<Candidate>, layer_count: u32) {
+    fn layers(&self, res: &mut Vec<Candidate>, layer_count: u32, kv_layers: &[u32]) {
         if layer_count < 2 {
             return;
         }
@@ -210,7 +210,11 @@ impl Draft {
         res.extend(self.with(format!("halve the layers to {layers}"), |root| {
             let model = root.get_mut("model")?.as_mapping_mut()?;
             model.insert(key("layers"), Value::Number(layers.into()));
-            model.get_mut("kv_layers").map(below);
+            // A preset's own KV layers, written out: with `layers` given, the loader would make every layer KV.
+            let kv = model
+                .entry(key("kv_layers"))
+                .or_insert_with(|| sequence(&kv_layers.iter().map(|id| u64::from(*id)).collect::<Vec<_>>()));
+            below(kv);
             for component in model.get_mut("state").and_then(Value::as_sequence_mut).into_iter().flatten() {
                 component.get_mut("layers").map(below);
             }

@@ -8,7 +8,7 @@ use std::rc::Rc;
 
 use kvrelay::engine::seat::SharedPlanner;
 use kvrelay::harness::{self, Budget};
-use kvrelay::scenario;
+use kvrelay::scenario::{self, reduce::Draft};
 use kvrelay::selftest::{Mutant, MutantPlanner};
 use kvrelay::shrink::{self, Mode};
 
@@ -115,4 +115,37 @@ fn an_unknown_mutant_and_a_mutant_that_cannot_apply_are_refused() {
     assert!(!output.status.success());
     assert!(stderr.contains("cannot change a byte"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn fault_rules_are_proposed_for_dropping_and_lowering_in_a_fixed_order() {
+    // No faulted corpus scenario breaks the guarantee (that is the point of it), so the fault reductions are checked
+    // at the YAML level: they are proposed, in a fixed order, and the dropped rule is really gone.
+    let text = corpus_text("scenarios/faults/torn-write.yaml");
+    let draft = Draft::parse(&text).unwrap();
+    let candidates = draft.candidates(8, &[0, 1, 2, 3, 4, 5, 6, 7]);
+    let names: Vec<&str> = candidates.iter().map(|candidate| candidate.what.as_str()).collect();
+    assert!(names.contains(&"drop fault rule 0"), "{names:?}");
+    assert!(names.contains(&"halve fault rule 0's probability to 0.01"), "{names:?}");
+    assert!(names.contains(&"drop request 1"), "{names:?}");
+    let again: Vec<String> =
+        draft.candidates(8, &[0, 1, 2, 3, 4, 5, 6, 7]).into_iter().map(|candidate| candidate.draft.to_yaml()).collect();
+    let first: Vec<String> = candidates.iter().map(|candidate| candidate.draft.to_yaml()).collect();
+    assert_eq!(first, again, "the candidates differ between two calls");
+    let dropped = &candidates[names.iter().position(|name| *name == "drop fault rule 0").unwrap()];
+    let loaded = scenario::parse(&dropped.draft.to_yaml(), "dropped.yaml", "dropped").unwrap();
+    assert!(loaded.faults.rules.is_empty(), "{:?}", loaded.faults);
+}
+
+#[test]
+fn the_run_cap_stops_the_reduction_and_says_so() {
+    let mode = Mode::Mutant(Mutant::FinalPageOffByOne);
+    let budget = Budget::bytes(1 << 30);
+    let shrunk = shrink::shrink(&corpus_text(MULTI_REQUEST), MULTI_REQUEST, None, &mode, &budget, 2).unwrap();
+    // Unbounded, this shrink keeps 13 reductions; two runs can keep at most two, and the result says it is capped.
+    assert!(shrunk.capped);
+    assert_eq!(shrunk.runs, 2);
+    assert!(shrunk.steps.len() <= 2, "{:?}", shrunk.steps);
+    let header = shrink::header(MULTI_REQUEST, "a test", &shrunk, "kvrelay run x");
+    assert!(header.contains("The run cap stopped the reduction after 2 runs"), "{header}");
 }
