@@ -11,8 +11,9 @@
 //! The reduction is greedy delta debugging on the YAML ([`crate::scenario::reduce`]): candidates in a fixed order
 //! (drop requests, drop fault rules, halve PP/TP/DCP, halve the layers, drop state, merge chunks, shrink tokens,
 //! drop optional fields); the first one that loads, is smaller ([`Size::key`]) and fails the same way is kept and
-//! the candidates are drawn again, until a whole round keeps none (a fixpoint) or the run cap is reached. Everything
-//! is in a fixed order, so the same input gives the byte-identical output.
+//! the candidates are drawn again (under a mutant, only when kvrelay's own plans in the same seat still pass it),
+//! until a whole round keeps none (a fixpoint) or the run cap is reached. Everything is in a fixed order, so the same
+//! input gives the byte-identical output.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
@@ -217,6 +218,16 @@ fn attempt(scenario: &Scenario, mode: &Mode, budget: &Budget) -> Result<Vec<Sign
     }
 }
 
+/// Under a mutant, whether kvrelay's own plans in the same seat pass `scenario`: the failure kept must be the
+/// mutant's, not one the reduction made of the scenario itself. Always true in the other modes.
+fn baseline_passes(scenario: &Scenario, mode: &Mode, budget: &Budget) -> bool {
+    if !matches!(mode, Mode::Mutant(_)) {
+        return true;
+    }
+    let own = Rc::new(RefCell::new(MutantPlanner::new(None)));
+    harness::run_with_planner(scenario, budget, SharedPlanner(own)).is_ok_and(|outcome| outcome.passed())
+}
+
 /// Shrinks the scenario `text` (from `file`, with `seed` replacing its own when given) under `mode`, running at most
 /// `max_runs` candidates.
 pub fn shrink(
@@ -283,7 +294,7 @@ pub fn shrink(
             runs += 1;
             // A candidate over the budget is not smaller in any way that matters; it is passed over.
             let Ok(found) = attempt(&loaded, mode, budget) else { continue };
-            if found.contains(&signature) {
+            if found.contains(&signature) && baseline_passes(&loaded, mode, budget) {
                 steps.push(candidate.what);
                 draft = candidate.draft;
                 size = candidate_size;

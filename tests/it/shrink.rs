@@ -149,3 +149,33 @@ fn the_run_cap_stops_the_reduction_and_says_so() {
     let header = shrink::header(MULTI_REQUEST, "a test", &shrunk, "kvrelay run x");
     assert!(header.contains("The run cap stopped the reduction after 2 runs"), "{header}");
 }
+
+#[test]
+fn an_external_planner_that_sends_nothing_shrinks_to_a_file_it_still_fails() {
+    // A planner in Python that answers every plan query with no copies: the oracle finds the decode pages untouched.
+    let script = temp("planner").with_extension("py");
+    std::fs::write(
+        &script,
+        "import json,sys\n\
+         for line in sys.stdin:\n    q=json.loads(line)\n    \
+         if q['type']=='hello':\n        \
+         print(json.dumps({'type':'hello','protocol':'kvrelay-plan','version':1,'planner':'empty'}),flush=True)\n        \
+         continue\n    a={'type':q['type'],'id':q['id']}\n    \
+         if q['type']=='plan': a['copies']=[]\n    print(json.dumps(a),flush=True)\n",
+    )
+    .unwrap();
+    let planner = format!("python3 {}", script.display());
+    let out = temp("planner-out");
+    let output = kvrelay(&["shrink", MULTI_REQUEST, "--planner", &planner, "--out", out.to_str().unwrap()]);
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", text(&output.stderr));
+    assert!(stdout.contains("fails as: oracle: layer N kv: wrong bytes, found sentinel"), "{stdout}");
+    assert!(stdout.contains("reproduce: cargo run --release -- check "), "{stdout}");
+    // The reproduce command's own check fails the shrunk file with the same planner.
+    let check = kvrelay(&["check", out.to_str().unwrap(), "--planner", &planner]);
+    assert!(!check.status.success(), "{}", text(&check.stdout));
+    assert_eq!(scenario::load(&out).unwrap().problem.requests.len(), 1);
+    for path in [&script, &out] {
+        std::fs::remove_file(path).unwrap();
+    }
+}
