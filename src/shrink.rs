@@ -31,7 +31,7 @@ use crate::selftest::{Mutant, MutantPlanner};
 use crate::verify::{Content, Violation, ViolationKind};
 
 /// The default cap on candidate runs.
-pub const DEFAULT_MAX_RUNS: usize = 500;
+pub const DEFAULT_MAX_RUNS: usize = crate::limits::SHRINK_MAX_RUNS;
 
 /// What makes a run fail.
 pub enum Mode {
@@ -257,13 +257,16 @@ pub fn shrink(
         }
     }
     let Some(signature) = attempt(&original, mode, budget)?.into_iter().next() else {
-        let how = match mode {
-            Mode::Own => "its run passes".to_owned(),
-            Mode::Mutant(mutant) => format!("the oracle does not catch the mutant {}", mutant.name()),
-            Mode::Planner(_) => "the planner passes it".to_owned(),
+        let (how, fix) = match mode {
+            Mode::Own => ("its run passes".to_owned(), "a failing scenario, or --mutant NAME or --planner CMD"),
+            Mode::Mutant(mutant) => (
+                format!("the oracle does not catch the mutant {}", mutant.name()),
+                "a scenario where selftest catches it",
+            ),
+            Mode::Planner(_) => ("the planner passes it".to_owned(), "a scenario the planner fails"),
         };
         return Err(ShrinkError::Refused(format!(
-            "{file} does not fail ({how}); there is nothing to shrink (fix: a failing scenario, or --mutant NAME)"
+            "{file} does not fail ({how}); there is nothing to shrink (fix: {fix})"
         )));
     };
     let mut draft = Draft::parse(text).map_err(ShrinkError::Refused)?;
