@@ -33,6 +33,8 @@
 //!   seat, each required to be caught by the oracle (`kvrelay selftest`).
 //! - [`swarm`]: the fault guarantee (every request Success byte-exact or Failed with a reason, no hang) and swarm
 //!   runs drawing a random subset of seeded faults ([`fabric::faults`]) per seed.
+//! - [`shrink`]: a failing scenario (its own run, a self-test mutant, an external planner) reduced to a minimal one that
+//!   fails the same way, by greedy delta debugging over its YAML ([`scenario::reduce`]); `kvrelay shrink`.
 //! - [`render`]: stable text for golden files and the CLI.
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
 
@@ -52,6 +54,7 @@ pub mod render;
 pub mod scenario;
 pub mod seed;
 pub mod selftest;
+pub mod shrink;
 pub mod swarm;
 pub mod verify;
 pub mod wire;

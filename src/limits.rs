@@ -75,3 +75,5 @@ pub const MAX_REASON_BYTES: usize = 1 << 16;
 pub const MAX_INT_TEXT_BYTES: usize = 32;
 /// Largest GPU id a registration or engine descriptor names.
 pub const MAX_GPU_ID: u32 = 1023;
+/// Candidate runs of one `kvrelay shrink` by default (`--max-runs`); a shrink stopped by it says so.
+pub const SHRINK_MAX_RUNS: usize = 500;

@@ -38,6 +38,7 @@ mod ranks;
 mod replay;
 mod run;
 mod selftest;
+mod shrink;
 mod sim;
 
 #[derive(Debug, Parser)]
@@ -45,7 +46,7 @@ mod sim;
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
-    /// Replace the scenario's allocator seed (run, layout, plan, diff and the rank commands; golden checks keep each
+    /// Replace the scenario's allocator seed (run, layout, plan, diff, shrink and the rank commands; golden checks keep each
     /// file's own seed). Without it, `KVRELAY_SEED` when set.
     #[arg(long, global = true)]
     pub seed: Option<u64>,
@@ -157,6 +158,10 @@ pub enum Command {
     /// judged by the guarantee (Success byte-exact or Failed with a reason, no hang); non-zero exit on any
     /// harness failure, with its reproduce line.
     Sim(sim::SimArgs),
+    /// Reduce a failing scenario (its own run, a self-test mutant caught, or an external planner failing it) to a
+    /// minimal one that fails the same way, written as a scenario file; prints the sizes before and after and the
+    /// reproduce command.
+    Shrink(shrink::ShrinkArgs),
     /// Time the planner on the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape.
     Bench {
         /// Prompt length of the benchmarked request.
@@ -347,7 +352,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             if seed.is_some() =>
         {
             bail!(
-                "--seed applies to run, layout, plan, diff and the rank commands; checks, certification, the \
+                "--seed applies to run, layout, plan, diff, shrink and the rank commands; checks, certification, the \
                  self-test and benchmarks keep each scenario's own seed"
             )
         }
@@ -359,6 +364,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Replay(args) => replay::replay(&args),
         Command::Selftest(args) => selftest::selftest(&args),
         Command::Sim(args) => sim::sim(&args),
+        Command::Shrink(args) => shrink::shrink(&args, seed),
         Command::Planner => {
             crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)

@@ -27,7 +27,7 @@ pub struct SelftestArgs {
     pub mutant: Vec<Mutant>,
 }
 
-fn parse_mutant(name: &str) -> Result<Mutant, String> {
+pub(super) fn parse_mutant(name: &str) -> Result<Mutant, String> {
     Mutant::from_name(name).ok_or_else(|| {
         let names: Vec<&str> = selftest::ALL.iter().map(|mutant| mutant.name()).collect();
         format!("no mutant `{name}` (fix: one of {})", names.join(", "))

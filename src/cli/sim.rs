@@ -49,6 +49,7 @@ pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
         args.first_seed
     );
     let (start, mut tally, mut stderr) = (Instant::now(), Tally::default(), std::io::stderr());
+    let mut shown = 0.0;
     let seeds = args.first_seed..args.first_seed.saturating_add(args.seeds);
     for (done, seed) in seeds.enumerate() {
         let faults = swarm::swarm_faults(seed);
@@ -56,15 +57,13 @@ pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
             let (run, judgement) = swarm::run_faulted(scenario, &faults).map_err(anyhow::Error::msg)?;
             tally.add(file, seed, &run, judgement);
         }
-        let _ = write!(
-            stderr,
-            "\rsim: {}/{} seeds, {} runs, {:.1} s",
-            done + 1,
-            args.seeds,
-            tally.runs,
-            start.elapsed().as_secs_f64()
-        );
-        let _ = stderr.flush();
+        // The progress line at most twice a second (and for the last seed), so CI logs stay short.
+        let seconds = start.elapsed().as_secs_f64();
+        if seconds - shown >= 0.5 || done as u64 + 1 == args.seeds {
+            shown = seconds;
+            let _ = write!(stderr, "\rsim: {}/{} seeds, {} runs, {seconds:.1} s", done + 1, args.seeds, tally.runs);
+            let _ = stderr.flush();
+        }
     }
     let _ = writeln!(stderr);
     report(&tally, start.elapsed().as_secs_f64(), args.seeds)?;

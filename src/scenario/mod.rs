@@ -5,6 +5,7 @@
 
 mod lower;
 pub mod raw;
+pub mod reduce;
 mod text;
 mod yaml;
 

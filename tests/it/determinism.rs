@@ -220,6 +220,9 @@ fn check_and_certify_refuse_a_seed_flag() {
         let output = kvrelay(args);
         assert!(!output.status.success(), "{args:?}");
         let stderr = text(&output.stderr);
-        assert!(stderr.contains("error: --seed applies to run, layout, plan, diff and the rank commands"), "{stderr}");
+        assert!(
+            stderr.contains("error: --seed applies to run, layout, plan, diff, shrink and the rank commands"),
+            "{stderr}"
+        );
     }
 }

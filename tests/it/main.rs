@@ -31,6 +31,8 @@ mod props;
 mod rdma;
 /// The mutation self-test: every planted layout bug caught on a named scenario, no false alarm, `n/a` kept apart.
 mod selftest;
+/// Shrinking: a failing scenario reduced, still failing the same way; refusals; byte-identical output.
+mod shrink;
 /// Shared `#[track_caller]` helpers: scenario builders and pipeline runners.
 mod support;
 /// Repository hygiene: module docs, purity of pure modules, scenario headers, golden coverage.
