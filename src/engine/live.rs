@@ -177,6 +177,14 @@ impl<N: Endpoint, C: Control> Live<N, C> {
         names: BTreeMap<NodeId, String>,
         options: &LiveOptions,
     ) -> Live<N, C> {
+        // Real fabrics and emulated devices need longer than simulated time: both sides wait as long.
+        let prefill: Vec<_> = prefill
+            .into_iter()
+            .map(|mut node| {
+                node.engine = node.engine.with_timeout(options.waiting_timeout_ns);
+                node
+            })
+            .collect();
         let decode: Vec<_> = decode
             .into_iter()
             .map(|mut node| {

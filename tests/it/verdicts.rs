@@ -310,4 +310,5 @@ fn gathered_writes_land_the_same_bytes_as_one_write_per_copy() {
     assert!(kvrelay::harness::oracle(&scenario, &gathered, &gathered.observation).is_empty());
     let (writes, copies) = (gathered.observation.writes.len(), single.observation.writes.len());
     assert!(writes * 4 <= copies, "{writes} gathered writes for {copies} single-entry ones");
+    assert_eq!((writes, copies), (80, 944), "the counts tests/it/rdma.rs expects of the verbs fabric too");
 }
