@@ -9,7 +9,7 @@ use std::fmt;
 use std::rc::Rc;
 
 use crate::model::{ModelGeometry, RankId, Request, StateIndices, StateKind};
-use crate::plan::{Link, Local, Plan};
+use crate::plan::{Link, Local, Plan, TransferGroup};
 use crate::wire::{Registration, RequestMeta};
 
 /// What a prefill rank knows when it plans one room for one peer (domain.md §6.1 step 5).
@@ -72,17 +72,22 @@ pub fn own_copies(link: &Link, view: &Request) -> Result<Vec<Vec<SeatCopy>>, Str
     let mut planned = Vec::new();
     for index in 0..view.chunks.len() {
         let groups = link.chunk_groups(view, index as u32).map_err(|error| error.to_string())?;
-        let plan = Plan { groups, explain: Vec::new() };
-        let copies = plan.copies().map(|copy| SeatCopy {
-            source_region: copy.source_region,
-            source_offset: copy.source_offset,
-            target_region: copy.target_region,
-            target_offset: copy.target_offset,
-            length: copy.length,
-        });
-        planned.push(copies.collect());
+        planned.push(group_copies(groups));
     }
     Ok(planned)
+}
+
+/// One chunk's transfer groups as the seat's byte copies, in plan order.
+pub fn group_copies(groups: Vec<TransferGroup>) -> Vec<SeatCopy> {
+    let plan = Plan { groups, explain: Vec::new() };
+    let copies = plan.copies().map(|copy| SeatCopy {
+        source_region: copy.source_region,
+        source_offset: copy.source_offset,
+        target_region: copy.target_region,
+        target_offset: copy.target_offset,
+        length: copy.length,
+    });
+    copies.collect()
 }
 
 /// The request as this prefill rank plans it for one peer: its own pages and chunks, the peer's pages, indices and

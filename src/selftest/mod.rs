@@ -16,7 +16,7 @@ use std::rc::Rc;
 
 use crate::engine::seat::{kvrelay_link, LinkQuery, Planner, SeatCopy, SeatQuery, SharedPlanner};
 use crate::harness::{self, Budget, RunError};
-use crate::plan::{self, Plan, TransferGroup, TransferKind};
+use crate::plan::{self, TransferGroup, TransferKind};
 use crate::scenario::Scenario;
 pub use mutants::{Mutant, ALL};
 
@@ -75,15 +75,7 @@ impl Planner for MutantPlanner {
 }
 
 fn copies(groups: Vec<TransferGroup>) -> Vec<SeatCopy> {
-    let plan = Plan { groups, explain: Vec::new() };
-    let copies = plan.copies().map(|copy| SeatCopy {
-        source_region: copy.source_region,
-        source_offset: copy.source_offset,
-        target_region: copy.target_region,
-        target_offset: copy.target_offset,
-        length: copy.length,
-    });
-    copies.collect()
+    crate::engine::seat::group_copies(groups)
 }
 
 /// How one mutant fared on one scenario.
