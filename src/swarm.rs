@@ -78,11 +78,11 @@ pub fn guarantee(scenario: &Scenario, run: &SimRun, observation: &Observation, v
     Judgement { succeeded, failed, detected, failures }
 }
 
-/// `observation` with every planted flip undone where the flipped value is still there (a later write may have
+/// `observation` with every planted byte undone where the planted value is still there (a later write may have
 /// overwritten it with the right byte).
-fn undo_corruptions(observation: &Observation, corruptions: &[(RegionKey, u64, u8)]) -> Observation {
+fn undo_corruptions(observation: &Observation, corruptions: &[(RegionKey, u64, u8, u8)]) -> Observation {
     let mut restored = observation.clone();
-    for &(key, offset, flipped) in corruptions {
+    for &(key, offset, planted, original) in corruptions {
         let byte = match (restored.images.get_mut(&key), restored.sparse.get_mut(&key)) {
             (Some(image), _) => image.get_mut(offset as usize),
             (None, Some(sparse)) => sparse
@@ -92,8 +92,8 @@ fn undo_corruptions(observation: &Observation, corruptions: &[(RegionKey, u64, u
                 .and_then(|(start, chunk)| chunk.get_mut((offset - start) as usize)),
             (None, None) => None,
         };
-        if let Some(byte) = byte.filter(|byte| **byte == flipped) {
-            *byte ^= crate::fabric::faults::CORRUPTION_MASK;
+        if let Some(byte) = byte.filter(|byte| **byte == planted) {
+            *byte = original;
         }
     }
     restored

@@ -66,14 +66,22 @@ pub struct RunArgs {
     /// Run the scenario twice with the same seed and compare the traces: identical, or the first divergent event.
     #[arg(long)]
     pub check_determinism: bool,
+    /// Seeded faults from FILE (a YAML mapping `faults: [{kind: timeout, probability: 0.01}, ...]`, the scenario
+    /// section's syntax) in place of the scenario's own, drawn from the run's seed (in-memory fabric only).
+    #[arg(long, value_name = "FILE")]
+    pub faults: Option<PathBuf>,
     #[command(flatten)]
     pub fabric: FabricArgs,
 }
 
 /// The one-line reproduce command of a run: the file, the seed in effect (explicit, so it wins over a
 /// `KVRELAY_SEED` in the reader's shell), a non-default fabric and the determinism check when asked.
-fn reproduce(scenario: &Scenario, fabric: &Fabric, check_determinism: bool) -> String {
+fn reproduce(scenario: &Scenario, args: &RunArgs, fabric: &Fabric) -> String {
     let mut words = vec![shell_word(&scenario.file), "--seed".to_owned(), scenario.seed.to_string()];
+    if let Some(file) = &args.faults {
+        words.extend(["--faults".to_owned(), shell_word(&file.display().to_string())]);
+    }
+    let check_determinism = args.check_determinism;
     if *fabric != Fabric::Sim {
         words.extend(fabric.flags().iter().map(|flag| shell_word(flag)));
     }
@@ -99,7 +107,10 @@ pub(super) fn shell_word(text: &str) -> String {
 
 /// `kvrelay run`.
 pub(super) fn run(args: &RunArgs, seed: Option<u64>) -> anyhow::Result<ExitCode> {
-    let scenario = load(&args.scenario, seed)?;
+    let mut scenario = load(&args.scenario, seed)?;
+    if let Some(file) = &args.faults {
+        scenario.faults = crate::scenario::load_faults(file, scenario.seed)?;
+    }
     let fabric = args.fabric.fabric("sim")?;
     let simulated = fabric == Fabric::Sim;
     if args.check_determinism && !simulated {
@@ -108,7 +119,7 @@ pub(super) fn run(args: &RunArgs, seed: Option<u64>) -> anyhow::Result<ExitCode>
             fabric.name()
         );
     }
-    let reproduce = reproduce(&scenario, &fabric, args.check_determinism);
+    let reproduce = reproduce(&scenario, args, &fabric);
     match run_checked(args, &scenario, &fabric) {
         Ok(true) => Ok(ExitCode::SUCCESS),
         Ok(false) => {

@@ -75,7 +75,7 @@ fn report(tally: &Tally, seconds: f64, seeds: u64) -> anyhow::Result<()> {
     outln!("requests ended Success byte-exact: {}", tally.succeeded);
     outln!("requests ended Failed with a reason: {}", tally.failed);
     outln!(
-        "runs with a planted silent fault (corruption, notification before data) the guarantee found: {}",
+        "runs with a planted silent fault (corruption, notification before data, read after release) the guarantee found: {}",
         tally.detected
     );
     let injected: Vec<String> = tally.injected.iter().map(|(kind, count)| format!("{kind} {count}")).collect();

@@ -12,7 +12,7 @@ use super::decode::RoomState;
 use super::handshake::{classify, Kind};
 use super::trace::{TraceEvent, NOTE};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
-use crate::fabric::faults::{FaultKind, FaultPlan, Injector};
+use crate::fabric::faults::{FaultKind, FaultPlan, Injector, MESSAGE_DELAY_NS, REORDER_NS};
 use crate::fabric::verbs::{Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, WorkCompletion};
 use crate::fabric::world::{SimEndpoint, SimWorld};
 use crate::model::{Problem, RankId, RankLayout, Side, Topology};
@@ -79,8 +79,9 @@ pub struct SimRun {
     /// Writes whose bytes landed after their completion (`notify_before_data`): (decode rank, request, landing
     /// time in simulated nanoseconds; later than the run when they never landed).
     pub late_landings: Vec<(RankId, u64, u64)>,
-    /// Decode bytes a planted silent corruption flipped: (region, offset, the flipped value written there).
-    pub corruptions: Vec<(RegionKey, u64, u8)>,
+    /// Decode bytes a planted silent fault changed (`corrupt`, `read_after_release`): (region, offset, the value
+    /// it left there, the value the write had put there).
+    pub corruptions: Vec<(RegionKey, u64, u8, u8)>,
     /// How long the engines ran: simulated nanoseconds, or wall nanoseconds of a live run (from the first message
     /// to the end; memory set-up and read-back excluded).
     pub run_ns: u64,
@@ -120,14 +121,13 @@ pub(super) struct Sim {
     pub(super) prefill: Vec<Node<PrefillEngine>>,
     pub(super) decode: Vec<Node<DecodeEngine>>,
     pub(super) names: BTreeMap<NodeId, String>,
-    network: BTreeMap<(u64, u64), (NodeId, Envelope)>,
-    sequence: u64,
+    in_flight: BTreeMap<(u64, u64), (NodeId, Envelope)>,
     pub(super) now: u64,
     pub(super) trace: Option<Vec<TraceEvent>>,
     pub(super) messages: BTreeMap<&'static str, u64>,
     sparse_images: bool,
-    /// Control-message faults (work-request faults live in the world).
-    pub(super) message_faults: Option<Injector>,
+    /// The control network: its timing and its faults (work-request faults live in the world).
+    pub(super) network: Network,
 }
 
 /// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
@@ -154,15 +154,15 @@ pub fn run_marked(
 }
 
 /// The world's corruption log in decode coordinates (region key and offset), in the order planted.
-fn corrupted_regions(world: &SimWorld, decode: &[Node<DecodeEngine>]) -> Vec<(RegionKey, u64, u8)> {
+fn corrupted_regions(world: &SimWorld, decode: &[Node<DecodeEngine>]) -> Vec<(RegionKey, u64, u8, u8)> {
     let mut res = Vec::new();
-    for (node_id, addr, byte) in world.corruptions() {
+    for (node_id, addr, byte, original) in world.corruptions() {
         for node in decode.iter().filter(|node| node.nic.node() == node_id) {
             let rank = node.engine.rank();
             for (index, region) in node.regions.iter().enumerate() {
                 if (region.addr..region.addr + region.len).contains(&addr) {
                     let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
-                    res.push((key, addr - region.addr, byte));
+                    res.push((key, addr - region.addr, byte, original));
                 }
             }
         }
@@ -170,12 +170,51 @@ fn corrupted_regions(world: &SimWorld, decode: &[Node<DecodeEngine>]) -> Vec<(Re
     res
 }
 
-/// How many copies of a control message from `from` to `to` the network carries: 0 (dropped), 1, or 2 (duplicated).
-pub(super) fn message_copies(faults: &mut Option<Injector>, from: NodeId, to: NodeId) -> usize {
-    match faults.as_mut().and_then(|faults| faults.on_message(from, to)) {
-        Some(FaultKind::DropMessage) => 0,
-        Some(FaultKind::DuplicateMessage) => 2,
-        _ => 1,
+/// The control network's timing and faults, shared by both drivers: when each copy of a message arrives.
+///
+/// Without faults every message arrives [`CONTROL_LATENCY_NS`] after it was sent and each link (ordered pair of
+/// nodes) is FIFO. Seeded faults ([`crate::fabric::faults`]) drop, duplicate, delay (holding the link) or reorder
+/// (not holding it) a message. Equal arrival times are delivered in send order (the sequence number).
+#[derive(Debug, Default)]
+pub(super) struct Network {
+    faults: Option<Injector>,
+    /// The latest arrival time of a link, which a FIFO message may not precede.
+    last: BTreeMap<(NodeId, NodeId), u64>,
+    sequence: u64,
+}
+
+impl Network {
+    pub(super) fn new(faults: &FaultPlan) -> Network {
+        Network { faults: (!faults.is_empty()).then(|| Injector::new(faults)), ..Network::default() }
+    }
+
+    /// (arrival time, sequence number) of every copy of a message from `from` to `to` sent at `now`: none when it
+    /// is dropped, two when duplicated.
+    pub(super) fn arrivals(&mut self, now: u64, from: NodeId, to: NodeId) -> Vec<(u64, u64)> {
+        let fault = self.faults.as_mut().and_then(|faults| faults.on_message(from, to));
+        let sent = now.saturating_add(CONTROL_LATENCY_NS);
+        let last = self.last.entry((from, to)).or_default();
+        let (at, copies) = match fault {
+            Some(FaultKind::DropMessage) => return Vec::new(),
+            Some(FaultKind::ReorderMessage) => (sent.saturating_add(REORDER_NS), 1),
+            Some(FaultKind::DelayMessage) => (sent.saturating_add(MESSAGE_DELAY_NS).max(*last), 1),
+            Some(FaultKind::DuplicateMessage) => (sent.max(*last), 2),
+            _ => (sent.max(*last), 1),
+        };
+        if fault != Some(FaultKind::ReorderMessage) {
+            *last = at;
+        }
+        (0..copies)
+            .map(|_| {
+                self.sequence += 1;
+                (at, self.sequence)
+            })
+            .collect()
+    }
+
+    /// Control-message faults injected so far, by kind name.
+    pub(super) fn injected(&self) -> impl Iterator<Item = (&&'static str, &u64)> {
+        self.faults.iter().flat_map(|faults| faults.injected())
     }
 }
 
@@ -210,13 +249,12 @@ impl Sim {
             prefill,
             decode,
             names,
-            network: BTreeMap::new(),
-            sequence: 0,
+            in_flight: BTreeMap::new(),
             now: 0,
             trace,
             messages: BTreeMap::new(),
             sparse_images: options.sparse_images,
-            message_faults: (!options.faults.is_empty()).then(|| Injector::new(&options.faults)),
+            network: Network::new(&options.faults),
         })
     }
 
@@ -245,9 +283,8 @@ impl Sim {
         // A crashed node sends nothing (`crash_prefill`).
         let messages = if self.world.crashed(from) { Vec::new() } else { out.messages };
         for envelope in messages {
-            for _ in 0..message_copies(&mut self.message_faults, from, envelope.to) {
-                self.sequence += 1;
-                self.network.insert((self.now + CONTROL_LATENCY_NS, self.sequence), (from, envelope.clone()));
+            for key in self.network.arrivals(self.now, from, envelope.to) {
+                self.in_flight.insert(key, (from, envelope.clone()));
             }
         }
     }
@@ -255,7 +292,7 @@ impl Sim {
     fn next_time(&self) -> Option<u64> {
         let timers = self.prefill.iter().filter_map(|node| node.engine.next_timer());
         let timers = timers.chain(self.decode.iter().filter_map(|node| node.engine.next_timer()));
-        let message = self.network.keys().next().map(|(time, _)| *time);
+        let message = self.in_flight.keys().next().map(|(time, _)| *time);
         timers.chain(message).chain(self.world.next_event()).min()
     }
 
@@ -280,7 +317,7 @@ impl Sim {
     }
 
     fn deliver_messages(&mut self) {
-        while let Some(entry) = self.network.first_entry() {
+        while let Some(entry) = self.in_flight.first_entry() {
             if entry.key().0 > self.now {
                 break;
             }
@@ -320,7 +357,7 @@ impl Sim {
             }
         }
         run.corruptions = corrupted_regions(&self.world, &self.decode);
-        for (kind, count) in self.message_faults.iter().flat_map(|faults| faults.injected()) {
+        for (kind, count) in self.network.injected() {
             *run.faults.entry(kind).or_default() += count;
         }
         Ok(run)
@@ -654,4 +691,51 @@ fn describe(frames: &[Vec<u8>]) -> String {
 fn numbers(values: &[u32]) -> String {
     let values: Vec<String> = values.iter().map(u32::to_string).collect();
     format!("[{}]", values.join(" "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::faults::FaultRule;
+
+    const A: NodeId = NodeId(0);
+    const B: NodeId = NodeId(1);
+
+    /// A network whose `kind` rule (probability one half) fires on the first message from A to B and not on the
+    /// second: the first seed for which it does.
+    fn first_only(kind: FaultKind) -> Network {
+        let plan = |seed| FaultPlan { seed, rules: vec![FaultRule { kind, probability: 0.5 }] };
+        let fires = |seed| {
+            let mut injector = Injector::new(&plan(seed));
+            (injector.on_message(A, B).is_some(), injector.on_message(A, B).is_some())
+        };
+        let seed = (0..1000).find(|&seed| fires(seed) == (true, false)).expect("some seed");
+        Network::new(&plan(seed))
+    }
+
+    #[test]
+    fn without_faults_a_link_is_fifo_at_the_control_latency() {
+        let mut network = Network::new(&FaultPlan::default());
+        assert_eq!(network.arrivals(0, A, B), [(CONTROL_LATENCY_NS, 1)]);
+        assert_eq!(network.arrivals(5, A, B), [(CONTROL_LATENCY_NS + 5, 2)]);
+    }
+
+    /// A delayed message holds its link: the next message on it, sent later, arrives after it.
+    #[test]
+    fn a_delayed_message_holds_its_link() {
+        let mut network = first_only(FaultKind::DelayMessage);
+        let [(first, _)] = network.arrivals(0, A, B)[..] else { panic!("one copy") };
+        let [(second, _)] = network.arrivals(1, A, B)[..] else { panic!("one copy") };
+        assert_eq!(first, CONTROL_LATENCY_NS + MESSAGE_DELAY_NS);
+        assert_eq!(second, first, "waits behind it");
+    }
+
+    /// A reordered message does not hold its link: the next message on it overtakes it.
+    #[test]
+    fn a_reordered_message_is_overtaken_by_the_next_on_its_link() {
+        let mut network = first_only(FaultKind::ReorderMessage);
+        let [(first, _)] = network.arrivals(0, A, B)[..] else { panic!("one copy") };
+        let [(second, _)] = network.arrivals(1, A, B)[..] else { panic!("one copy") };
+        assert!(second < first, "{second} overtakes {first}");
+    }
 }

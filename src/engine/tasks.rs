@@ -15,30 +15,27 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::{sleep_until, Instant};
 
-use super::sim::{
-    completion_summary, kind_name, message_copies, message_line, note_line, Node, Sim, CONTROL_LATENCY_NS,
-};
+use super::sim::{completion_summary, kind_name, message_line, note_line, Network, Node, Sim};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
-use crate::fabric::faults::Injector;
 use crate::fabric::verbs::{Endpoint, FabricError, NodeId, WorkCompletion};
 use crate::fabric::world::SimWorld;
 use crate::model::{Problem, RankId, Topology};
 
-/// A message on its way: when it arrives, who sent it, what it is.
-type InFlight = (u64, NodeId, Envelope);
+/// A message on its way: when it arrives and its send order, who sent it, what it is.
+type InFlight = ((u64, u64), NodeId, Envelope);
 
 /// What every task shares: the clock's origin, the network's queues, the fabric's doorbell and the log.
 struct Context {
     start: std::cell::Cell<Instant>,
     world: SimWorld,
-    /// One queue per destination node, FIFO in send order.
+    /// One queue per destination node, in send order (each delivered at its arrival time, [`Network`]).
     links: Vec<mpsc::UnboundedSender<InFlight>>,
     /// Rung after every post, so the fabric task looks at its next delivery again.
     doorbell: Rc<Notify>,
     /// Rung (per node) after every delivery, so the node polls its completion queue.
     completions: Vec<Rc<Notify>>,
     log: RefCell<Log>,
-    message_faults: RefCell<Option<Injector>>,
+    network: RefCell<Network>,
 }
 
 /// The trace and the message counts, kept as `Sim` keeps them.
@@ -77,13 +74,13 @@ impl Context {
         if let Some(trace) = &mut log.trace {
             trace.extend(out.notes.iter().map(|note| note_line(now, &log.names, from, note)));
         }
-        let mut faults = self.message_faults.borrow_mut();
+        let mut network = self.network.borrow_mut();
         // A crashed node sends nothing (`crash_prefill`).
         let messages = if self.world.crashed(from) { Vec::new() } else { out.messages };
         for envelope in messages {
             if let Some(link) = self.links.get(envelope.to.0 as usize) {
-                for _ in 0..message_copies(&mut faults, from, envelope.to) {
-                    let _ = link.send((now + CONTROL_LATENCY_NS, from, envelope.clone()));
+                for key in network.arrivals(now, from, envelope.to) {
+                    let _ = link.send((key, from, envelope.clone()));
                 }
             }
         }
@@ -119,19 +116,23 @@ pub(super) fn drive(mut sim: Sim, problem: &Problem, limit_ns: u64) -> Result<Si
         doorbell: Rc::new(Notify::new()),
         completions: (0..nodes).map(|_| Rc::new(Notify::new())).collect(),
         log: RefCell::new(Log { names: sim.names.clone(), trace: sim.trace.take(), messages: BTreeMap::new() }),
-        message_faults: RefCell::new(sim.message_faults.take()),
+        network: RefCell::new(std::mem::take(&mut sim.network)),
     });
     let prefill = std::mem::take(&mut sim.prefill);
     let decode = std::mem::take(&mut sim.decode);
-    let (prefill, decode) =
-        local.block_on(&runtime, run_tasks(context.clone(), prefill, decode, inboxes, bootstrap, limit_ns));
+    let tasks = run_tasks(context.clone(), prefill, decode, inboxes, bootstrap, limit_ns);
+    // The paused clock is the runtime's: read the end of the run inside it.
+    let (prefill, decode, now) = local.block_on(&runtime, async {
+        let (prefill, decode) = tasks.await;
+        (prefill, decode, context.now())
+    });
     sim.prefill = prefill;
     sim.decode = decode;
-    sim.now = context.now();
+    sim.now = now;
     let log = context.log.replace(Log { names: BTreeMap::new(), trace: None, messages: BTreeMap::new() });
     sim.trace = log.trace;
     sim.messages = log.messages;
-    sim.message_faults = context.message_faults.take();
+    sim.network = context.network.take();
     Ok(sim)
 }
 
@@ -149,16 +150,11 @@ async fn run_tasks(
     context.start.set(Instant::now());
     let (stop, stopped) = watch::channel(false);
     let mut queues = Vec::new();
-    for mut inbox in inboxes {
+    for inbox in inboxes {
         let (deliver, queue) = mpsc::unbounded_channel();
         queues.push(queue);
         let context = context.clone();
-        tokio::task::spawn_local(async move {
-            while let Some((at, from, envelope)) = inbox.recv().await {
-                sleep_until(context.at(at)).await;
-                let _ = deliver.send((from, envelope));
-            }
-        });
+        tokio::task::spawn_local(postman(context, inbox, deliver));
     }
     tokio::task::spawn_local(fabric(context.clone(), stopped.clone()));
     let mut queues = queues.into_iter();
@@ -200,6 +196,34 @@ async fn run_tasks(
         prefilled.push(handle.await.expect("a prefill task never panics"));
     }
     (prefilled, decoded)
+}
+
+/// One destination's postman: holds the messages on their way to it and hands each over at its arrival time, in
+/// (arrival, send order) — the stepped driver's order.
+async fn postman(
+    context: Rc<Context>,
+    mut inbox: mpsc::UnboundedReceiver<InFlight>,
+    deliver: mpsc::UnboundedSender<(NodeId, Envelope)>,
+) {
+    let mut held: BTreeMap<(u64, u64), (NodeId, Envelope)> = BTreeMap::new();
+    let mut open = true;
+    while open || !held.is_empty() {
+        let next = held.keys().next().map(|&(at, _)| at);
+        // Messages already sent are taken in first: one sent later may arrive earlier (a reordered one waits).
+        tokio::select! {
+            biased;
+            message = inbox.recv(), if open => match message {
+                Some((key, from, envelope)) => {
+                    held.insert(key, (from, envelope));
+                }
+                None => open = false,
+            },
+            _ = sleep_until(context.at(next.unwrap_or(0))), if next.is_some() => {
+                let (_, (from, envelope)) = held.pop_first().expect("a message is held");
+                let _ = deliver.send((from, envelope));
+            }
+        }
+    }
 }
 
 /// The fabric: sleeps until the next delivery, executes it, and rings the nodes.

@@ -30,6 +30,22 @@
 //!   find: the in-memory world records when each write's bytes landed, and a decode room reported Success before
 //!   all of its writes landed is flagged ([`crate::swarm::guarantee`]): "detected" when this fault was injected,
 //!   a harness failure (an engine that reports Success too early) otherwise.
+//! - `delay_message`: a control message arrives [`MESSAGE_DELAY_NS`] late; messages sent after it on the same link
+//!   (ordered pair of nodes) wait behind it, as on one TCP connection.
+//! - `reorder_message`: a control message arrives [`REORDER_NS`] late without holding its link, so a message sent
+//!   just after it on the same link overtakes it. [I] One ZMQ socket keeps order, but SGLang's decode and prefill
+//!   reach each other over several sockets (and reconnect), so kvrelay's engines must not rely on cross-message order.
+//! - `delay_completion`: the sender's completion reaches its completion queue [`COMPLETION_DELAY_NS`] late; the later
+//!   completions of the same queue pair wait behind it (verbs keeps one queue pair's completions in order).
+//! - `reorder_completion`: the completion waits [`REORDER_NS`], so completions of the node's other queue pairs overtake
+//!   it ([I] a completion queue shared by several queue pairs interleaves them in any order; one queue pair's stay
+//!   in order).
+//! - `timeout`: the queue pair hangs: this work request and every later one on it neither land nor complete (a
+//!   responder that stopped answering, before any transport timeout fires). Only the engines' own timeouts end the
+//!   rooms behind it (domain.md §6.4).
+//! - `read_after_release`: the prefill page under the work request was released and reused before the NIC read it:
+//!   the work request completes successfully, but the first [`RELEASED_BYTES`] bytes (at most) of its message land as
+//!   [`RELEASED_FILL`] (the reuse's bytes) instead of the source's. Silent, like `corrupt`: only the oracle sees it.
 
 use std::collections::BTreeMap;
 
@@ -53,15 +69,37 @@ pub enum FaultKind {
     DuplicateMessage,
     CrashPrefill,
     NotifyBeforeData,
+    DelayMessage,
+    ReorderMessage,
+    DelayCompletion,
+    ReorderCompletion,
+    Timeout,
+    ReadAfterRelease,
 }
 
 /// How long after its completion the bytes of a `notify_before_data` work request land: ten control-message
 /// latencies, so the Success status usually overtakes them.
 pub const NOTIFY_LEAD_NS: u64 = 200_000;
 
+/// How late a `delay_message` control message arrives: fifty control-message latencies.
+pub const MESSAGE_DELAY_NS: u64 = 1_000_000;
+
+/// How late a `delay_completion` completion reaches its completion queue.
+pub const COMPLETION_DELAY_NS: u64 = 500_000;
+
+/// How long a `reorder_message` message or `reorder_completion` completion waits: long enough for what follows it
+/// closely to overtake it, short against every timeout.
+pub const REORDER_NS: u64 = 10_000;
+
+/// Bytes of a `read_after_release` message that land as the reused page's, at most.
+pub const RELEASED_BYTES: u64 = 4096;
+
+/// What a released and reused prefill page holds when a `read_after_release` work request reads it.
+pub const RELEASED_FILL: u8 = 0xEE;
+
 impl FaultKind {
     /// Every kind, in the order of the names below (swarm runs draw subsets of it).
-    pub const ALL: [FaultKind; 10] = [
+    pub const ALL: [FaultKind; 16] = [
         FaultKind::WrError(WcStatus::RemoteAccess),
         FaultKind::WrError(WcStatus::RetryExceeded),
         FaultKind::TornWrite,
@@ -72,6 +110,12 @@ impl FaultKind {
         FaultKind::DuplicateMessage,
         FaultKind::CrashPrefill,
         FaultKind::NotifyBeforeData,
+        FaultKind::DelayMessage,
+        FaultKind::ReorderMessage,
+        FaultKind::DelayCompletion,
+        FaultKind::ReorderCompletion,
+        FaultKind::Timeout,
+        FaultKind::ReadAfterRelease,
     ];
 
     /// The name in a `faults:` list.
@@ -87,6 +131,12 @@ impl FaultKind {
             FaultKind::DuplicateMessage => "duplicate_message",
             FaultKind::CrashPrefill => "crash_prefill",
             FaultKind::NotifyBeforeData => "notify_before_data",
+            FaultKind::DelayMessage => "delay_message",
+            FaultKind::ReorderMessage => "reorder_message",
+            FaultKind::DelayCompletion => "delay_completion",
+            FaultKind::ReorderCompletion => "reorder_completion",
+            FaultKind::Timeout => "timeout",
+            FaultKind::ReadAfterRelease => "read_after_release",
         }
     }
 
@@ -97,12 +147,15 @@ impl FaultKind {
 
     /// Whether it happens to a work request (otherwise to a control message).
     pub fn on_work_request(self) -> bool {
-        !matches!(self, FaultKind::DropMessage | FaultKind::DuplicateMessage)
+        !matches!(
+            self,
+            FaultKind::DropMessage | FaultKind::DuplicateMessage | FaultKind::DelayMessage | FaultKind::ReorderMessage
+        )
     }
 
     /// Whether the bytes it leaves are wrong while every status says Success (only the oracle can see it).
     pub fn silent(self) -> bool {
-        matches!(self, FaultKind::Corrupt | FaultKind::NotifyBeforeData)
+        matches!(self, FaultKind::Corrupt | FaultKind::NotifyBeforeData | FaultKind::ReadAfterRelease)
     }
 }
 

@@ -24,7 +24,10 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 
-use super::faults::{FaultKind, FaultPlan, Injector, CORRUPTION_MASK, NOTIFY_LEAD_NS};
+use super::faults::{
+    FaultKind, FaultPlan, Injector, COMPLETION_DELAY_NS, CORRUPTION_MASK, NOTIFY_LEAD_NS, RELEASED_BYTES,
+    RELEASED_FILL, REORDER_NS,
+};
 use super::memory::Memory;
 pub use super::memory::{ChunkPool, CHUNK_BYTES};
 use super::verbs::{
@@ -111,7 +114,7 @@ impl SimWorld {
     pub fn land_late(&self) {
         let mut world = self.inner.borrow_mut();
         let keys: Vec<(u64, u64)> =
-            world.events.iter().filter(|(_, delivery)| delivery.late).map(|(key, _)| *key).collect();
+            world.events.iter().filter(|(_, delivery)| delivery.what == What::LateBytes).map(|(key, _)| *key).collect();
         for key in keys {
             let delivery = world.events.remove(&key).expect("listed");
             let peer = world.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
@@ -119,8 +122,9 @@ impl SimWorld {
         }
     }
 
-    /// Every byte a planted silent corruption flipped: (node, virtual address, the flipped value left there).
-    pub fn corruptions(&self) -> Vec<(NodeId, u64, u8)> {
+    /// Every byte a planted silent fault (`corrupt`, `read_after_release`) changed: (node, virtual address, the
+    /// value it left there, the value the write had put there).
+    pub fn corruptions(&self) -> Vec<(NodeId, u64, u8, u8)> {
         self.inner.borrow().corruptions.clone()
     }
 
@@ -183,8 +187,8 @@ struct World {
     faults: Option<Injector>,
     /// When the bytes of each `notify_before_data` work request land (or are due to), by (node, QP, wr_id).
     late: BTreeMap<(NodeId, QpNum, u64), u64>,
-    /// Bytes a silent corruption flipped: (node, virtual address, the byte written there).
-    corruptions: Vec<(NodeId, u64, u8)>,
+    /// Bytes a silent fault changed: (node, virtual address, the byte left there, the byte the write had put there).
+    corruptions: Vec<(NodeId, u64, u8, u8)>,
 }
 
 /// A posted work request waiting for its delivery time.
@@ -195,8 +199,19 @@ struct Delivery {
     /// Position on its QP (0 for the first work request ever posted on it).
     seq: u64,
     wr: WorkRequest,
+    what: What,
+}
+
+/// What a delivery does when its time comes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum What {
+    /// Execute the work request (checks, bytes, completion).
+    Execute,
     /// The late placement of a `notify_before_data` work request: its bytes only (its completion was queued).
-    late: bool,
+    LateBytes,
+    /// Queue the sender's completion of the already executed work request, with this status (a delayed or
+    /// reordered completion).
+    Completion(WcStatus),
 }
 
 #[derive(Debug)]
@@ -232,6 +247,10 @@ struct Qp {
     queue: SendQueue,
     wire_free_ns: u64,
     last_delivery_ns: u64,
+    /// Hung (`timeout`): no work request on it lands or completes any more.
+    stalled: bool,
+    /// The time until which a completion of this QP is held back (a later one may not overtake it).
+    completions_held_until: u64,
 }
 
 /// A completion waiting in a CQ; polling a sender's completion frees its QP's slots up to `frees_through`.
@@ -282,7 +301,7 @@ impl World {
         let seq = state.queue.push(wr.signaled);
         let key = (time_ns, self.next_event);
         self.next_event += 1;
-        self.events.insert(key, Delivery { node, qp, seq, wr, late: false });
+        self.events.insert(key, Delivery { node, qp, seq, wr, what: What::Execute });
     }
 
     fn next_event_at_or_before(&self, time_ns: u64) -> bool {
@@ -292,32 +311,48 @@ impl World {
     fn deliver_next(&mut self) {
         let ((time_ns, _), delivery) = self.events.pop_first().expect("caller checked an event is pending");
         self.now_ns = self.now_ns.max(time_ns);
-        if delivery.late {
-            // The bytes of a completed `notify_before_data` work request, landing now whatever its QP's state.
-            let peer = self.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
-            self.copy_across(delivery.node, &delivery.wr.sges, peer.node, delivery.wr.remote);
+        match delivery.what {
+            What::Execute => self.execute_delivery(&delivery),
+            What::LateBytes => {
+                // The bytes of a completed `notify_before_data` work request, landing now whatever its QP's state.
+                let peer = self.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
+                self.copy_across(delivery.node, &delivery.wr.sges, peer.node, delivery.wr.remote);
+            }
+            What::Completion(status) => {
+                let node = self.node_mut(delivery.node);
+                if !node.crashed {
+                    node.cq.push_back(send_completion(&delivery, status));
+                }
+            }
+        }
+    }
+
+    /// A work request's delivery: a drawn fault, the execution, the completion.
+    fn execute_delivery(&mut self, delivery: &Delivery) {
+        let qp = &self.node(delivery.node).qps[&delivery.qp];
+        let (failed, stalled) = (qp.failed, qp.stalled);
+        if stalled {
+            // A hung queue pair (`timeout`): nothing lands, nothing completes.
             return;
         }
-        let failed = self.node(delivery.node).qps[&delivery.qp].failed;
         let fault = match &mut self.faults {
             Some(faults) if !failed => faults.on_work_request(delivery.node, delivery.qp),
             _ => None,
         };
-        if fault == Some(FaultKind::CrashPrefill) {
-            // The node dies before this work request goes on the wire: its QPs fail, its CQ is lost.
-            let node = self.node_mut(delivery.node);
-            node.crashed = true;
-            node.cq.clear();
-            node.qps.values_mut().for_each(|qp| qp.failed = true);
-            return;
+        match fault {
+            Some(FaultKind::CrashPrefill) => return self.crash(delivery.node),
+            Some(FaultKind::Timeout) => {
+                self.node_mut(delivery.node).qps.get_mut(&delivery.qp).expect("QPs are never destroyed").stalled = true;
+                return;
+            }
+            _ => {}
         }
-        let status = self.execute_with(&delivery, fault);
-        let node = self.node_mut(delivery.node);
-        if node.crashed {
+        let status = self.execute_with(delivery, fault);
+        if self.node(delivery.node).crashed {
             // Flushed work requests of a crashed node complete into a CQ nobody polls.
             return;
         }
-        let qp = node.qps.get_mut(&delivery.qp).expect("QPs are never destroyed");
+        let qp = self.node_mut(delivery.node).qps.get_mut(&delivery.qp).expect("QPs are never destroyed");
         qp.failed |= status != WcStatus::Success;
         if delivery.wr.signaled || status != WcStatus::Success {
             let completions = match fault {
@@ -325,10 +360,39 @@ impl World {
                 Some(FaultKind::DuplicateCompletion) => 2,
                 _ => 1,
             };
+            let hold = match fault {
+                Some(FaultKind::DelayCompletion) => COMPLETION_DELAY_NS,
+                Some(FaultKind::ReorderCompletion) => REORDER_NS,
+                _ => 0,
+            };
             for _ in 0..completions {
-                node.cq.push_back(send_completion(&delivery, status));
+                self.complete(delivery, status, hold);
             }
         }
+    }
+
+    /// The node dies (`crash_prefill`) before the work request goes on the wire: its QPs fail, its CQ is lost.
+    fn crash(&mut self, node: NodeId) {
+        let node = self.node_mut(node);
+        node.crashed = true;
+        node.cq.clear();
+        node.qps.values_mut().for_each(|qp| qp.failed = true);
+    }
+
+    /// Queues the sender's completion of `delivery` now, or `hold` later; either way after every completion of the
+    /// same QP still held back (one QP's completions stay in order).
+    fn complete(&mut self, delivery: &Delivery, status: WcStatus, hold: u64) {
+        let now_ns = self.now_ns;
+        let qp = self.node_mut(delivery.node).qps.get_mut(&delivery.qp).expect("QPs are never destroyed");
+        let at = now_ns.saturating_add(hold).max(qp.completions_held_until);
+        if at <= now_ns {
+            let cqe = send_completion(delivery, status);
+            return self.node_mut(delivery.node).cq.push_back(cqe);
+        }
+        qp.completions_held_until = at;
+        let held = Delivery { wr: delivery.wr.clone(), what: What::Completion(status), ..*delivery };
+        self.events.insert((at, self.next_event), held);
+        self.next_event += 1;
     }
 
     /// [`World::execute`] under a drawn fault (module docs of [`super::faults`]).
@@ -338,7 +402,7 @@ impl World {
             Some(FaultKind::TornWrite) => {
                 let half = delivery.wr.byte_len().expect("checked by check_post") / 2;
                 let wr = WorkRequest { sges: cut_sges(&delivery.wr.sges, half), ..delivery.wr.clone() };
-                let torn = Delivery { node: delivery.node, qp: delivery.qp, seq: delivery.seq, wr, late: false };
+                let torn = Delivery { wr, ..*delivery };
                 match self.execute(&torn) {
                     WcStatus::Success => WcStatus::RetryExceeded,
                     status => status,
@@ -347,13 +411,7 @@ impl World {
             Some(FaultKind::NotifyBeforeData) => {
                 // Completes now; the bytes land NOTIFY_LEAD_NS later (the checks happen then).
                 let land_ns = self.now_ns + NOTIFY_LEAD_NS;
-                let late = Delivery {
-                    node: delivery.node,
-                    qp: delivery.qp,
-                    seq: delivery.seq,
-                    wr: delivery.wr.clone(),
-                    late: true,
-                };
+                let late = Delivery { wr: delivery.wr.clone(), what: What::LateBytes, ..*delivery };
                 self.late.insert((delivery.node, delivery.qp, delivery.wr.wr_id), land_ns);
                 self.events.insert((land_ns, self.next_event), late);
                 self.next_event += 1;
@@ -363,7 +421,15 @@ impl World {
                 let status = self.execute(delivery);
                 let len = delivery.wr.byte_len().expect("checked by check_post");
                 if status == WcStatus::Success && len > 0 {
-                    self.flip_remote_byte(delivery, len / 2);
+                    self.plant(delivery, len / 2..len / 2 + 1, |byte| byte ^ CORRUPTION_MASK);
+                }
+                status
+            }
+            Some(FaultKind::ReadAfterRelease) => {
+                let status = self.execute(delivery);
+                let len = delivery.wr.byte_len().expect("checked by check_post").min(RELEASED_BYTES);
+                if status == WcStatus::Success {
+                    self.plant(delivery, 0..len, |_| RELEASED_FILL);
                 }
                 status
             }
@@ -371,17 +437,23 @@ impl World {
         }
     }
 
-    /// Flips byte `at` of the message `delivery` wrote on its peer (a silent corruption).
-    fn flip_remote_byte(&mut self, delivery: &Delivery, at: u64) {
+    /// Replaces bytes `range` of the message `delivery` wrote on its peer by `bad(byte)` (a silent fault), and logs
+    /// every byte it changed.
+    fn plant(&mut self, delivery: &Delivery, range: Range<u64>, bad: impl Fn(u8) -> u8) {
         let peer = self.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
         let target = self.node_mut(peer.node);
         let Some(&addr) = target.by_rkey.get(&delivery.wr.remote.rkey) else { return };
         let region = target.regions.get_mut(&addr).expect("key index follows the regions");
-        if let Some(range) = region.range(delivery.wr.remote.addr + at, 1) {
-            let mut byte = [0u8];
-            region.memory.read(range.start as u64, &mut byte);
-            region.memory.write(range.start as u64, &[byte[0] ^ CORRUPTION_MASK]);
-            self.corruptions.push((peer.node, delivery.wr.remote.addr + at, byte[0] ^ CORRUPTION_MASK));
+        let Some(span) = region.range(delivery.wr.remote.addr + range.start, range.end - range.start) else { return };
+        let mut bytes = vec![0u8; span.len()];
+        region.memory.read(span.start as u64, &mut bytes);
+        let planted: Vec<u8> = bytes.iter().map(|&byte| bad(byte)).collect();
+        region.memory.write(span.start as u64, &planted);
+        let first = delivery.wr.remote.addr + range.start;
+        for (at, (&original, &left)) in (first..).zip(bytes.iter().zip(&planted)) {
+            if original != left {
+                self.corruptions.push((peer.node, at, left, original));
+            }
         }
     }
 
@@ -783,5 +855,90 @@ mod tests {
         world.advance_to(delivered + NOTIFY_LEAD_NS);
         receiver.read_local(&target, 0, &mut bytes).unwrap();
         assert_eq!(bytes, vec![7; 64]);
+    }
+    /// A delayed completion: the bytes land at delivery, the completion comes COMPLETION_DELAY_NS later, and the
+    /// QP's later completions stay behind it.
+    #[test]
+    fn a_delayed_completion_comes_late_and_in_queue_pair_order() {
+        let (world, mut sender, receiver, qp, source, target) = linked(FaultKind::DelayCompletion);
+        sender.post_send(qp, &[write(&source, &target, 1), write(&source, &target, 2)]).unwrap();
+        let delivered = world.next_event().unwrap();
+        world.advance_to(delivered);
+        let mut bytes = vec![1; 64];
+        receiver.read_local(&target, 0, &mut bytes).unwrap();
+        assert_eq!(bytes, vec![7; 64], "landed at delivery");
+        let mut completions = Vec::new();
+        assert_eq!(sender.poll_cq(&mut completions, 16), 0);
+        world.advance_to(delivered + COMPLETION_DELAY_NS);
+        assert_eq!(sender.poll_cq(&mut completions, 16), 1);
+        world.run_until_idle();
+        sender.poll_cq(&mut completions, 16);
+        let order: Vec<u64> = completions.iter().map(|wc| wc.wr_id).collect();
+        assert_eq!(order, [1, 2]);
+    }
+
+    /// A reordered completion lets another queue pair's later completion overtake it on the shared completion
+    /// queue. The fault seed is the first under which the first queue pair's draw fires and the second's does not.
+    #[test]
+    fn a_reordered_completion_is_overtaken_by_another_queue_pairs() {
+        let fires = |seed: u64, qp: u32| {
+            let plan = FaultPlan {
+                seed,
+                rules: vec![super::super::faults::FaultRule { kind: FaultKind::ReorderCompletion, probability: 0.5 }],
+            };
+            Injector::new(&plan).on_work_request(NodeId(0), QpNum(qp)).is_some()
+        };
+        let (world, mut sender, mut receiver, qp, source, target) = linked(FaultKind::ReorderCompletion);
+        let (other, back) = (sender.create_qp().unwrap(), receiver.create_qp().unwrap());
+        sender.connect_qp(other.qpn, back).unwrap();
+        receiver.connect_qp(back.qpn, other).unwrap();
+        let seed = (0..1000).find(|&seed| fires(seed, qp.0) && !fires(seed, other.qpn.0)).unwrap();
+        world.set_faults(&FaultPlan {
+            seed,
+            rules: vec![super::super::faults::FaultRule { kind: FaultKind::ReorderCompletion, probability: 0.5 }],
+        });
+        sender.post_send(qp, &[write(&source, &target, 1)]).unwrap();
+        world.advance_to(world.next_event().unwrap());
+        sender.post_send(other.qpn, &[write(&source, &target, 2)]).unwrap();
+        world.run_until_idle();
+        let mut completions = Vec::new();
+        sender.poll_cq(&mut completions, 16);
+        let order: Vec<u64> = completions.iter().map(|wc| wc.wr_id).collect();
+        assert_eq!(order, [2, 1]);
+        assert_eq!(world.injected_faults().get("reorder_completion"), Some(&1));
+    }
+
+    /// A hung queue pair: neither the work request that hit it nor any later one lands or completes.
+    #[test]
+    fn a_hung_queue_pair_lands_and_completes_nothing() {
+        let (world, mut sender, receiver, qp, source, target) = linked(FaultKind::Timeout);
+        sender.post_send(qp, &[write(&source, &target, 1)]).unwrap();
+        world.run_until_idle();
+        sender.post_send(qp, &[write(&source, &target, 2)]).unwrap();
+        world.run_until_idle();
+        let mut completions = Vec::new();
+        assert_eq!(sender.poll_cq(&mut completions, 16), 0);
+        let mut bytes = vec![1; 64];
+        receiver.read_local(&target, 0, &mut bytes).unwrap();
+        assert_eq!(bytes, vec![0; 64]);
+        assert_eq!(world.injected_faults().get("timeout"), Some(&1), "drawn once: the hung QP draws no more");
+    }
+
+    /// A read after release: the work request completes successfully, its message lands as the reused page's
+    /// bytes, and every changed byte is logged with the value the write had put there.
+    #[test]
+    fn a_read_after_release_lands_the_reused_pages_bytes_silently() {
+        let (world, mut sender, receiver, qp, source, target) = linked(FaultKind::ReadAfterRelease);
+        sender.post_send(qp, &[write(&source, &target, 1)]).unwrap();
+        world.run_until_idle();
+        let mut completions = Vec::new();
+        assert_eq!(sender.poll_cq(&mut completions, 16), 1);
+        assert_eq!(completions[0].status, WcStatus::Success);
+        let mut bytes = vec![1; 64];
+        receiver.read_local(&target, 0, &mut bytes).unwrap();
+        assert_eq!(bytes, vec![RELEASED_FILL; 64]);
+        let log = world.corruptions();
+        assert_eq!(log.len(), 64);
+        assert_eq!(log[0], (NodeId(1), target.addr, RELEASED_FILL, 7));
     }
 }

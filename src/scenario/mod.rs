@@ -121,6 +121,26 @@ pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
 ///
 /// A file over [`MAX_SCENARIO_BYTES`] is refused from its metadata, and at most one byte past the limit is read.
 pub fn load_seeded(path: &Path, seed: Option<u64>) -> Result<Scenario, ScenarioError> {
+    let bytes = read_capped(path)?;
+    let stem = path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
+    parse_bytes(&bytes, &path.display().to_string(), &stem, seed)
+}
+
+/// A `--faults FILE` (a mapping with a `faults:` list, the scenario section's syntax) as a plan drawn from `seed`;
+/// errors name the file, the line and the field.
+pub fn load_faults(path: &Path, seed: u64) -> Result<FaultPlan, ScenarioError> {
+    let file = path.display().to_string();
+    let bytes = read_capped(path)?;
+    let text = text::checked_text(&bytes).map_err(|diagnostic| ScenarioError::one(&file, diagnostic))?;
+    let raw: raw::RawFaultFile = yaml::parse(text).map_err(|diagnostic| ScenarioError::one(&file, diagnostic))?;
+    faults(&raw.faults, seed).map_err(|mut diagnostic| {
+        diagnostic.line = lower::locate(text, &diagnostic.path);
+        ScenarioError::one(&file, diagnostic)
+    })
+}
+
+/// The bytes of `path`, refused past [`MAX_SCENARIO_BYTES`] before they are read.
+fn read_capped(path: &Path) -> Result<Vec<u8>, ScenarioError> {
     let file = path.display().to_string();
     let unreadable = |error: std::io::Error| {
         let message = format!("cannot read: {error}");
@@ -133,8 +153,7 @@ pub fn load_seeded(path: &Path, seed: Option<u64>) -> Result<Scenario, ScenarioE
     }
     let mut bytes = Vec::new();
     handle.take(MAX_SCENARIO_BYTES + 1).read_to_end(&mut bytes).map_err(unreadable)?;
-    let stem = path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
-    parse_bytes(&bytes, &file, &stem, seed)
+    Ok(bytes)
 }
 
 /// Parses scenario `text`; `file` names it in diagnostics and `default_name` is used when it has no `name`.
@@ -150,7 +169,7 @@ pub fn parse_seeded(text: &str, file: &str, default_name: &str, seed: Option<u64
 /// Parses the raw bytes of a scenario file: bounded in size, depth and alias expansion, never panicking.
 pub fn parse_bytes(bytes: &[u8], file: &str, default_name: &str, seed: Option<u64>) -> Result<Scenario, ScenarioError> {
     let text = text::checked_text(bytes).map_err(|diagnostic| ScenarioError::one(file, diagnostic))?;
-    let mut raw = yaml::parse(text).map_err(|diagnostic| ScenarioError::one(file, diagnostic))?;
+    let mut raw: raw::RawScenario = yaml::parse(text).map_err(|diagnostic| ScenarioError::one(file, diagnostic))?;
     raw.seed = seed.or(raw.seed);
     let seed = raw.seed.unwrap_or(1);
     let events = raw.events;

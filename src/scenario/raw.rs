@@ -66,6 +66,16 @@ pub struct RawScenario {
     pub faults: Vec<RawFault>,
 }
 
+/// A `--faults FILE`: the `faults:` section of a scenario on its own.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with a faults list, such as faults: [{kind: torn_write, probability: 0.01}]"
+)]
+pub struct RawFaultFile {
+    pub faults: Vec<RawFault>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a fault rule such as {kind: torn_write, probability: 0.01}")]
 pub struct RawFault {

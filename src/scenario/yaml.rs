@@ -9,7 +9,6 @@ use std::fmt;
 
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
-use super::raw::RawScenario;
 use super::Diagnostic;
 use crate::limits::{MAX_ECHO_CHARS, MAX_NESTING, MAX_YAML_VALUES};
 
@@ -17,7 +16,7 @@ use crate::limits::{MAX_ECHO_CHARS, MAX_NESTING, MAX_YAML_VALUES};
 const EXPANSION: &str = "kvrelay: value limit";
 
 /// Parses `text` into the scenario DTOs, or the one diagnostic that stops it.
-pub(super) fn parse(text: &str) -> Result<RawScenario, Diagnostic> {
+pub(super) fn parse<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, Diagnostic> {
     let counter = Cell::new(0);
     let deserializer = serde_yaml_ng::Deserializer::from_str(text);
     if let Err(error) = (Count { seen: &counter }).deserialize(deserializer) {

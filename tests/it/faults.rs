@@ -134,7 +134,7 @@ fn a_short_swarm_over_the_fault_scenarios_has_no_harness_failure() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
     assert!(stdout.contains("harness failures: 0"), "{stdout}");
-    assert!(stdout.contains("runs: 140 "), "{stdout}");
+    assert!(stdout.contains("runs: 200 "), "{stdout}");
 }
 
 /// A `faults:` entry of an unknown kind or probability is an error naming the field.

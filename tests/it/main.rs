@@ -11,6 +11,8 @@ mod cli;
 mod conformance;
 /// Determinism and replay: seeded placement, the trace hash, `--check-determinism`, `--trace-out`, `KVRELAY_SEED`.
 mod determinism;
+/// Delays, reorders, a hung queue pair and a read after release (the fault kinds after the first ten).
+mod fault_kinds;
 mod faults;
 /// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
 mod golden;
