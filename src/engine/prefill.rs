@@ -191,10 +191,40 @@ impl PrefillEngine {
         self
     }
 
-    /// Notices a crash of this rank's node: from then on every input is ignored.
-    fn down(&mut self, nic: &dyn crate::fabric::verbs::Endpoint) -> bool {
-        self.crashed |= nic.crashed();
+    /// Notices a crash of this rank's node (from then on every input is ignored) and its restart (the engine starts
+    /// afresh, [`PrefillEngine::restart`]); whether the node is down.
+    fn down(&mut self, nic: &dyn crate::fabric::verbs::Endpoint, out: &mut Outbox) -> bool {
+        match (nic.crashed(), self.crashed) {
+            (true, _) => self.crashed = true,
+            (false, true) => self.restart(out),
+            (false, false) => {}
+        }
         self.crashed
+    }
+
+    /// Gives the engine a chance to notice that its node crashed or came back (drivers call it whenever the node's
+    /// completion queue may have changed).
+    pub fn wake(&mut self, nic: Nic<'_>, out: &mut Outbox) {
+        self.down(nic, out);
+    }
+
+    /// The node came back as a new process (`crash_restart_prefill`): its queue pairs and links are gone; every room it
+    /// had not finished fails with the restart as reason, told to its peers (domain.md §6.4: standing in for the
+    /// decode side's failed heartbeat); the rooms are kept so that late metadata for them is ignored. Whatever
+    /// registers afresh is served.
+    fn restart(&mut self, out: &mut Outbox) {
+        self.crashed = false;
+        let reason = format!("prefill {} crashed and restarted", self.rank);
+        out.note(format!(
+            "restarted: {} unfinished rooms fail",
+            self.rooms.values().filter(|room| !ended(room)).count()
+        ));
+        let unfinished: Vec<u64> = self.rooms.iter().filter(|(_, room)| !ended(room)).map(|(id, _)| *id).collect();
+        for room in unfinished {
+            self.fail_room(room, &reason, out);
+        }
+        self.peers.clear();
+        self.queues.clear();
     }
 
     /// `prefill_unique_rank` of domain.md §6.1 (CP 1).
@@ -208,7 +238,7 @@ impl PrefillEngine {
 
     /// A message from `from`.
     pub fn on_message(&mut self, now: u64, from: NodeId, frames: &[Vec<u8>], nic: Nic<'_>, out: &mut Outbox) {
-        if self.down(nic) {
+        if self.down(nic, out) {
             return;
         }
         match classify(frames) {
@@ -430,7 +460,7 @@ impl PrefillEngine {
     /// Sends every chunk that is ready by `now`; fails every room unfinished after the timeout (domain.md §6.4: a
     /// bounded prefill-side transfer timeout, so a room whose completions or peers never come still ends).
     pub fn on_tick(&mut self, now: u64, nic: Nic<'_>, out: &mut Outbox) {
-        if self.down(nic) {
+        if self.down(nic, out) {
             return;
         }
         let ids: Vec<u64> = self.rooms.keys().copied().collect();
@@ -508,7 +538,7 @@ impl PrefillEngine {
 
     /// A work completion from this rank's completion queue.
     pub fn on_completion(&mut self, completion: WorkCompletion, nic: Nic<'_>, out: &mut Outbox) {
-        if self.down(nic) {
+        if self.down(nic, out) {
             return;
         }
         let Some((_, queue)) = self.queues.get_mut(&completion.qp) else {
@@ -608,6 +638,11 @@ impl PrefillEngine {
             queue.waiting.retain(|pending| pending.room != room_id);
         }
     }
+}
+
+/// Whether the room ended on this rank (Success or Failed).
+fn ended(room: &Room) -> bool {
+    matches!(room.poll, Some(KvPoll::Success | KvPoll::Failed))
 }
 
 /// The engine key's queue pair suffix (`...-` and [`QpInfo::to_text`]).

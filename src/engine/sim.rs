@@ -375,8 +375,9 @@ pub(super) fn poll_all<N: Endpoint>(
     let mut outboxes = Vec::new();
     let mut any = false;
     for node in prefill.iter_mut() {
-        while node.nic.poll_cq(&mut completions, 4096) > 0 {}
         let mut out = Outbox::default();
+        node.engine.wake(&mut node.nic, &mut out);
+        while node.nic.poll_cq(&mut completions, 4096) > 0 {}
         if trace && !completions.is_empty() {
             out.note(completion_summary(&completions));
         }

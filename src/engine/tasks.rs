@@ -271,6 +271,7 @@ async fn prefill_rank(
             _ = stopped.changed() => return node,
             _ = ring.notified() => {
                 context.sync_fabric();
+                node.engine.wake(&mut node.nic, &mut out);
                 while node.nic.poll_cq(&mut completions, 4096) > 0 {}
                 if context.log.borrow().trace.is_some() && !completions.is_empty() {
                     out.note(completion_summary(&completions));

@@ -21,6 +21,12 @@
 //!   queue is lost; its engine processes nothing more (no message, completion or timer reaches it and it sends
 //!   nothing: the drivers ask [`crate::fabric::verbs::Endpoint::crashed`]). No restart: a crashed rank stays down,
 //!   and the decode ranks waiting for it end their rooms Failed at their waiting timeout (domain.md §6.4).
+//! - `crash_restart_prefill`: as `crash_prefill`, and the rank comes back [`RESTART_NS`] later as a new process: the
+//!   work requests its old incarnation posted are gone, its old queue pairs stay in the error state, and its engine
+//!   starts afresh (no peers, no queues). [I] It fails every room it had not finished with the reason "prefill R
+//!   crashed and restarted" and tells their decode peers, standing in for the decode side's heartbeat to the
+//!   prefill's bootstrap server (domain.md §6.4: a failed heartbeat fails every room of that prefill); it writes
+//!   nothing for them, and serves whatever registers with it afresh.
 //! - `notify_before_data`: the sender's completion of the work request (Success) is queued at delivery, but its
 //!   bytes land [`NOTIFY_LEAD_NS`] later. [I] RC forbids this on one queue pair (a WRITE completes only once the
 //!   responder acknowledged the placement, and kvrelay's prefill sends a Success status only after the completions
@@ -75,11 +81,15 @@ pub enum FaultKind {
     ReorderCompletion,
     Timeout,
     ReadAfterRelease,
+    CrashRestartPrefill,
 }
 
 /// How long after its completion the bytes of a `notify_before_data` work request land: ten control-message
 /// latencies, so the Success status usually overtakes them.
 pub const NOTIFY_LEAD_NS: u64 = 200_000;
+
+/// How long a `crash_restart_prefill` rank stays down before its new process runs.
+pub const RESTART_NS: u64 = 1_000_000;
 
 /// How late a `delay_message` control message arrives: fifty control-message latencies.
 pub const MESSAGE_DELAY_NS: u64 = 1_000_000;
@@ -99,7 +109,7 @@ pub const RELEASED_FILL: u8 = 0xEE;
 
 impl FaultKind {
     /// Every kind, in the order of the names below (swarm runs draw subsets of it).
-    pub const ALL: [FaultKind; 16] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::WrError(WcStatus::RemoteAccess),
         FaultKind::WrError(WcStatus::RetryExceeded),
         FaultKind::TornWrite,
@@ -116,6 +126,7 @@ impl FaultKind {
         FaultKind::ReorderCompletion,
         FaultKind::Timeout,
         FaultKind::ReadAfterRelease,
+        FaultKind::CrashRestartPrefill,
     ];
 
     /// The name in a `faults:` list.
@@ -137,6 +148,7 @@ impl FaultKind {
             FaultKind::ReorderCompletion => "reorder_completion",
             FaultKind::Timeout => "timeout",
             FaultKind::ReadAfterRelease => "read_after_release",
+            FaultKind::CrashRestartPrefill => "crash_restart_prefill",
         }
     }
 

@@ -26,7 +26,7 @@ use std::rc::Rc;
 
 use super::faults::{
     FaultKind, FaultPlan, Injector, COMPLETION_DELAY_NS, CORRUPTION_MASK, NOTIFY_LEAD_NS, RELEASED_BYTES,
-    RELEASED_FILL, REORDER_NS,
+    RELEASED_FILL, REORDER_NS, RESTART_NS,
 };
 use super::memory::Memory;
 pub use super::memory::{ChunkPool, CHUNK_BYTES};
@@ -212,6 +212,8 @@ enum What {
     /// Queue the sender's completion of the already executed work request, with this status (a delayed or
     /// reordered completion).
     Completion(WcStatus),
+    /// The node that crashed at this work request comes back as a new process (`crash_restart_prefill`).
+    Restart,
 }
 
 #[derive(Debug)]
@@ -318,6 +320,7 @@ impl World {
                 let peer = self.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
                 self.copy_across(delivery.node, &delivery.wr.sges, peer.node, delivery.wr.remote);
             }
+            What::Restart => self.restart(delivery.node),
             What::Completion(status) => {
                 let node = self.node_mut(delivery.node);
                 if !node.crashed {
@@ -341,6 +344,14 @@ impl World {
         };
         match fault {
             Some(FaultKind::CrashPrefill) => return self.crash(delivery.node),
+            Some(FaultKind::CrashRestartPrefill) => {
+                self.crash(delivery.node);
+                let at = self.now_ns.saturating_add(RESTART_NS);
+                let restart = Delivery { wr: delivery.wr.clone(), what: What::Restart, ..*delivery };
+                self.events.insert((at, self.next_event), restart);
+                self.next_event += 1;
+                return;
+            }
             Some(FaultKind::Timeout) => {
                 self.node_mut(delivery.node).qps.get_mut(&delivery.qp).expect("QPs are never destroyed").stalled = true;
                 return;
@@ -377,6 +388,23 @@ impl World {
         node.crashed = true;
         node.cq.clear();
         node.qps.values_mut().for_each(|qp| qp.failed = true);
+    }
+
+    /// A crashed node's new process: up again with an empty completion queue; what the old one had posted is gone and
+    /// its queue pairs stay in the error state.
+    fn restart(&mut self, node: NodeId) {
+        let stale: Vec<(u64, u64)> = self
+            .events
+            .iter()
+            .filter(|(_, delivery)| delivery.node == node && delivery.what != What::LateBytes)
+            .map(|(key, _)| *key)
+            .collect();
+        for key in stale {
+            self.events.remove(&key);
+        }
+        let node = self.node_mut(node);
+        node.crashed = false;
+        node.cq.clear();
     }
 
     /// Queues the sender's completion of `delivery` now, or `hold` later; either way after every completion of the

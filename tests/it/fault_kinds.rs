@@ -138,3 +138,31 @@ fn a_bad_faults_file_is_an_error_naming_the_field(#[case] text: &str, #[case] ex
     assert!(stderr.contains("bad.yaml"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A prefill rank that crashes and restarts: its new process writes nothing for the rooms its old one had not
+/// finished, fails them with the restart as reason and tells their decode peers, so those rooms end long before the
+/// waiting timeout; both drivers agree.
+#[test]
+fn a_restarted_prefill_rank_fails_what_it_lost_and_writes_nothing_for_it() {
+    let scenario = load("crash-mid-transfer.yaml");
+    let faults = |seed| plan(FaultKind::CrashRestartPrefill, 0.002, seed);
+    let seed = (0..50)
+        .find(|&seed| {
+            let (run, _) = swarm::run_faulted(&scenario, &faults(seed)).unwrap();
+            run.faults.contains_key("crash_restart_prefill")
+        })
+        .expect("a seed that crashes a rank");
+    let (run, judgement) = swarm::run_faulted(&scenario, &faults(seed)).unwrap();
+    assert!(judgement.failures.is_empty(), "{:?}", judgement.failures);
+    let restarted: Vec<_> =
+        run.failures().into_iter().filter(|(.., reason)| reason.ends_with("crashed and restarted")).collect();
+    assert!(!restarted.is_empty(), "{:?}", run.failures());
+    for (rank, id, _) in &restarted {
+        let ended = run.rooms[rank][id].ended_ns.unwrap();
+        assert!(ended < kvrelay::engine::WAITING_TIMEOUT_NS / 10, "decode {rank} room {id} ended at {ended} ns");
+    }
+    let options = SimOptions { faults: faults(seed), ..SimOptions::default() };
+    let stepped = run_stepped(&scenario.problem, &options).unwrap();
+    assert_eq!(stepped.rooms, run.rooms);
+    assert_eq!(stepped.prefill_rooms, run.prefill_rooms);
+}
