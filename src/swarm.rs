@@ -2,7 +2,9 @@
 //! request ends Success with a byte-exact decode image or Failed with a reason, within bounded simulated time, and no
 //! other request's bytes change. A run that breaks it is a harness failure: Success over wrong bytes (unless a
 //! silent corruption was planted, which the oracle must then find: "detected"), a request that never ends, or a
-//! failure without a reason.
+//! failure without a reason, a failed request whose pages were never released, or a write that landed in a
+//! failed request's pages after the decode rank released them (the abort and acknowledgement of domain.md §6.4 exist
+//! to prevent it: released pages go to the next request).
 //!
 //! A swarm draws, per seed, a random subset of fault kinds and a probability for each (swarm testing: different
 //! runs stress different combinations), runs each scenario through the engines and judges it.
@@ -53,6 +55,7 @@ pub fn guarantee(scenario: &Scenario, run: &SimRun, observation: &Observation, v
             }
         }
     }
+    failures.extend(writes_after_release(run));
     // Success reported before all of its bytes landed: expected under `notify_before_data` (detected), a broken
     // engine otherwise.
     let premature = premature_successes(run);
@@ -76,6 +79,24 @@ pub fn guarantee(scenario: &Scenario, run: &SimRun, observation: &Observation, v
     }
     let detected = (corrupted && unexplained.is_empty()) || (notified_early && !premature.is_empty());
     Judgement { succeeded, failed, detected, failures }
+}
+
+/// A Failed room never released, or written after its release (the last landing of each room against its release).
+fn writes_after_release(run: &SimRun) -> Vec<String> {
+    let mut failures = Vec::new();
+    for (rank, rooms) in &run.rooms {
+        for (id, room) in rooms.iter().filter(|(_, room)| room.poll == KvPoll::Failed) {
+            let landed = run.last_landings.get(&(*rank, *id));
+            match (room.released_ns, landed) {
+                (None, _) => failures.push(format!("decode {rank}: request {id} Failed but its pages were never released")),
+                (Some(released), Some(&landed)) if landed > released => failures.push(format!(
+                    "decode {rank}: request {id}: a write landed at {landed} ns, after its pages were released at {released} ns (write after release)"
+                )),
+                _ => {}
+            }
+        }
+    }
+    failures
 }
 
 /// `observation` with every planted byte undone where the planted value is still there (a later write may have

@@ -2,10 +2,17 @@
 //! mapping (§3.1), registers with every target prefill rank, sends each request's metadata once every link is
 //! acknowledged, and counts Success from distinct prefill ranks up to the expected number. Requests are rooms with
 //! the `KVPoll` states of §6.1 and its monotonic update rule; a room still waiting at the deadline fails.
+//!
+//! A room that fails here (a Failed status, the waiting timeout) is aborted (§6.4, [I] decisions): every prefill rank
+//! that was sent real metadata for it and has not reported Success gets an abort, and the room's pages are released
+//! (`released_ns`) only once each acknowledged it, that is once its writes into the room drained, or after the
+//! waiting timeout once more (a prefill rank that died or hung never answers; its queue pairs are then presumed
+//! flushed). A room whose metadata never went out (a refused link, a gate) has nothing in flight and is released at
+//! once.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::handshake::{classify, Kind, LinkAck};
+use super::handshake::{classify, Abort, Kind, LinkAck};
 use super::{Nic, Outbox, WAITING_TIMEOUT_NS};
 use crate::fabric::verbs::{NodeId, QpNum};
 use crate::model::{ModelGeometry, PoolKind, RankId, Request, StateKind, Topology};
@@ -31,7 +38,40 @@ pub struct RoomState {
     pub reason: Option<String>,
     /// Simulated time at which the room ended (Success or Failed).
     pub ended_ns: Option<u64>,
+    /// Simulated time at which a Failed room's pages were released: every aborted prefill rank acknowledged (or the
+    /// wait for them timed out). No write may land in the room after it.
+    pub released_ns: Option<u64>,
     successes: BTreeSet<u32>,
+    /// Prefill ranks that reported Success for the room (they write nothing more into it).
+    succeeded_from: BTreeSet<NodeId>,
+    /// Aborted prefill ranks that have not acknowledged yet.
+    aborting: BTreeSet<NodeId>,
+    /// When the room is released even without every acknowledgement.
+    release_deadline: Option<u64>,
+}
+
+impl RoomState {
+    fn new() -> RoomState {
+        RoomState {
+            poll: KvPoll::Bootstrapping,
+            reason: None,
+            ended_ns: None,
+            released_ns: None,
+            successes: BTreeSet::new(),
+            succeeded_from: BTreeSet::new(),
+            aborting: BTreeSet::new(),
+            release_deadline: None,
+        }
+    }
+
+    /// Ended, and if Failed, released.
+    fn settled(&self) -> bool {
+        match self.poll {
+            KvPoll::Success => true,
+            KvPoll::Failed => self.released_ns.is_some(),
+            _ => false,
+        }
+    }
 }
 
 /// The decode engine of one rank.
@@ -47,8 +87,10 @@ pub struct DecodeEngine {
     rooms: BTreeMap<u64, RoomState>,
     expected: u32,
     deadline: u64,
-    /// Time the rooms may wait for the prefill side, from `start`.
+    /// Time the rooms may wait for the prefill side, from `start` (and, once aborted, for the acknowledgements).
     timeout: u64,
+    /// Real metadata went to the targets: they may write.
+    metadata_sent: bool,
 }
 
 impl DecodeEngine {
@@ -61,14 +103,7 @@ impl DecodeEngine {
         registration: Registration,
         requests: &[Request],
     ) -> DecodeEngine {
-        let rooms = requests
-            .iter()
-            .map(|request| {
-                let state =
-                    RoomState { poll: KvPoll::Bootstrapping, reason: None, ended_ns: None, successes: BTreeSet::new() };
-                (u64::from(request.id), state)
-            })
-            .collect();
+        let rooms = requests.iter().map(|request| (u64::from(request.id), RoomState::new())).collect();
         DecodeEngine {
             rank,
             model,
@@ -81,6 +116,7 @@ impl DecodeEngine {
             expected: 1,
             deadline: WAITING_TIMEOUT_NS,
             timeout: WAITING_TIMEOUT_NS,
+            metadata_sent: false,
         }
     }
 
@@ -105,8 +141,13 @@ impl DecodeEngine {
         &self.rooms
     }
 
-    /// All rooms ended (Success or Failed).
+    /// All rooms ended (Success or Failed), and every Failed one released its pages.
     pub fn done(&self) -> bool {
+        self.rooms.values().all(RoomState::settled)
+    }
+
+    /// All rooms ended (Success or Failed), released or not.
+    fn ended(&self) -> bool {
         self.rooms.values().all(|room| matches!(room.poll, KvPoll::Success | KvPoll::Failed))
     }
 
@@ -155,6 +196,10 @@ impl DecodeEngine {
                 Ok(status) => self.on_status(now, from, status, out),
                 Err(error) => out.note(format!("dropped a status from {from}: {error}")),
             },
+            Kind::AbortAck => match Abort::decode(frames) {
+                Some(abort) => self.on_abort_ack(now, from, abort.room, out),
+                None => out.note(format!("dropped a malformed abort acknowledgement from {from}")),
+            },
             _ => out.note(format!("dropped an unexpected message of {} frames from {from}", frames.len())),
         }
     }
@@ -182,6 +227,7 @@ impl DecodeEngine {
             self.fail_all(now, error, out);
         }
         self.send_metadata(refused.is_some(), out);
+        self.metadata_sent = refused.is_none();
     }
 
     /// Per request, metadata to every target prefill rank (domain.md §6.1 step 4); all dummies when `withdrawn`.
@@ -234,16 +280,11 @@ impl DecodeEngine {
             return out.note(format!("status for unknown room {} from {from}", status.room));
         };
         match status.status {
-            KvPoll::Failed => {
-                if room.poll != KvPoll::Failed {
-                    out.note(format!("room {}: Failed: {}", status.room, status.reason));
-                    room.reason = Some(status.reason);
-                    room.ended_ns = Some(now);
-                }
-                room.poll = room.poll.update(KvPoll::Failed);
-            }
+            // A Failed status does not mean the sender's writes into the room drained: it is aborted too.
+            KvPoll::Failed => self.fail_room(now, status.room, &status.reason, out),
             KvPoll::Success if !dummy => {
                 room.successes.insert(status.prefill_unique_rank);
+                room.succeeded_from.insert(from);
                 if room.successes.len() >= expected && room.poll != KvPoll::Failed {
                     room.poll = room.poll.update(KvPoll::Success);
                     room.ended_ns.get_or_insert(now);
@@ -254,26 +295,72 @@ impl DecodeEngine {
         }
     }
 
-    /// The deadline of the waiting rooms, if any is still waiting.
+    /// The deadline of the waiting rooms, if any is still waiting, or the earliest release deadline of an aborted
+    /// room.
     pub fn next_timer(&self) -> Option<u64> {
-        (!self.done()).then_some(self.deadline)
+        let waiting = (!self.ended()).then_some(self.deadline);
+        let releases = self.rooms.values().filter(|room| room.released_ns.is_none()).filter_map(|r| r.release_deadline);
+        waiting.into_iter().chain(releases).min()
     }
 
-    /// Fails every room still waiting at the deadline (domain.md §6.4 waiting timeout).
+    /// Fails every room still waiting at the deadline (domain.md §6.4 waiting timeout); releases every aborted room
+    /// whose acknowledgements did not come in time.
     pub fn on_tick(&mut self, now: u64, out: &mut Outbox) {
-        if now >= self.deadline && !self.done() {
+        if now >= self.deadline && !self.ended() {
             self.fail_all(now, &format!("timed out after {} ns waiting for the prefill side", self.timeout), out);
+        }
+        for (id, room) in &mut self.rooms {
+            if room.released_ns.is_none() && room.release_deadline.is_some_and(|deadline| now >= deadline) {
+                let silent: Vec<String> = room.aborting.iter().map(ToString::to_string).collect();
+                out.note(format!("room {id}: released without an abort acknowledgement from {}", silent.join(", ")));
+                room.aborting.clear();
+                room.released_ns = Some(now);
+            }
         }
     }
 
     fn fail_all(&mut self, now: u64, reason: &str, out: &mut Outbox) {
-        for (room, state) in &mut self.rooms {
-            if !matches!(state.poll, KvPoll::Success | KvPoll::Failed) {
-                out.note(format!("room {room}: Failed: {reason}"));
-                state.poll = KvPoll::Failed;
-                state.reason = Some(reason.to_owned());
-                state.ended_ns = Some(now);
-            }
+        let ids: Vec<u64> = self.rooms.keys().copied().collect();
+        for room in ids {
+            self.fail_room(now, room, reason, out);
+        }
+    }
+
+    /// Fails `room` with `reason` unless it already ended, and aborts it on every prefill rank that may still write
+    /// into it (module docs); a room with none is released at once.
+    fn fail_room(&mut self, now: u64, room_id: u64, reason: &str, out: &mut Outbox) {
+        let timeout = self.timeout;
+        let Some(room) = self.rooms.get_mut(&room_id) else { return };
+        if matches!(room.poll, KvPoll::Success | KvPoll::Failed) {
+            return;
+        }
+        out.note(format!("room {room_id}: Failed: {reason}"));
+        room.poll = KvPoll::Failed;
+        room.reason = Some(reason.to_owned());
+        room.ended_ns = Some(now);
+        if self.metadata_sent {
+            let writers = self.targets.iter().filter(|target| !target.dummy && matches!(target.linked, Some(Ok(()))));
+            room.aborting =
+                writers.map(|target| target.node).filter(|node| !room.succeeded_from.contains(node)).collect();
+        }
+        for node in &room.aborting {
+            out.send(*node, Abort { room: room_id, ack: false }.encode());
+        }
+        match room.aborting.is_empty() {
+            true => room.released_ns = Some(now),
+            false => room.release_deadline = Some(now.saturating_add(timeout)),
+        }
+    }
+
+    /// A prefill rank's writes into an aborted room drained; the room is released once every one said so.
+    fn on_abort_ack(&mut self, now: u64, from: NodeId, room_id: u64, out: &mut Outbox) {
+        let Some(room) = self.rooms.get_mut(&room_id).filter(|room| room.aborting.contains(&from)) else {
+            return out.note(format!("abort acknowledgement for room {room_id} from {from} ignored (not awaited)"));
+        };
+        room.aborting.remove(&from);
+        if room.aborting.is_empty() && room.released_ns.is_none() {
+            room.released_ns = Some(now);
+            out.note(format!("room {room_id}: released (every aborted prefill rank acknowledged)"));
         }
     }
 }

@@ -3,6 +3,11 @@
 //!
 //! `[guard, "kvrelay-link", qp, error]`: the queue pair as [`QpInfo::to_text`] (ASCII), and the error text (UTF-8,
 //! empty = linked).
+//!
+//! The abort of domain.md §6.4 ([I] kvrelay's wire for it): `[guard, "kvrelay-abort", room]` from a decode rank whose
+//! room failed, to each prefill rank that may still write into it; `[guard, "kvrelay-abort-ack", room]` back once
+//! that rank's writes of the room to this peer drained (the room ascii decimal in both). Only then does the decode
+//! rank release the room's pages.
 
 use crate::fabric::verbs::QpInfo;
 use crate::wire::GUARD;
@@ -42,6 +47,42 @@ impl LinkAck {
     }
 }
 
+/// The tag of an abort (frame 1).
+pub(super) const ABORT_TAG: &[u8] = b"kvrelay-abort";
+/// The tag of an abort's acknowledgement (frame 1).
+pub(super) const ABORT_ACK_TAG: &[u8] = b"kvrelay-abort-ack";
+
+/// An abort of `room` (decode to prefill) or its acknowledgement (prefill to decode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Abort {
+    pub(super) room: u64,
+    pub(super) ack: bool,
+}
+
+impl Abort {
+    pub(super) fn encode(&self) -> Vec<Vec<u8>> {
+        let tag = if self.ack { ABORT_ACK_TAG } else { ABORT_TAG };
+        vec![GUARD.to_vec(), tag.to_vec(), self.room.to_string().into_bytes()]
+    }
+
+    /// `None` for anything that is not a well-formed abort or acknowledgement.
+    pub(super) fn decode(frames: &[Vec<u8>]) -> Option<Abort> {
+        let [guard, tag, room] = frames else { return None };
+        if guard.as_slice() != GUARD {
+            return None;
+        }
+        let ack = match tag.as_slice() {
+            ABORT_TAG => false,
+            ABORT_ACK_TAG => true,
+            _ => return None,
+        };
+        let text = std::str::from_utf8(room).ok()?;
+        // Canonical decimal only: no sign, no leading zeros, no spaces.
+        let room: u64 = text.parse().ok().filter(|room: &u64| room.to_string() == text)?;
+        Some(Abort { room, ack })
+    }
+}
+
 /// Which message a frame list is, by its shape (the Mori wire has no type field).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -49,6 +90,8 @@ pub(super) enum Kind {
     Link,
     RequestMeta,
     Status,
+    Abort,
+    AbortAck,
     Unknown,
 }
 
@@ -56,6 +99,8 @@ pub(super) fn classify(frames: &[Vec<u8>]) -> Kind {
     match (frames.get(1).map(Vec::as_slice), frames.len()) {
         (Some(b"None"), _) => Kind::Registration,
         (Some(LINK_TAG), _) => Kind::Link,
+        (Some(ABORT_TAG), _) => Kind::Abort,
+        (Some(ABORT_ACK_TAG), _) => Kind::AbortAck,
         (_, crate::wire::REQUEST_META_FRAMES) => Kind::RequestMeta,
         (_, crate::wire::STATUS_FRAMES) => Kind::Status,
         _ => Kind::Unknown,
@@ -74,5 +119,38 @@ mod tests {
         let ack = LinkAck { qp, error: Some("no".to_owned()) };
         assert_eq!(LinkAck::decode(&ack.encode()), Some(ack));
         assert_eq!(LinkAck::decode(&[GUARD.to_vec(), LINK_TAG.to_vec(), b"x".to_vec()]), None);
+    }
+
+    #[test]
+    fn aborts_round_trip_are_told_apart_and_reject_non_canonical_rooms() {
+        for abort in [Abort { room: 7, ack: false }, Abort { room: u64::MAX, ack: true }] {
+            let frames = abort.encode();
+            assert_eq!(Abort::decode(&frames), Some(abort));
+            let kind = if abort.ack { Kind::AbortAck } else { Kind::Abort };
+            assert_eq!(classify(&frames), kind);
+        }
+        for room in [&b"07"[..], b"+7", b" 7", b"", b"18446744073709551616", b"\xff"] {
+            assert_eq!(Abort::decode(&[GUARD.to_vec(), ABORT_TAG.to_vec(), room.to_vec()]), None, "{room:?}");
+        }
+        assert_eq!(Abort::decode(&[b"x".to_vec(), ABORT_TAG.to_vec(), b"7".to_vec()]), None);
+    }
+
+    proptest::proptest! {
+        /// Untrusted frames (any peer may send anything): the decoders never panic, and whatever they accept encodes
+        /// back to the same frames.
+        #[test]
+        fn control_answers_decode_arbitrary_frames_without_panicking(
+            tag in proptest::sample::select(vec![ABORT_TAG.to_vec(), ABORT_ACK_TAG.to_vec(), LINK_TAG.to_vec(), b"x".to_vec()]),
+            rest in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..24), 0..4),
+        ) {
+            let mut frames = vec![GUARD.to_vec(), tag];
+            frames.extend(rest);
+            if let Some(abort) = Abort::decode(&frames) {
+                proptest::prop_assert_eq!(abort.encode(), frames.clone());
+            }
+            if let Some(ack) = LinkAck::decode(&frames) {
+                proptest::prop_assert_eq!(ack.encode(), frames);
+            }
+        }
     }
 }

@@ -2,11 +2,16 @@
 //! registration, collects per-request metadata until `required_dst_info_num` peers sent it, plans every chunk for
 //! every peer before the first byte, posts writes within the send queue's credits chunk by chunk, and reports a
 //! status to each peer once its writes completed (or the reason the room failed).
+//!
+//! An abort from a decode peer (§6.4) fails the room here (every peer is told), drops its writes not yet posted, and
+//! is acknowledged once the room's writes to that peer already on the wire completed, so nothing lands in the
+//! decode pages after the acknowledgement. Metadata arriving for a room that already failed is answered with the
+//! room's Failed status.
 
 use std::collections::{BTreeMap, VecDeque};
 
 use super::gather::{gather, Gathered, Piece};
-use super::handshake::{classify, Kind, LinkAck};
+use super::handshake::{classify, Abort, Kind, LinkAck};
 use super::seat::{own_copies, view, LinkQuery, SeatCopy, SeatQuery, SharedPlanner};
 use super::{Nic, Outbox, CHUNK_COMPUTE_NS, SIGNAL_INTERVAL, TRANSFER_TIMEOUT_NS};
 use crate::fabric::verbs::{
@@ -28,6 +33,16 @@ pub struct Written {
     pub region: u32,
     pub offset: u64,
     pub length: u64,
+}
+
+/// Work requests `first..=last` posted on `qp` for request `room`, towards decode rank `target`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Posted {
+    pub qp: QpNum,
+    pub first: u64,
+    pub last: u64,
+    pub room: u64,
+    pub target: RankId,
 }
 
 /// A write planned for a room and peer, not yet confirmed.
@@ -74,6 +89,8 @@ struct Room {
     reason: Option<String>,
     /// When its first metadata arrived: the prefill-side timeout runs from here.
     created_ns: u64,
+    /// Peers that aborted the room and wait for its writes to them to drain.
+    acks_owed: std::collections::BTreeSet<NodeId>,
 }
 
 /// The send queue of one queue pair: writes waiting for credits and writes posted but not yet confirmed.
@@ -99,6 +116,8 @@ pub struct PrefillEngine {
     caps: Caps,
     next_wr: u64,
     written: Vec<Written>,
+    /// Every work request posted, in runs (which room and decode rank each was for).
+    posted: Vec<Posted>,
     /// Send cached prefixes early (domain.md §7).
     early_send: bool,
     /// Another planner in the seat (`None`: kvrelay's own).
@@ -134,6 +153,7 @@ impl PrefillEngine {
             caps,
             next_wr: 1,
             written: Vec::new(),
+            posted: Vec::new(),
             early_send: false,
             seat: None,
             crashed: false,
@@ -160,6 +180,11 @@ impl PrefillEngine {
     /// Writes confirmed so far (the fabric's log, not the plan's claims).
     pub fn written(&self) -> &[Written] {
         &self.written
+    }
+
+    /// Every work request posted so far, in runs of consecutive ids of one room, queue pair and decode rank.
+    pub fn posted(&self) -> &[Posted] {
+        &self.posted
     }
 
     /// How each room ended on this rank (`None`: still going, or never became ready), and why it failed. A crashed
@@ -247,6 +272,10 @@ impl PrefillEngine {
                 Ok(meta) => self.on_meta(now, from, meta, out),
                 Err(error) => out.note(format!("dropped metadata from {from}: {error}")),
             },
+            Kind::Abort => match Abort::decode(frames) {
+                Some(abort) => self.on_abort(now, from, abort.room, out),
+                None => out.note(format!("dropped a malformed abort from {from}")),
+            },
             _ => out.note(format!("dropped an unexpected message of {} frames from {from}", frames.len())),
         }
     }
@@ -289,6 +318,14 @@ impl PrefillEngine {
         let room_id = meta.room;
         let required = meta.required_dst_info_num as usize;
         let room = self.rooms.entry(room_id).or_insert_with(|| Room { created_ns: now, ..Room::default() });
+        if room.poll == Some(KvPoll::Failed) {
+            // The peer would otherwise wait for its timeout: it hears why at once.
+            let reason = room.reason.clone().unwrap_or_default();
+            out.note(format!("room {room_id}: metadata from {from} for a failed room, answered Failed"));
+            let status =
+                Status { room: room_id, status: KvPoll::Failed, prefill_unique_rank: self.unique_rank(), reason };
+            return out.send(from, status.encode());
+        }
         if room.poll.is_some() {
             return out.note(format!("room {room_id}: late metadata from {from} ignored"));
         }
@@ -528,6 +565,9 @@ impl PrefillEngine {
                     queue.broken = true;
                     break;
                 }
+                for (request, pending) in requests.iter().zip(&batch) {
+                    log_posted(&mut self.posted, *qp, request.wr_id, pending);
+                }
                 queue.in_flight.extend(requests.iter().map(|request| request.wr_id).zip(batch));
             }
         }
@@ -576,7 +616,40 @@ impl PrefillEngine {
             }
             self.report_finished(pending.room, out);
         }
+        self.answer_aborts(out);
         self.pump(nic, out);
+    }
+
+    /// An abort of `room_id` from decode peer `from` (module docs): the room fails here unless it already ended; the
+    /// acknowledgement waits for the room's writes to `from` still on the wire.
+    fn on_abort(&mut self, now: u64, from: NodeId, room_id: u64, out: &mut Outbox) {
+        let by = self.peers.get(&from).map_or_else(|| format!("peer {from}"), |peer| format!("decode {}", peer.rank));
+        let room = self.rooms.entry(room_id).or_insert_with(|| Room { created_ns: now, ..Room::default() });
+        room.acks_owed.insert(from);
+        if !ended(room) {
+            self.fail_room(room_id, &format!("aborted by {by}"), out);
+        }
+        self.answer_aborts(out);
+    }
+
+    /// Acknowledges every abort whose room has no write to the aborting peer on the wire any more.
+    fn answer_aborts(&mut self, out: &mut Outbox) {
+        for (room_id, room) in &mut self.rooms {
+            if room.acks_owed.is_empty() {
+                continue;
+            }
+            let busy = |node: &NodeId| {
+                self.queues.values().any(|(peer, queue)| {
+                    peer == node && queue.in_flight.iter().any(|(_, pending)| pending.room == *room_id)
+                })
+            };
+            let drained: Vec<NodeId> = room.acks_owed.iter().filter(|node| !busy(node)).copied().collect();
+            for node in drained {
+                room.acks_owed.remove(&node);
+                out.note(format!("room {room_id}: abort from {node} acknowledged, its writes drained"));
+                out.send(node, Abort { room: *room_id, ack: true }.encode());
+            }
+        }
     }
 
     /// Sends Success to every peer whose writes for the room all completed after the last chunk.
@@ -638,6 +711,17 @@ impl PrefillEngine {
             queue.waiting.retain(|pending| pending.room != room_id);
         }
     }
+}
+
+/// Appends work request `wr_id` of `pending` on `qp` to the run log, extending the last run when it continues it.
+fn log_posted(posted: &mut Vec<Posted>, qp: QpNum, wr_id: u64, pending: &Pending) {
+    if let Some(last) = posted.last_mut() {
+        if (last.qp, last.room, last.target) == (qp, pending.room, pending.written.target) && last.last + 1 == wr_id {
+            last.last = wr_id;
+            return;
+        }
+    }
+    posted.push(Posted { qp, first: wr_id, last: wr_id, room: pending.room, target: pending.written.target });
 }
 
 /// Whether the room ended on this rank (Success or Failed).

@@ -79,6 +79,9 @@ pub struct SimRun {
     /// Writes whose bytes landed after their completion (`notify_before_data`): (decode rank, request, landing
     /// time in simulated nanoseconds; later than the run when they never landed).
     pub late_landings: Vec<(RankId, u64, u64)>,
+    /// Under faults: when the last write into each (decode rank, request) landed, in simulated nanoseconds (late
+    /// `notify_before_data` bytes excluded: they are in `late_landings`).
+    pub last_landings: BTreeMap<(RankId, u64), u64>,
     /// Decode bytes a planted silent fault changed (`corrupt`, `read_after_release`): (region, offset, the value
     /// it left there, the value the write had put there).
     pub corruptions: Vec<(RegionKey, u64, u8, u8)>,
@@ -356,12 +359,32 @@ impl Sim {
                 }
             }
         }
+        run.last_landings = last_landings(&self.prefill, &self.world.landings());
         run.corruptions = corrupted_regions(&self.world, &self.decode);
         for (kind, count) in self.network.injected() {
             *run.faults.entry(kind).or_default() += count;
         }
         Ok(run)
     }
+}
+
+/// When the last write into each (decode rank, request) landed: the world's landing times joined with the work
+/// requests each prefill engine posted.
+fn last_landings<N: Endpoint>(
+    prefill: &[Node<PrefillEngine, N>],
+    landed: &BTreeMap<(NodeId, crate::fabric::verbs::QpNum, u64), u64>,
+) -> BTreeMap<(RankId, u64), u64> {
+    let mut last = BTreeMap::new();
+    for node in prefill {
+        let id = node.nic.node();
+        for run in node.engine.posted() {
+            for (_, &at) in landed.range((id, run.qp, run.first)..=(id, run.qp, run.last)) {
+                let entry = last.entry((run.target, run.room)).or_insert(at);
+                *entry = (*entry).max(at);
+            }
+        }
+    }
+    last
 }
 
 /// Polls every node's completion queue and hands the prefill side's completions to its engines (a decode engine
@@ -548,6 +571,7 @@ pub(super) fn finish_nodes<N: Endpoint>(
         messages: BTreeMap::new(),
         faults: BTreeMap::new(),
         late_landings: Vec::new(),
+        last_landings: BTreeMap::new(),
         corruptions: Vec::new(),
         run_ns: 0,
     })
@@ -647,6 +671,8 @@ pub(super) fn kind_name(frames: &[Vec<u8>]) -> &'static str {
         Kind::Link => "link",
         Kind::RequestMeta => "metadata",
         Kind::Status => "status",
+        Kind::Abort => "abort",
+        Kind::AbortAck => "abort-ack",
         Kind::Unknown => "unknown",
     }
 }
@@ -683,6 +709,11 @@ fn describe(frames: &[Vec<u8>]) -> String {
             Ok(status) if status.reason.is_empty() => format!("status room {} {:?}", status.room, status.status),
             Ok(status) => format!("status room {} {:?}: {}", status.room, status.status, status.reason),
             Err(error) => format!("malformed status: {error}"),
+        },
+        Kind::Abort | Kind::AbortAck => match super::handshake::Abort::decode(frames) {
+            Some(abort) if abort.ack => format!("abort acknowledged, room {}", abort.room),
+            Some(abort) => format!("abort room {}", abort.room),
+            None => "malformed abort".to_owned(),
         },
         Kind::Unknown => format!("unknown message of {} frames", frames.len()),
     }

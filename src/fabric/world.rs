@@ -46,6 +46,8 @@ pub const REGION_GUARD_BYTES: u64 = 4096;
 const PAGE_BYTES: u64 = 4096;
 const FIRST_KEY: u32 = 0x100;
 const FIRST_QPN: u32 = 0x40;
+/// Deferred bytes below which a flush copies on the calling thread (a thread costs more than a small copy).
+const PARALLEL_FLUSH_BYTES: u64 = 16 << 20;
 
 /// Nanoseconds `bytes` occupy one QP's wire: the bytes over [`BANDWIDTH_BYTES_PER_S`], rounded up.
 pub fn wire_time_ns(bytes: u64) -> u64 {
@@ -84,6 +86,8 @@ impl SimWorld {
             faults: None,
             late: BTreeMap::new(),
             corruptions: Vec::new(),
+            landed: BTreeMap::new(),
+            deferred: Deferred::default(),
         };
         SimWorld { inner: Rc::new(RefCell::new(world)) }
     }
@@ -96,6 +100,12 @@ impl SimWorld {
     /// The faults injected so far, by kind name.
     pub fn injected_faults(&self) -> BTreeMap<&'static str, u64> {
         self.inner.borrow().faults.as_ref().map(|faults| faults.injected().clone()).unwrap_or_default()
+    }
+
+    /// Under faults, when each work request's bytes landed on its peer, by (posting node, QP, wr_id) (see
+    /// [`SimWorld::late_landings`] for the late bytes of `notify_before_data`).
+    pub fn landings(&self) -> BTreeMap<(NodeId, QpNum, u64), u64> {
+        self.inner.borrow().landed.clone()
     }
 
     /// Whether `node` crashed (a `crash_prefill` fault): it takes part in nothing any more.
@@ -189,6 +199,37 @@ struct World {
     late: BTreeMap<(NodeId, QpNum, u64), u64>,
     /// Bytes a silent fault changed: (node, virtual address, the byte left there, the byte the write had put there).
     corruptions: Vec<(NodeId, u64, u8, u8)>,
+    /// Writes checked and completed but whose bytes are not copied yet ([`World::flush`]).
+    deferred: Deferred,
+    /// Under faults: when each work request's bytes (some or all) landed on its peer, by (node, QP, wr_id); a
+    /// `notify_before_data` write's late bytes are in `late` instead.
+    landed: BTreeMap<(NodeId, QpNum, u64), u64>,
+}
+
+/// Byte copies of executed writes, deferred until someone looks at memory, then made per target node in parallel.
+///
+/// A write's checks, status and completion happen at its delivery; only its bytes wait. Every read of memory (an
+/// endpoint's read, deregistration, a planted fault, a write that is not a plain WRITE between two nodes) flushes
+/// first, and so does a write whose source node has bytes on their way in or whose target node is a pending
+/// source, so the final bytes are those of copying in delivery order. Copies to one node keep their order; different
+/// nodes' memories are disjoint, so copying them on several threads changes nothing but the time.
+#[derive(Debug, Default)]
+struct Deferred {
+    copies: Vec<DeferredCopy>,
+    sources: std::collections::BTreeSet<NodeId>,
+    targets: std::collections::BTreeSet<NodeId>,
+    bytes: u64,
+}
+
+/// One WRITE's bytes: `pieces` (source region start, offset in it, length) of node `from`, landing in order at
+/// `at` of the region starting at `target` on node `to`.
+#[derive(Debug)]
+struct DeferredCopy {
+    from: NodeId,
+    pieces: Vec<(u64, u64, u64)>,
+    to: NodeId,
+    target: u64,
+    at: u64,
 }
 
 /// A posted work request waiting for its delivery time.
@@ -359,6 +400,14 @@ impl World {
             _ => {}
         }
         let status = self.execute_with(delivery, fault);
+        let landed = match fault {
+            Some(FaultKind::TornWrite) => true,
+            Some(FaultKind::NotifyBeforeData) => false,
+            _ => status == WcStatus::Success,
+        };
+        if landed && self.faults.is_some() {
+            self.landed.insert((delivery.node, delivery.qp, delivery.wr.wr_id), self.now_ns);
+        }
         if self.node(delivery.node).crashed {
             // Flushed work requests of a crashed node complete into a CQ nobody polls.
             return;
@@ -468,6 +517,7 @@ impl World {
     /// Replaces bytes `range` of the message `delivery` wrote on its peer by `bad(byte)` (a silent fault), and logs
     /// every byte it changed.
     fn plant(&mut self, delivery: &Delivery, range: Range<u64>, bad: impl Fn(u8) -> u8) {
+        self.flush();
         let peer = self.node(delivery.node).qps[&delivery.qp].peer.expect("delivered on a connected QP");
         let target = self.node_mut(peer.node);
         let Some(&addr) = target.by_rkey.get(&delivery.wr.remote.rkey) else { return };
@@ -498,6 +548,7 @@ impl World {
         if delivery.wr.imm.is_none() && peer.node != delivery.node {
             return self.copy_across(delivery.node, &delivery.wr.sges, peer.node, delivery.wr.remote);
         }
+        self.flush();
         let Some(bytes) = self.node(delivery.node).gather(&delivery.wr.sges) else {
             return WcStatus::LocalProtection;
         };
@@ -523,15 +574,10 @@ impl World {
     /// range, then each SGE's bytes are copied (or generated) straight into place. Same checks, same order, same
     /// statuses as gather then scatter, and nothing is written unless all pass.
     fn copy_across(&mut self, from: NodeId, sges: &[Sge], to: NodeId, remote: RemoteAddr) -> WcStatus {
-        let (mut source, mut target) = (None, None);
-        for (id, node) in self.nodes.iter_mut() {
-            if *id == from {
-                source = Some(&*node);
-            } else if *id == to {
-                target = Some(node);
-            }
+        if self.deferred.targets.contains(&from) || self.deferred.sources.contains(&to) {
+            self.flush();
         }
-        let (source, target) = (source.expect("the posting node exists"), target.expect("a connected peer exists"));
+        let (source, target) = (self.node(from), self.node(to));
         let mut pieces = Vec::with_capacity(sges.len());
         for sge in sges {
             let Some(region) = source.by_lkey.get(&sge.lkey).map(|addr| &source.regions[addr]) else {
@@ -540,22 +586,58 @@ impl World {
             let Some(range) = region.range(sge.addr, sge.len) else {
                 return WcStatus::LocalProtection;
             };
-            pieces.push((&region.memory, range.start as u64, sge.len));
+            pieces.push((region.addr, range.start as u64, sge.len));
         }
         let len = pieces.iter().map(|(.., len)| len).sum();
         let Some(&addr) = target.by_rkey.get(&remote.rkey) else {
             return WcStatus::RemoteAccess;
         };
-        let region = target.regions.get_mut(&addr).expect("key index follows the regions");
-        let Some(range) = region.range(remote.addr, len) else {
+        let Some(range) = target.regions[&addr].range(remote.addr, len) else {
             return WcStatus::RemoteAccess;
         };
-        let mut at = range.start as u64;
-        for (memory, start, len) in pieces {
-            region.memory.copy_from(at, memory, start, len);
-            at += len;
-        }
+        let deferred = &mut self.deferred;
+        deferred.copies.push(DeferredCopy { from, pieces, to, target: addr, at: range.start as u64 });
+        deferred.sources.insert(from);
+        deferred.targets.insert(to);
+        deferred.bytes += len;
         WcStatus::Success
+    }
+
+    /// Copies every deferred write's bytes ([`Deferred`]): the copies to each target node in order, the target nodes
+    /// spread over the machine's cores when there are bytes enough to be worth a thread.
+    fn flush(&mut self) {
+        if self.deferred.copies.is_empty() {
+            return;
+        }
+        let deferred = std::mem::take(&mut self.deferred);
+        let mut by_target: BTreeMap<NodeId, Vec<DeferredCopy>> = BTreeMap::new();
+        for copy in deferred.copies {
+            by_target.entry(copy.to).or_default().push(copy);
+        }
+        let mut sources = BTreeMap::new();
+        let mut targets = Vec::new();
+        for (id, node) in self.nodes.iter_mut() {
+            match by_target.remove(id) {
+                Some(copies) => targets.push((node, copies)),
+                None => {
+                    sources.insert(*id, &*node);
+                }
+            }
+        }
+        let threads = std::thread::available_parallelism().map_or(1, usize::from).min(targets.len());
+        if threads <= 1 || deferred.bytes < PARALLEL_FLUSH_BYTES {
+            return targets.into_iter().for_each(|(node, copies)| node.apply(&copies, &sources));
+        }
+        let mut lanes: Vec<Vec<(&mut Node, Vec<DeferredCopy>)>> = (0..threads).map(|_| Vec::new()).collect();
+        for (index, target) in targets.into_iter().enumerate() {
+            lanes[index % threads].push(target);
+        }
+        let sources = &sources;
+        std::thread::scope(|scope| {
+            for lane in lanes {
+                scope.spawn(move || lane.into_iter().for_each(|(node, copies)| node.apply(&copies, sources)));
+            }
+        });
     }
 
     /// Whether `peer` exists and is connected to `local` (an RC QP answers only its own peer).
@@ -602,6 +684,19 @@ impl Qp {
 }
 
 impl Node {
+    /// Makes `copies` (all to this node) in order, reading their sources in `sources`.
+    fn apply(&mut self, copies: &[DeferredCopy], sources: &BTreeMap<NodeId, &Node>) {
+        for copy in copies {
+            let source = sources[&copy.from];
+            let region = self.regions.get_mut(&copy.target).expect("a region is never removed with writes pending");
+            let mut at = copy.at;
+            for &(addr, start, len) in &copy.pieces {
+                region.memory.copy_from(at, &source.regions[&addr].memory, start, len);
+                at += len;
+            }
+        }
+    }
+
     fn new() -> Node {
         Node {
             regions: BTreeMap::new(),
@@ -732,6 +827,13 @@ impl SimEndpoint {
     fn with_mut<T>(&mut self, f: impl FnOnce(&mut Node) -> T) -> T {
         f(self.world.borrow_mut().node_mut(self.node))
     }
+
+    /// `f` on this node's memory, every deferred write's bytes copied first ([`Deferred`]).
+    fn with_memory<T>(&self, f: impl FnOnce(&mut Node) -> T) -> T {
+        let mut world = self.world.borrow_mut();
+        world.flush();
+        f(world.node_mut(self.node))
+    }
 }
 
 impl Endpoint for SimEndpoint {
@@ -755,15 +857,15 @@ impl Endpoint for SimEndpoint {
     }
 
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {
-        self.with_mut(|node| node.remove(region))
+        self.with_memory(|node| node.remove(region))
     }
 
     fn deregister_sparse(&mut self, region: &MemoryRegion) -> Result<BTreeMap<u64, Vec<u8>>, FabricError> {
-        self.with_mut(|node| node.remove_chunks(region))
+        self.with_memory(|node| node.remove_chunks(region))
     }
 
     fn read_local(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<(), FabricError> {
-        self.with(|node| node.read(region, offset, out))
+        self.with_memory(|node| node.read(region, offset, out))
     }
 
     fn create_qp(&mut self) -> Result<QpInfo, FabricError> {

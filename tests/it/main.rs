@@ -1,6 +1,8 @@
 //! The one integration test binary. Debug a failure with `cargo test --test it -- <name> --nocapture`;
 //! golden mismatches are reviewed with `cargo insta review` (or `cargo insta test --accept` after reading them).
 
+/// The abort and its acknowledgement: a failed room's pages are released only after its writes drained.
+mod aborts;
 /// Named planner and oracle cases (rstest): rejections, sender roles, deliberate corruption.
 mod cases;
 /// The certification kit: sound transports certified, broken ones not, with the JUnit, JSON and manifest files.
