@@ -124,6 +124,9 @@ impl fmt::Display for Content {
         match self {
             Content::Sentinel => f.write_str("sentinel (never written)"),
             Content::From(described) => write!(f, "{described}"),
+            Content::Damaged { differing_bytes: 1, near: Some(near) } => {
+                write!(f, "a damaged range (1 byte differs) around {near}")
+            }
             Content::Damaged { differing_bytes, near: Some(near) } => {
                 write!(f, "a damaged range ({differing_bytes} bytes differ) around {near}")
             }
@@ -446,14 +449,24 @@ fn found_content_at(sources: &Sources<'_>, window: &[u8], aligned: u64, offset: 
             Content::From(sources.describe(*number, source_offset + (offset - aligned), length))
         }
         _ => {
-            let near = runs.iter().find_map(|run| match run {
-                Run::Source { number, source_offset, length, .. } => {
-                    Some(sources.describe(*number, *source_offset, *length))
-                }
-                _ => None,
-            });
-            let differing = runs.iter().filter(|run| !matches!(run, Run::Source { .. })).map(Run::length).sum();
-            Content::Damaged { differing_bytes: differing, near }
+            // The longest source run is what the range was meant to hold; a byte differs when it is not that run's
+            // pattern continued (a flipped byte can decode as another source's word, so runs alone undercount).
+            let longest = runs.iter().filter(|run| matches!(run, Run::Source { .. })).max_by_key(|run| run.length());
+            let Some(&Run::Source { offset: start, number, source_offset, length: run_len }) = longest else {
+                let differing = runs.iter().filter(|run| !matches!(run, Run::Source { .. })).map(Run::length).sum();
+                return Content::Damaged { differing_bytes: differing, near: None };
+            };
+            let differing = (offset..offset + length)
+                .filter(|&at| {
+                    let expected =
+                        (source_offset + at).checked_sub(start).map(|from| pattern::source_byte(number, from));
+                    window.get((at - aligned) as usize).copied() != expected
+                })
+                .count() as u64;
+            Content::Damaged {
+                differing_bytes: differing,
+                near: Some(sources.describe(number, source_offset, run_len)),
+            }
         }
     }
 }

@@ -135,6 +135,18 @@ fn check_fails_on_a_golden_difference() {
     assert!(stderr.contains("reproduce: cargo run --release -- run"), "{stderr}");
 }
 
+/// `check` on one scenario file or one subdirectory of the corpus finds the golden files `check scenarios` uses
+/// (they are named from the path under `scenarios/`), so a developer can re-check the one case they touched.
+#[test]
+fn check_on_one_file_or_subdirectory_finds_its_golden() {
+    let file = kvrelay(&["check", "scenarios/basic/baseline-tp1-to-tp1.yaml"]);
+    assert!(file.status.success(), "{}", text(&file.stderr));
+    assert!(text(&file.stdout).contains("pass scenarios/basic/baseline-tp1-to-tp1.yaml"), "{}", text(&file.stdout));
+    let dir = kvrelay(&["check", "scenarios/rejections"]);
+    assert!(dir.status.success(), "{}", text(&dir.stderr));
+    assert!(text(&dir.stdout).contains(" 0 failed"), "{}", text(&dir.stdout));
+}
+
 /// Same scenario and seed, byte-identical output; another seed moves the pages and still passes the oracle.
 #[test]
 fn run_output_is_deterministic_per_seed() {
