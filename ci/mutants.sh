@@ -21,6 +21,7 @@ if ! cargo mutants --version >/dev/null 2>&1; then
 fi
 
 out=target/mutants
+mkdir -p target # a fresh clone has none; cargo-mutants creates only the last path component
 args=(--no-shuffle --output "$out" --timeout "${KVRELAY_MUTANTS_TIMEOUT:-600}")
 set -f # the globs are cargo-mutants', not the shell's
 for glob in ${KVRELAY_MUTANTS_FILES:-src/plan/*.rs}; do

@@ -87,6 +87,38 @@ impl<'a> Image<'a> {
         Cow::Owned(out)
     }
 
+    /// Whether bytes `[start, end)` are source region `number`'s from `source_offset` on, compared in place chunk by
+    /// chunk (no copy of a range that spans chunks); a part never materialised holds the sentinel and is compared as
+    /// such (the same answer as comparing [`Image::slice`], without its copy).
+    fn holds_source(&self, start: u64, end: u64, number: u32, source_offset: u64) -> bool {
+        let image = match self {
+            Image::Dense(bytes) => {
+                return pattern::matches_source(number, source_offset, &bytes[start as usize..end as usize]);
+            }
+            Image::Sparse(image) => *image,
+        };
+        let hole_matches = |from: u64, to: u64| {
+            let mut hole = vec![0u8; (to - from) as usize];
+            pattern::fill_sentinel_at(from, &mut hole);
+            pattern::matches_source(number, source_offset + (from - start), &hole)
+        };
+        let mut cursor = start;
+        for (chunk_start, chunk) in Self::overlapping(image, start, end) {
+            let (from, to) = (start.max(chunk_start), end.min(chunk_start + chunk.len() as u64));
+            if from >= to {
+                continue;
+            }
+            let bytes = &chunk[(from - chunk_start) as usize..(to - chunk_start) as usize];
+            if (from > cursor && !hole_matches(cursor, from))
+                || !pattern::matches_source(number, source_offset + (from - start), bytes)
+            {
+                return false;
+            }
+            cursor = to;
+        }
+        cursor >= end || hole_matches(cursor, end)
+    }
+
     fn overlapping(image: &SparseImage, start: u64, end: u64) -> impl Iterator<Item = (u64, &Vec<u8>)> {
         let first = image.chunks.range(..=start).next_back().map_or(start, |(chunk_start, _)| *chunk_start);
         image
@@ -358,9 +390,9 @@ impl RegionCheck<'_> {
                 self.key
             );
             self.check_gap(cursor, piece.target_offset, &free, violations);
-            let found = self.bytes.slice(piece.target_offset, piece.target_offset + piece.length);
             let number = self.sources.number(piece.source, piece.source_region);
-            if !pattern::matches_source(number, piece.source_offset, &found) {
+            let (start, end) = (piece.target_offset, piece.target_offset + piece.length);
+            if !self.bytes.holds_source(start, end, number, piece.source_offset) {
                 let expected = Content::From(self.sources.describe(number, piece.source_offset, piece.length));
                 self.report(piece.target_offset, piece.length, expected, violations);
             }
@@ -578,4 +610,51 @@ pub fn compare_images(problem: &Problem, reference: &Observation, other: &Observ
 fn row_bytes(bytes: &[u8], row: usize, row_len: usize) -> &[u8] {
     let start = (row * row_len).min(bytes.len());
     &bytes[start..((row + 1) * row_len).min(bytes.len())]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A sparse image of 4 KiB cut at `cuts` into chunks, those marked absent left as holes, each present one holding
+    /// source region 3's bytes from `shift` on, with the byte at `flip` (if materialised) inverted.
+    fn image(cuts: &[u64], absent: &[bool], shift: u64, flip: u64) -> SparseImage {
+        let mut bounds: Vec<u64> = cuts.iter().map(|cut| cut % 4096).chain([0, 4096]).collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        let mut chunks: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+        for (index, pair) in bounds.windows(2).enumerate() {
+            if absent.get(index).copied().unwrap_or(false) {
+                continue;
+            }
+            let mut bytes = vec![0u8; (pair[1] - pair[0]) as usize];
+            pattern::fill_source_at(3, pair[0] + shift, &mut bytes);
+            if (pair[0]..pair[1]).contains(&flip) {
+                bytes[(flip - pair[0]) as usize] ^= 0xFF;
+            }
+            chunks.insert(pair[0], bytes);
+        }
+        SparseImage { len: 4096, chunks }
+    }
+
+    proptest! {
+        /// Comparing in place, chunk by chunk and hole by hole, answers exactly as comparing the copied range did.
+        #[test]
+        fn holds_source_answers_as_the_copied_slice(
+            cuts in proptest::collection::vec(0u64..4096, 0..8),
+            absent in proptest::collection::vec(proptest::bool::weighted(0.2), 0..9),
+            shift in prop_oneof![Just(0u64), 0u64..64],
+            flip in prop_oneof![Just(u64::MAX), 0u64..4096],
+            range in (0u64..4096, 0u64..4096),
+            source_offset in prop_oneof![3 => Just(None), 1 => (0u64..8192).prop_map(Some)],
+        ) {
+            let sparse = image(&cuts, &absent, shift, flip);
+            let image = Image::Sparse(&sparse);
+            let (start, end) = (range.0.min(range.1), range.0.max(range.1));
+            let source_offset = source_offset.unwrap_or(start + shift);
+            let copied = pattern::matches_source(3, source_offset, &image.slice(start, end));
+            prop_assert_eq!(image.holds_source(start, end, 3, source_offset), copied);
+        }
+    }
 }
