@@ -90,4 +90,27 @@ mod tests {
         let res = pair_entries(None, None, 3, 24, false);
         assert_eq!(res, Err(PlanError::PositionalPairing { prefill: 3, decode: 24 }));
     }
+
+    /// Without PP, positional pairing takes the first decode entries when decode has more (the trailing ones are
+    /// draft entries, domain.md §4.3), and can never pair more prefill entries than decode has.
+    #[test]
+    fn positional_pairing_without_pp_takes_a_prefix_and_needs_enough_targets() {
+        assert_eq!(pair_entries(None, None, 2, 3, true), Ok(vec![0, 1]));
+        let res = pair_entries(None, None, 3, 2, true);
+        assert_eq!(res, Err(PlanError::PositionalPairing { prefill: 3, decode: 2 }));
+    }
+
+    /// Id lists must have one id per entry on each side (found by cargo-mutants: a mismatch on one side alone was
+    /// not tested).
+    #[test]
+    fn layer_id_lists_must_match_their_entry_counts_on_each_side() {
+        let expected = |source_ids, target_ids| PlanError::LayerMetadataLength {
+            source_ids,
+            source_entries: 2,
+            target_ids,
+            target_entries: 3,
+        };
+        assert_eq!(pair_entries(Some(&[1, 2]), Some(&[1, 2]), 2, 3, false), Err(expected(2, 2)));
+        assert_eq!(pair_entries(Some(&[1]), Some(&[1, 2, 3]), 2, 3, false), Err(expected(1, 3)));
+    }
 }
