@@ -473,7 +473,7 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
             }
         };
         let actual = render::golden(&scenario, &outcome);
-        let golden_path = golden_dir.join(render::golden_file_name(&corpus_relative(file, dir)));
+        let golden_path = golden_dir.join(render::golden_file_name(&corpus_relative(file, relative)));
         let expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));
         let mut problems = outcome.failures.clone();
         let golden_diff = match expected {
@@ -506,24 +506,24 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// The reproduce line of a scenario that failed `check`: the file's own seed, explicit so that a `KVRELAY_SEED` in
-/// the reader's shell does not replace it.
 /// The scenario's path as its golden file is named: relative to the nearest enclosing `scenarios` directory (so
-/// `check scenarios/basic` and `check scenarios/basic/x.yaml` find the goldens `check scenarios` finds), else to
-/// the directory checked, else the file's name.
-fn corpus_relative(file: &Path, dir: &Path) -> PathBuf {
+/// `check scenarios/basic` and `check scenarios/basic/x.yaml` find the goldens `check scenarios` finds), else
+/// `relative` (to the directory checked), else, for a lone file, its name.
+fn corpus_relative(file: &Path, relative: &Path) -> PathBuf {
     if let Ok(canonical) = file.canonicalize() {
         let root = canonical.ancestors().skip(1).find(|ancestor| ancestor.file_name() == Some("scenarios".as_ref()));
-        if let Some(relative) = root.and_then(|root| canonical.strip_prefix(root).ok()) {
-            return relative.to_path_buf();
+        if let Some(inside) = root.and_then(|root| canonical.strip_prefix(root).ok()) {
+            return inside.to_path_buf();
         }
     }
-    match file.strip_prefix(dir) {
-        Ok(relative) if !relative.as_os_str().is_empty() => relative.to_path_buf(),
-        _ => file.file_name().map_or_else(|| file.to_path_buf(), PathBuf::from),
+    match relative == file {
+        true => file.file_name().map_or_else(|| file.to_path_buf(), PathBuf::from),
+        false => relative.to_path_buf(),
     }
 }
 
+/// The reproduce line of a scenario that failed `check`: the file's own seed, explicit so that a `KVRELAY_SEED` in
+/// the reader's shell does not replace it.
 fn check_reproduce(file: &Path, seed: u64) -> String {
     format!("reproduce: cargo run --release -- run {} --seed {seed}", run::shell_word(&file.display().to_string()))
 }

@@ -110,6 +110,7 @@ pub(super) fn classify(frames: &[Vec<u8>]) -> Kind {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::strategy::Strategy as _;
 
     #[test]
     fn link_ack_round_trips_and_rejects_garbage() {
@@ -141,7 +142,13 @@ mod tests {
         #[test]
         fn control_answers_decode_arbitrary_frames_without_panicking(
             tag in proptest::sample::select(vec![ABORT_TAG.to_vec(), ABORT_ACK_TAG.to_vec(), LINK_TAG.to_vec(), b"x".to_vec()]),
-            rest in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..24), 0..4),
+            rest in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::num::u64::ANY.prop_map(|room| room.to_string().into_bytes()),
+                    proptest::collection::vec(proptest::num::u8::ANY, 0..24),
+                ],
+                0..4,
+            ),
         ) {
             let mut frames = vec![GUARD.to_vec(), tag];
             frames.extend(rest);

@@ -151,19 +151,24 @@ pub enum Content {
     Damaged { differing_bytes: u64, near: Option<Described> },
 }
 
+/// `1 byte differs`, `n bytes differ`.
+fn differ(bytes: u64) -> String {
+    match bytes {
+        1 => "1 byte differs".to_owned(),
+        n => format!("{n} bytes differ"),
+    }
+}
+
 impl fmt::Display for Content {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Content::Sentinel => f.write_str("sentinel (never written)"),
             Content::From(described) => write!(f, "{described}"),
-            Content::Damaged { differing_bytes: 1, near: Some(near) } => {
-                write!(f, "a damaged range (1 byte differs) around {near}")
-            }
             Content::Damaged { differing_bytes, near: Some(near) } => {
-                write!(f, "a damaged range ({differing_bytes} bytes differ) around {near}")
+                write!(f, "a damaged range ({}) around {near}", differ(*differing_bytes))
             }
             Content::Damaged { differing_bytes, near: None } => {
-                write!(f, "bytes of no known origin ({differing_bytes} bytes differ)")
+                write!(f, "bytes of no known origin ({})", differ(*differing_bytes))
             }
         }
     }
