@@ -849,7 +849,7 @@ impl Endpoint for SimEndpoint {
         self.world.borrow_mut().register(self.node, Memory::Dense(bytes))
     }
 
-    /// Lazily: no byte is materialised until a write reaches its chunk (16 KiB).
+    /// Lazily: no byte is materialised until a write reaches its chunk ([`CHUNK_BYTES`], 128 KiB).
     fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
         let pool = self.world.borrow().pool.clone();
         let memory = Memory::Lazy { len, fill, chunks: BTreeMap::new(), pool };

@@ -379,26 +379,31 @@ fn mamba_pieces(
             let (mut target_start, mut source_start) = (0u64, 0u64);
             for group in &groups {
                 let (target_width, source_width) = (u64::from(group / decode_tp), u64::from(group / prefill_tp));
-                for index in 0..target_width {
+                let mut index = 0;
+                while index < target_width {
                     let channel = u64::from(target.tp) * target_width + index;
-                    let holder_tp = (channel / source_width) as u32;
-                    let source_unit = source_start + channel % source_width;
-                    let Some((source, source_region)) = holders[holder_tp as usize] else { continue };
-                    push_merged(
-                        res,
-                        Piece {
-                            request: request.id,
-                            target_offset: u64::from(request.decode_state.slot) * target_item
-                                + row * target_row
-                                + (target_start + index) * unit,
-                            length: unit,
-                            source,
-                            source_region,
-                            source_offset: u64::from(request.prefill_state.slot) * source_item
-                                + row * source_row
-                                + source_unit * unit,
-                        },
-                    );
+                    let (holder_tp, within) = ((channel / source_width) as u32, channel % source_width);
+                    // The channels up to the end of this group's share or of the holder's share come from one
+                    // holder, consecutive on both sides: one piece for the run.
+                    let run = (target_width - index).min(source_width - within);
+                    if let Some((source, source_region)) = holders[holder_tp as usize] {
+                        push_merged(
+                            res,
+                            Piece {
+                                request: request.id,
+                                target_offset: u64::from(request.decode_state.slot) * target_item
+                                    + row * target_row
+                                    + (target_start + index) * unit,
+                                length: run * unit,
+                                source,
+                                source_region,
+                                source_offset: u64::from(request.prefill_state.slot) * source_item
+                                    + row * source_row
+                                    + (source_start + within) * unit,
+                            },
+                        );
+                    }
+                    index += run;
                 }
                 target_start += target_width;
                 source_start += source_width;
