@@ -144,6 +144,8 @@ pub enum PlanForm {
     Descriptors,
     /// `kvrelay-plan-1`: every copy (`--expand`).
     Copies,
+    /// `kvrelay-plan-3`: descriptors through the requests' page tables (`--paged`).
+    Paged,
 }
 
 /// Streams the plan as one JSON document (schema in README.md): regions, then every descriptor or every copy, in
@@ -167,6 +169,7 @@ pub fn plan_json(problem: &Problem, plan: &Plan, form: PlanForm, out: &mut impl 
     let schema = match form {
         PlanForm::Descriptors => "kvrelay-plan-2",
         PlanForm::Copies => "kvrelay-plan-1",
+        PlanForm::Paged => "kvrelay-plan-3",
     };
     writeln!(out, "{{\"schema\": \"{schema}\",")?;
     writeln!(out, "\"scenario\": {},", serde_json::Value::from(problem.name.clone()))?;
@@ -191,6 +194,9 @@ pub fn plan_json(problem: &Problem, plan: &Plan, form: PlanForm, out: &mut impl 
         }
     }
     writeln!(out, "\n],")?;
+    if form == PlanForm::Paged {
+        return paged_json(problem, plan, &rank, &region, out);
+    }
     if form == PlanForm::Descriptors {
         writeln!(out, "\"descriptors\": [")?;
         let mut first = true;
@@ -232,6 +238,50 @@ pub fn plan_json(problem: &Problem, plan: &Plan, form: PlanForm, out: &mut impl 
         });
         write!(out, "{}{value}", if first { "  " } else { ",\n  " })?;
         first = false;
+    }
+    writeln!(out, "\n]}}")
+}
+
+/// The `tables` and `descriptors` of schema `kvrelay-plan-3` (README.md "JSON plan schema").
+fn paged_json(
+    problem: &Problem,
+    plan: &Plan,
+    rank: &dyn Fn(Side, RankId) -> serde_json::Value,
+    region: &dyn Fn(Side, RankId, u32) -> serde_json::Value,
+    out: &mut impl std::io::Write,
+) -> std::io::Result<()> {
+    writeln!(out, "\"tables\": [")?;
+    for (index, request) in problem.requests.iter().enumerate() {
+        let value = serde_json::json!({
+            "request": request.id,
+            "prefill_kv_pages": request.prefill_pages,
+            "decode_kv_pages": request.decode_pages,
+            "prefill_state_pages": request.prefill_state.pages,
+            "decode_state_pages": request.decode_state.pages,
+        });
+        write!(out, "{}{value}", if index == 0 { "  " } else { ",\n  " })?;
+    }
+    writeln!(out, "\n],")?;
+    writeln!(out, "\"descriptors\": [")?;
+    for (index, descriptor) in crate::plan::paged::compact(problem, &plan.descriptors()).iter().enumerate() {
+        let value = serde_json::json!({
+            "request": descriptor.request,
+            "chunk": descriptor.chunk,
+            "transfer": transfer_kind(descriptor.kind),
+            "source": rank(Side::Prefill, descriptor.source),
+            "source_region": region(Side::Prefill, descriptor.source, descriptor.source_region),
+            "source_table": descriptor.source_table.to_string(),
+            "source_offset": descriptor.source_offset,
+            "source_stride": descriptor.source_stride,
+            "target": rank(Side::Decode, descriptor.target),
+            "target_region": region(Side::Decode, descriptor.target, descriptor.target_region),
+            "target_table": descriptor.target_table.to_string(),
+            "target_offset": descriptor.target_offset,
+            "target_stride": descriptor.target_stride,
+            "element_len": descriptor.element_len,
+            "count": descriptor.count,
+        });
+        write!(out, "{}{value}", if index == 0 { "  " } else { ",\n  " })?;
     }
     writeln!(out, "\n]}}")
 }

@@ -116,12 +116,14 @@ fn bench_descriptors(tokens: u32, iterations: u32) -> anyhow::Result<()> {
     let [sim_limits, roce_limits] = lowerings();
     outln!("descriptors (plan+lower = plan, descriptors and lowering to soft-roce limits, max_sge 32, 8 MiB):");
     outln!(
-        "{:<14} {:>8} {:>10} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "{:<14} {:>8} {:>8} {:>10} {:>8} {:>12} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12}",
         "problem",
         "descr",
+        "paged",
         "copies",
         "ratio",
         "plan+lower",
+        "+paged ms",
         "expand ms",
         "wr sim",
         "wr soft-roce",
@@ -152,12 +154,17 @@ fn bench_descriptors(tokens: u32, iterations: u32) -> anyhow::Result<()> {
             count
         });
         let descriptors = plan.descriptors();
+        let (paged_time, paged) = median(iterations, &mut || {
+            let Ok(plan) = plan::plan(&problem) else { return 0 };
+            plan::paged::compact(&problem, &plan.descriptors()).len() as u64
+        });
         let (sim, roce) = (plan::lower(&descriptors, sim_limits), plan::lower(&descriptors, roce_limits));
         outln!(
-            "{name:<14} {:>8} {copies:>10} {:>8.0} {:>12.3} {:>12.3} {:>12} {:>12} {:>12} {:>12}",
+            "{name:<14} {:>8} {paged:>8} {copies:>10} {:>8.0} {:>12.3} {:>10.3} {:>12.3} {:>12} {:>12} {:>12} {:>12}",
             descriptors.len(),
             copies as f64 / (descriptors.len().max(1) as f64),
             lower_time.as_secs_f64() * 1e3,
+            paged_time.as_secs_f64() * 1e3,
             expand_time.as_secs_f64() * 1e3,
             sim.work_request_count(),
             roce.work_request_count(),
@@ -165,9 +172,11 @@ fn bench_descriptors(tokens: u32, iterations: u32) -> anyhow::Result<()> {
             plan::packed_work_request_count(&descriptors, roce_limits)
         );
     }
-    outln!("(contiguous: pages 1.. on both sides; shuffled: the allocator's default; plan+lower and expand ms both");
-    outln!(" include planning; copies = the per-row expansion; wr = work requests for the one request; wr packed =");
-    outln!(" soft-roce work requests after a pack buffer (domain.md §2.8) makes sources contiguous, counted only)");
+    outln!("(contiguous: pages 1.. on both sides; shuffled: the allocator's default; plan+lower, +paged ms and");
+    outln!(" expand ms all include planning; paged = descriptors addressed through the request's page tables");
+    outln!(" (`plan::paged`, schema kvrelay-plan-3), +paged ms = plan, descriptors and that compaction; copies = the");
+    outln!(" per-row expansion; wr = work requests for the one request; wr packed = soft-roce work requests after a");
+    outln!(" pack buffer (domain.md §2.8) makes sources contiguous, counted only)");
     Ok(())
 }
 

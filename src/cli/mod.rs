@@ -117,8 +117,11 @@ pub enum Command {
         #[arg(long)]
         json: bool,
         /// With --json: every per-row copy instead, schema `kvrelay-plan-1`.
-        #[arg(long, requires = "json")]
+        #[arg(long, requires = "json", conflicts_with = "paged")]
         expand: bool,
+        /// With --json: descriptors addressed through each request's page tables, schema `kvrelay-plan-3`.
+        #[arg(long, requires = "json")]
+        paged: bool,
     },
     /// Run every scenario under DIR against its golden layout and expectation; the CI gate.
     Check {
@@ -301,13 +304,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             out!("{}", render::layout(&scenario.problem, &outcome.observation, only));
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { scenario, json, expand } => {
+        Command::Plan { scenario, json, expand, paged } => {
             let scenario = load(&scenario, seed)?;
             let plan = plan::plan(&scenario.problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
             if json {
-                let form = if expand { render::PlanForm::Copies } else { render::PlanForm::Descriptors };
+                let form = match (expand, paged) {
+                    (true, _) => render::PlanForm::Copies,
+                    (false, true) => render::PlanForm::Paged,
+                    (false, false) => render::PlanForm::Descriptors,
+                };
                 render::plan_json(&scenario.problem, &plan, form, &mut out)?;
             } else {
                 out.write_all(render::plan_summary(&plan).as_bytes())?;

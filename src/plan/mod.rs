@@ -8,6 +8,7 @@ mod descriptor;
 mod error;
 mod heads;
 mod lowering;
+pub mod paged;
 mod pairing;
 pub mod peer;
 mod ranks;

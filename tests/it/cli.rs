@@ -85,6 +85,99 @@ fn plan_json_emits_descriptors_moving_the_copies_bytes() {
     }
 }
 
+/// `plan --json --paged` (kvrelay-plan-3): read as README.md documents it, logical byte `l` of a table-addressed
+/// side at `table[l / item_len] * item_len + l % item_len`, the descriptors move exactly the bytes of the copies,
+/// in fewer entries than kvrelay-plan-2 on shuffled pages (KV pages, and paged state).
+#[rstest::rstest]
+#[case::kv_pages("scenarios/basic/kimi-k3-example-c.yaml")]
+#[case::state_pages("scenarios/state/dsa-index-keys-tp2-to-tp4.yaml")]
+fn plan_json_paged_descriptors_read_through_the_tables_move_the_copies_bytes(#[case] scenario: &str) {
+    let parse = |args: &[&str]| -> serde_json::Value {
+        let output = kvrelay(args);
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        serde_json::from_slice(&output.stdout).unwrap()
+    };
+    let paged = parse(&["plan", scenario, "--json", "--paged"]);
+    let copies = parse(&["plan", scenario, "--json", "--expand"]);
+    let strided = parse(&["plan", scenario, "--json"]);
+    assert_eq!(paged["schema"], "kvrelay-plan-3");
+    let number = |value: &serde_json::Value| value.as_u64().unwrap_or_else(|| panic!("not a number: {value}"));
+    let item_len = |side: &str, rank: &serde_json::Value, region: &serde_json::Value| {
+        let regions = paged["regions"].as_array().unwrap();
+        let found = regions.iter().find(|it| it["side"] == side && it["rank"] == *rank && it["region"] == *region);
+        number(&found.unwrap()["item_len"])
+    };
+    // (source rank, source region, target rank, target region) -> (source byte, target byte, length), coalesced.
+    let mut moved: Vec<(String, u64, u64, u64)> = Vec::new();
+    for descriptor in paged["descriptors"].as_array().unwrap() {
+        let table = |side: &str, name: &str| -> Option<(Vec<u64>, u64)> {
+            let name = descriptor[name].as_str().unwrap();
+            let tables = paged["tables"].as_array().unwrap();
+            let request = tables.iter().find(|it| it["request"] == descriptor["request"]).unwrap();
+            let listed = match name.split_once(':') {
+                None if name == "physical" => return None,
+                None => &request[format!("{side}_{name}")],
+                Some((kind, component)) => &request[format!("{side}_{kind}")][component.parse::<usize>().unwrap()],
+            };
+            let rank = &descriptor[if side == "prefill" { "source" } else { "target" }];
+            let region = &descriptor[if side == "prefill" { "source_region" } else { "target_region" }];
+            Some((listed.as_array().unwrap().iter().map(number).collect(), item_len(side, rank, region)))
+        };
+        let (source_table, target_table) = (table("prefill", "source_table"), table("decode", "target_table"));
+        let physical = |table: &Option<(Vec<u64>, u64)>, at: u64| match table {
+            Some((items, len)) => items[(at / len) as usize] * len + at % len,
+            None => at,
+        };
+        let key = format!(
+            "{} {} {} {}",
+            descriptor["source"],
+            descriptor["source_region"]["index"],
+            descriptor["target"],
+            descriptor["target_region"]["index"]
+        );
+        let room =
+            |table: &Option<(Vec<u64>, u64)>, at: u64| table.as_ref().map_or(u64::MAX, |(_, len)| len - at % len);
+        let element_len = number(&descriptor["element_len"]);
+        for k in 0..number(&descriptor["count"]) {
+            let source = number(&descriptor["source_offset"]) + k * number(&descriptor["source_stride"]);
+            let target = number(&descriptor["target_offset"]) + k * number(&descriptor["target_stride"]);
+            // Cut where an item ends on either side: each part lies in one page on both.
+            let mut done = 0;
+            while done < element_len {
+                let (from, to) = (source + done, target + done);
+                let length = (element_len - done).min(room(&source_table, from)).min(room(&target_table, to));
+                moved.push((key.clone(), physical(&source_table, from), physical(&target_table, to), length));
+                done += length;
+            }
+        }
+    }
+    let expected = copies["copies"].as_array().unwrap().iter().map(|copy| {
+        let key = format!(
+            "{} {} {} {}",
+            copy["source"], copy["source_region"]["index"], copy["target"], copy["target_region"]["index"]
+        );
+        (key, number(&copy["source_offset"]), number(&copy["target_offset"]), number(&copy["length"]))
+    });
+    let (moved, expected) = (coalesced(moved), coalesced(expected.collect()));
+    assert!(moved == expected, "the paged descriptors move {} runs, the copies {}", moved.len(), expected.len());
+    let (paged_count, strided_count) =
+        (paged["descriptors"].as_array().unwrap().len(), strided["descriptors"].as_array().unwrap().len());
+    assert!(paged_count < strided_count, "{paged_count} paged descriptors, {strided_count} strided");
+}
+
+/// Byte moves sorted, with runs that continue on both sides (same key) joined.
+fn coalesced(mut moves: Vec<(String, u64, u64, u64)>) -> Vec<(String, u64, u64, u64)> {
+    moves.sort();
+    let mut out: Vec<(String, u64, u64, u64)> = Vec::new();
+    for (key, source, target, length) in moves {
+        match out.last_mut() {
+            Some(last) if last.0 == key && last.1 + last.3 == source && last.2 + last.3 == target => last.3 += length,
+            _ => out.push((key, source, target, length)),
+        }
+    }
+    out
+}
+
 #[test]
 fn plan_of_a_rejected_scenario_fails_with_the_domain_message() {
     let output = kvrelay(&["plan", "scenarios/rejections/dcp-2-to-8.yaml", "--json"]);

@@ -635,3 +635,48 @@ proptest! {
         descriptors_match_copies(&problem, plan::Limits { max_sge, max_message, sq_depth: 4 })?;
     }
 }
+
+/// The paged form of a plan's descriptors moves exactly the bytes of its per-row expansion, and is never longer
+/// than the descriptors it compacts.
+fn paged_descriptors_match_copies(problem: &kvrelay::model::Problem) -> Result<(), TestCaseError> {
+    let plan = plan::plan(problem).unwrap();
+    let descriptors = plan.descriptors();
+    let paged = plan::paged::compact(problem, &descriptors);
+    prop_assert!(paged.len() <= descriptors.len(), "{} paged > {} descriptors", paged.len(), descriptors.len());
+    let mut segments = Vec::new();
+    for descriptor in &paged {
+        let key = (
+            descriptor.request,
+            descriptor.chunk,
+            descriptor.kind,
+            descriptor.source,
+            descriptor.source_region,
+            descriptor.target,
+            descriptor.target_region,
+        );
+        let Some(moved) = descriptor.segments(problem) else {
+            return Err(TestCaseError::fail(format!("{descriptor:?} does not translate back")));
+        };
+        segments.extend(moved.into_iter().map(|segment| (key, segment.source, segment.target, segment.length)));
+    }
+    prop_assert_eq!(moves(segments.into_iter()), moves(plan.copies().map(keyed)));
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Every transfer kind on random topologies, on shuffled or contiguous pages: descriptors addressed through
+    /// the request's page tables (`plan::paged`) translate back to exactly the per-row expansion's bytes.
+    #[test]
+    fn paged_descriptors_move_exactly_the_bytes_of_the_per_row_copies(
+        shape in shapes_of(true),
+        contiguous in any::<bool>(),
+    ) {
+        let mut problem = scenario(&shape.yaml()).problem;
+        if contiguous {
+            contiguous_pages(&mut problem);
+        }
+        paged_descriptors_match_copies(&problem)?;
+    }
+}
