@@ -456,6 +456,8 @@ struct ScalingRow {
     plan_ms: f64,
     lower_ms: f64,
     descriptors: u64,
+    paged_ms: f64,
+    paged: u64,
     copies: u64,
     work_requests: u64,
     moved: Option<u64>,
@@ -474,11 +476,14 @@ fn scaling_row(shape: &ScalingShape, iterations: u32) -> Result<ScalingRow, Stri
         let descriptors = plan.descriptors();
         plan::lower(&descriptors, roce).work_request_count()
     });
-    let descriptors = plan.descriptors().len() as u64;
+    let descriptors = plan.descriptors();
+    let (paged_time, paged) = median(iterations, &mut || plan::paged::compact(&problem, &descriptors).len() as u64);
     Ok(ScalingRow {
         plan_ms: plan_time.as_secs_f64() * 1e3,
         lower_ms: lower_time.as_secs_f64() * 1e3,
-        descriptors,
+        descriptors: descriptors.len() as u64,
+        paged_ms: paged_time.as_secs_f64() * 1e3,
+        paged,
         copies: plan.copy_count(),
         work_requests,
         moved: moved_bytes(&plan),
@@ -492,19 +497,21 @@ pub(super) fn bench_scaling(max_tokens: u32, iterations: u32) -> anyhow::Result<
     let iterations = iterations.clamp(1, 5);
     let show = |value: Option<u64>| value.map_or_else(|| "overflow".to_owned(), |it| it.to_string());
     outln!(
-        "| tokens | shape | plan ms | plan ms / 1K tokens | descr+lower ms | descriptors | per-row copies | work requests (soft-roce) | bytes moved | registered bytes (both sides) | plan heap bytes |"
+        "| tokens | shape | plan ms | plan ms / 1K tokens | descr+lower ms | descriptors | paged ms | paged descriptors | per-row copies | work requests (soft-roce) | bytes moved | registered bytes (both sides) | plan heap bytes |"
     );
-    outln!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    outln!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for shape in scaling_shapes(max_tokens) {
         match scaling_row(&shape, iterations) {
             Ok(row) => outln!(
-                "| {} | {} | {:.3} | {:.4} | {:.3} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {:.3} | {:.4} | {:.3} | {} | {:.3} | {} | {} | {} | {} | {} | {} |",
                 shape.tokens,
                 shape.label,
                 row.plan_ms,
                 row.plan_ms / (f64::from(shape.tokens) / 1024.0),
                 row.lower_ms,
                 row.descriptors,
+                row.paged_ms,
+                row.paged,
                 row.copies,
                 row.work_requests,
                 show(row.moved),
@@ -512,12 +519,12 @@ pub(super) fn bench_scaling(max_tokens: u32, iterations: u32) -> anyhow::Result<
                 show(row.heap)
             ),
             Err(error) => {
-                outln!("| {} | {} | not planned: {} |||||||||", shape.tokens, shape.label, error.replace('|', "/"))
+                outln!("| {} | {} | not planned: {} |||||||||||", shape.tokens, shape.label, error.replace('|', "/"))
             }
         }
     }
     outln!(
-        "(median of {iterations} runs; plan = plan::plan; descr+lower = descriptors and their lowering to soft-roce limits, max_sge 32, 8 MiB messages; per-row copies counted, not expanded; plan heap = group vector and shared entry and row-run lists)"
+        "(median of {iterations} runs; plan = plan::plan; descr+lower = descriptors and their lowering to soft-roce limits, max_sge 32, 8 MiB messages; paged = plan::paged::compact of those descriptors, alone; per-row copies counted, not expanded; plan heap = group vector and shared entry and row-run lists)"
     );
     Ok(ExitCode::SUCCESS)
 }
