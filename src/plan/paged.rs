@@ -95,15 +95,18 @@ fn table_of(kind: TransferKind) -> Table {
 }
 
 /// One side's addressing while compacting: the table, its item length, and item → first ordinal (shared by every
-/// region addressed through the same table).
+/// region addressed through the same table; `u64::MAX` for an item not listed).
 struct Addressing {
     table: Table,
     item_len: u64,
-    ordinals: Rc<BTreeMap<u32, u64>>,
+    ordinals: Rc<Vec<u64>>,
 }
 
-/// Item → first ordinal, per request, side and table.
-type Ordinals = BTreeMap<(u32, Side, Table), Rc<BTreeMap<u32, u64>>>;
+/// Item → first ordinal, per request, side and table (`None`: a table naming an item past [`MAX_ITEM`]).
+type Ordinals = BTreeMap<(u32, Side, Table), Option<Rc<Vec<u64>>>>;
+
+/// Tables naming larger items are not used for addressing (the item → ordinal index is dense).
+const MAX_ITEM: u32 = 1 << 24;
 
 impl Addressing {
     fn new(
@@ -125,13 +128,19 @@ impl Addressing {
             return Addressing { table: Table::Physical, item_len: u64::MAX, ordinals: Rc::default() };
         };
         let ordinals = known.entry((id, side, table)).or_insert_with(|| {
-            let mut ordinals = BTreeMap::new();
-            for (ordinal, item) in listed.iter().enumerate() {
-                ordinals.entry(*item).or_insert(ordinal as u64);
-            }
-            Rc::new(ordinals)
+            let last = listed.iter().copied().max().unwrap_or(0);
+            (last < MAX_ITEM).then(|| {
+                let mut ordinals = vec![u64::MAX; last as usize + 1];
+                for (ordinal, item) in listed.iter().enumerate().rev() {
+                    ordinals[*item as usize] = ordinal as u64;
+                }
+                Rc::new(ordinals)
+            })
         });
-        Addressing { table, item_len, ordinals: Rc::clone(ordinals) }
+        match ordinals {
+            Some(ordinals) => Addressing { table, item_len, ordinals: Rc::clone(ordinals) },
+            None => Addressing { table: Table::Physical, item_len: u64::MAX, ordinals: Rc::default() },
+        }
     }
 
     /// Bytes left in the item holding physical byte `at`.
@@ -144,8 +153,8 @@ impl Addressing {
         if self.table == Table::Physical {
             return (Table::Physical, at);
         }
-        let item = u32::try_from(at / self.item_len).ok();
-        match item.and_then(|item| self.ordinals.get(&item)) {
+        let ordinal = usize::try_from(at / self.item_len).ok().and_then(|item| self.ordinals.get(item));
+        match ordinal.filter(|ordinal| **ordinal != u64::MAX) {
             Some(ordinal) => (self.table, ordinal * self.item_len + at % self.item_len),
             None => (Table::Physical, at),
         }
