@@ -83,7 +83,7 @@ impl Memory {
 
     /// The chunks `[start, start + len)` covers, each as (chunk start, range within the chunk, range within the
     /// request). The range must lie inside the region.
-    fn pieces(&self, start: u64, len: u64) -> impl Iterator<Item = (u64, Range<usize>, Range<usize>)> {
+    fn pieces(start: u64, len: u64) -> impl Iterator<Item = (u64, Range<usize>, Range<usize>)> {
         let end = start + len;
         let mut at = start;
         std::iter::from_fn(move || {
@@ -106,7 +106,7 @@ impl Memory {
         match self {
             Memory::Dense(bytes) => out.copy_from_slice(&bytes[start as usize..start as usize + out.len()]),
             Memory::Lazy { fill, chunks, .. } => {
-                for (chunk, within, part) in self.pieces(start, out.len() as u64) {
+                for (chunk, within, part) in Self::pieces(start, out.len() as u64) {
                     match chunks.get(&chunk) {
                         Some(bytes) => out[part].copy_from_slice(&bytes[within]),
                         None => fill(start + part.start as u64, &mut out[part]),
@@ -119,11 +119,10 @@ impl Memory {
     /// Hands `write(offset within the request, bytes)` mutable slices covering `[start, start + len)` in order,
     /// materialising lazily filled chunks as they are reached (a chunk wholly covered is not filled first).
     pub(super) fn write_with(&mut self, start: u64, len: u64, mut write: impl FnMut(u64, &mut [u8])) {
-        let pieces: Vec<_> = self.pieces(start, len).collect();
         match self {
             Memory::Dense(bytes) => write(0, &mut bytes[start as usize..(start + len) as usize]),
             Memory::Lazy { len: region_len, fill, chunks, pool } => {
-                for (chunk, within, part) in pieces {
+                for (chunk, within, part) in Self::pieces(start, len) {
                     let bytes = chunks.entry(chunk).or_insert_with(|| {
                         let size = (*region_len - chunk).min(CHUNK_BYTES) as usize;
                         let mut bytes = match pool {
