@@ -618,7 +618,7 @@ fn register_regions<N: Endpoint>(
 ) -> Result<Vec<MemoryRegion>, FabricError> {
     let mut regions = Vec::new();
     for (index, region) in layout.regions.iter().enumerate() {
-        regions.push(nic.register_filled(region.len_bytes(), fill(index as u32))?);
+        regions.push(nic.register_filled(region.len_bytes(), region.item_len, fill(index as u32))?);
     }
     Ok(regions)
 }

@@ -1,6 +1,7 @@
 //! One registered region's bytes in the in-memory fabric: dense (a `Vec` handed to `register`) or materialised
-//! lazily per [`CHUNK_BYTES`] chunk (`register_filled`), where a chunk no write has reached is never allocated and
-//! reads as the region's [`Fill`]. A lazily filled region costs memory for the chunks written to only.
+//! lazily per chunk (`register_filled`; [`chunk_bytes`] of the region's item length), where a chunk no write has
+//! reached is never allocated and reads as the region's [`Fill`]. A lazily filled region costs memory for the chunks
+//! written to only.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -8,16 +9,43 @@ use std::sync::{Arc, Mutex};
 
 use super::verbs::Fill;
 
-/// Bytes per materialised chunk of a lazily filled region (chunks start at multiples of it). Measured with
-/// `kvrelay bench` on the Kimi-K3 scenario: 16 KiB chunks spent a third of the verify phase on per-chunk lookups
-/// and scattered memory (end to end 0.155 s), 128 KiB took 0.099 s, 256 KiB 0.101 s, and 512 KiB and larger
-/// slowed the flush (sentinel fills of partly written chunks, allocator churn) and raised peak memory.
+/// Bytes per materialised chunk of a lazily filled region without an item length (chunks start at multiples of
+/// the chunk size). Measured with `kvrelay bench` on the Kimi-K3 scenario: 16 KiB chunks spent a third of the verify
+/// phase on per-chunk lookups and scattered memory (end to end 0.155 s), 128 KiB took 0.099 s, 256 KiB 0.101 s, and
+/// 512 KiB and larger slowed the flush (sentinel fills of partly written chunks, allocator churn) and raised peak
+/// memory.
 pub const CHUNK_BYTES: u64 = 128 << 10;
+
+/// Chunks are at least this large when items are small (many items per chunk)...
+const MIN_ITEM_CHUNK: u64 = 32 << 10;
+/// ...and at most this large when items are large (an item spans chunks).
+const MAX_ITEM_CHUNK: u64 = 1 << 20;
+
+/// The chunk size of a lazily filled region used in items of `item_len` bytes: the smallest whole number of items
+/// of at least 32 KiB, or 1 MiB for items larger than that ([`CHUNK_BYTES`] when `item_len` is 0). A chunk then holds
+/// whole items, so an item written to (a page of a layer, a state slot) materialises few neighbours. Measured on the
+/// Kimi-K3 shape (36 KiB KV pages, 27 KiB and 768 KiB KDA slots): with 128 KiB chunks the replay's request
+/// materialised 1.35 GB of decode memory for 0.90 GB moved (pages straddling chunks), with whole items of at least
+/// 64 KiB 1.14 GB, at least 32 KiB 0.92 GB; `kvrelay bench` end to end went from about 0.085 s to 0.07 s.
+pub fn chunk_bytes(item_len: u64) -> u64 {
+    match item_len {
+        0 => CHUNK_BYTES,
+        len if len >= MAX_ITEM_CHUNK => MAX_ITEM_CHUNK,
+        len => MIN_ITEM_CHUNK.div_ceil(len) * len,
+    }
+}
 
 /// A region's bytes.
 pub(super) enum Memory {
     Dense(Vec<u8>),
-    Lazy { len: u64, fill: Fill, chunks: BTreeMap<u64, Box<[u8]>>, pool: Option<ChunkPool> },
+    /// `chunk`: bytes per chunk (chunks start at its multiples).
+    Lazy {
+        len: u64,
+        chunk: u64,
+        fill: Fill,
+        chunks: BTreeMap<u64, Box<[u8]>>,
+        pool: Option<ChunkPool>,
+    },
 }
 
 /// Whole chunks handed back after a run, reused by the next lazily filled regions instead of fresh pages: a decode
@@ -27,39 +55,52 @@ pub(super) enum Memory {
 /// Cloning gives another handle onto the same pool.
 #[derive(Debug, Clone, Default)]
 pub struct ChunkPool {
-    free: Arc<Mutex<Vec<Box<[u8]>>>>,
-    /// Chunks kept at most (more are freed).
-    limit: usize,
+    free: Arc<Mutex<Free>>,
+    /// Bytes kept at most (more are freed).
+    limit: u64,
 }
+
+/// Chunks held for reuse, by size, and their total bytes.
+#[derive(Debug, Default)]
+struct Free {
+    by_size: BTreeMap<usize, Vec<Box<[u8]>>>,
+    bytes: u64,
+}
+
+/// Chunks smaller than this are not kept (a region's short tail, tiny regions): the allocator serves them well.
+const MIN_POOLED: usize = 4 << 10;
 
 impl ChunkPool {
     /// A pool keeping at most `limit_bytes` of chunks.
     pub fn new(limit_bytes: u64) -> ChunkPool {
-        ChunkPool { free: Arc::default(), limit: usize::try_from(limit_bytes / CHUNK_BYTES).unwrap_or(usize::MAX) }
+        ChunkPool { free: Arc::default(), limit: limit_bytes }
     }
 
-    /// Takes back every chunk of `chunks` that has the full chunk size (a region's short last chunk is freed).
+    /// Takes back the chunks of `chunks` while the pool holds less than its limit (chunks under 4 KiB are freed).
     pub fn recycle(&self, chunks: impl IntoIterator<Item = Vec<u8>>) {
         let mut free = self.free.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        for chunk in chunks {
-            if free.len() >= self.limit {
+        for chunk in chunks.into_iter().filter(|chunk| chunk.len() >= MIN_POOLED) {
+            let size = chunk.len() as u64;
+            if free.bytes + size > self.limit {
                 break;
             }
-            if chunk.len() as u64 == CHUNK_BYTES {
-                free.push(chunk.into_boxed_slice());
-            }
+            free.bytes += size;
+            free.by_size.entry(chunk.len()).or_default().push(chunk.into_boxed_slice());
         }
     }
 
     /// Bytes held for reuse.
     pub fn held_bytes(&self) -> u64 {
-        self.free.lock().map_or(0, |free| free.len() as u64 * CHUNK_BYTES)
+        self.free.lock().map_or(0, |free| free.bytes)
     }
 
-    /// A chunk of `size` bytes with unspecified contents (a reused one when `size` is the chunk size).
+    /// A chunk of `size` bytes with unspecified contents (a reused one when the pool holds one of that size).
     fn take(&self, size: usize) -> Box<[u8]> {
-        let reused =
-            (size as u64 == CHUNK_BYTES).then(|| self.free.lock().ok().and_then(|mut free| free.pop())).flatten();
+        let reused = self.free.lock().ok().and_then(|mut free| {
+            let chunk = free.by_size.get_mut(&size)?.pop()?;
+            free.bytes -= size as u64;
+            Some(chunk)
+        });
         reused.unwrap_or_else(|| vec![0u8; size].into_boxed_slice())
     }
 }
@@ -83,13 +124,13 @@ impl Memory {
 
     /// The chunks `[start, start + len)` covers, each as (chunk start, range within the chunk, range within the
     /// request). The range must lie inside the region.
-    fn pieces(start: u64, len: u64) -> impl Iterator<Item = (u64, Range<usize>, Range<usize>)> {
+    fn pieces(size: u64, start: u64, len: u64) -> impl Iterator<Item = (u64, Range<usize>, Range<usize>)> {
         let end = start + len;
         let mut at = start;
         std::iter::from_fn(move || {
             (at < end).then(|| {
-                let chunk = at / CHUNK_BYTES * CHUNK_BYTES;
-                let stop = end.min(chunk + CHUNK_BYTES);
+                let chunk = at / size * size;
+                let stop = end.min(chunk + size);
                 let piece = (
                     chunk,
                     (at - chunk) as usize..(stop - chunk) as usize,
@@ -105,8 +146,8 @@ impl Memory {
     pub(super) fn read(&self, start: u64, out: &mut [u8]) {
         match self {
             Memory::Dense(bytes) => out.copy_from_slice(&bytes[start as usize..start as usize + out.len()]),
-            Memory::Lazy { fill, chunks, .. } => {
-                for (chunk, within, part) in Self::pieces(start, out.len() as u64) {
+            Memory::Lazy { chunk: size, fill, chunks, .. } => {
+                for (chunk, within, part) in Self::pieces(*size, start, out.len() as u64) {
                     match chunks.get(&chunk) {
                         Some(bytes) => out[part].copy_from_slice(&bytes[within]),
                         None => fill(start + part.start as u64, &mut out[part]),
@@ -121,10 +162,10 @@ impl Memory {
     pub(super) fn write_with(&mut self, start: u64, len: u64, mut write: impl FnMut(u64, &mut [u8])) {
         match self {
             Memory::Dense(bytes) => write(0, &mut bytes[start as usize..(start + len) as usize]),
-            Memory::Lazy { len: region_len, fill, chunks, pool } => {
-                for (chunk, within, part) in Self::pieces(start, len) {
+            Memory::Lazy { len: region_len, chunk: chunk_len, fill, chunks, pool } => {
+                for (chunk, within, part) in Self::pieces(*chunk_len, start, len) {
                     let bytes = chunks.entry(chunk).or_insert_with(|| {
-                        let size = (*region_len - chunk).min(CHUNK_BYTES) as usize;
+                        let size = (*region_len - chunk).min(*chunk_len) as usize;
                         let mut bytes = match pool {
                             Some(pool) => pool.take(size),
                             None => vec![0u8; size].into_boxed_slice(),
@@ -199,7 +240,7 @@ mod tests {
     #[test]
     fn lazy_memory_reads_its_fill_and_materialises_only_written_chunks() {
         let len = 3 * CHUNK_BYTES + 100;
-        let mut lazy = Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new(), pool: None };
+        let mut lazy = Memory::Lazy { len, chunk: CHUNK_BYTES, fill: counting(), chunks: BTreeMap::new(), pool: None };
         let mut dense = Memory::Dense(lazy_bytes(&lazy));
         assert_eq!(lazy.resident(), 0);
         let data: Vec<u8> = (0..CHUNK_BYTES + 10).map(|index| (index % 7) as u8 * 2).collect();
@@ -214,9 +255,9 @@ mod tests {
         lazy.read(CHUNK_BYTES / 2, &mut part);
         dense.read(CHUNK_BYTES / 2, &mut expected);
         assert_eq!(part, expected);
-        let source = Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new(), pool: None };
+        let source = Memory::Lazy { len, chunk: CHUNK_BYTES, fill: counting(), chunks: BTreeMap::new(), pool: None };
         let zero: Fill = Arc::new(|_, out: &mut [u8]| out.fill(0));
-        let mut target = Memory::Lazy { len, fill: zero, chunks: BTreeMap::new(), pool: None };
+        let mut target = Memory::Lazy { len, chunk: CHUNK_BYTES, fill: zero, chunks: BTreeMap::new(), pool: None };
         target.copy_from(7, &source, 3, CHUNK_BYTES);
         let mut moved = vec![0u8; CHUNK_BYTES as usize];
         target.read(7, &mut moved);
@@ -233,12 +274,27 @@ mod tests {
         pool.recycle([vec![0xAB; CHUNK_BYTES as usize], vec![0xCD; CHUNK_BYTES as usize], vec![1; 10]]);
         assert_eq!(pool.held_bytes(), 2 * CHUNK_BYTES);
         let len = 2 * CHUNK_BYTES;
-        let mut memory = Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new(), pool: Some(pool.clone()) };
+        let mut memory = Memory::Lazy {
+            len,
+            chunk: CHUNK_BYTES,
+            fill: counting(),
+            chunks: BTreeMap::new(),
+            pool: Some(pool.clone()),
+        };
         memory.write(10, &[0, 0]);
         memory.write(CHUNK_BYTES, &vec![2; CHUNK_BYTES as usize]);
         assert_eq!(pool.held_bytes(), 0);
         let mut expected = Memory::Dense(vec![0; len as usize]);
-        expected.write(0, &lazy_bytes(&Memory::Lazy { len, fill: counting(), chunks: BTreeMap::new(), pool: None }));
+        expected.write(
+            0,
+            &lazy_bytes(&Memory::Lazy {
+                len,
+                chunk: CHUNK_BYTES,
+                fill: counting(),
+                chunks: BTreeMap::new(),
+                pool: None,
+            }),
+        );
         expected.write(10, &[0, 0]);
         expected.write(CHUNK_BYTES, &vec![2; CHUNK_BYTES as usize]);
         assert_eq!(lazy_bytes(&memory), lazy_bytes(&expected));

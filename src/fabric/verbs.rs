@@ -353,8 +353,10 @@ pub trait Endpoint {
     fn register(&mut self, bytes: Vec<u8>) -> Result<MemoryRegion, FabricError>;
     /// Registers `len` bytes holding what `fill` gives, as [`Endpoint::register`] of those bytes would. By default
     /// the bytes are built and registered; the in-memory fabric materialises them lazily, per chunk a write reaches,
-    /// so that untouched memory costs nothing.
-    fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+    /// so that untouched memory costs nothing. `item_len` is the unit the memory is used in (a page of one layer, a
+    /// state slot; 0 when there is none): a lazy fabric sizes its chunks in whole items.
+    fn register_filled(&mut self, len: u64, item_len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+        let _ = item_len;
         let len = usize::try_from(len).map_err(|_| FabricError::Exhausted("memory"))?;
         let mut bytes = vec![0u8; len];
         fill(0, &mut bytes);
@@ -409,8 +411,8 @@ impl<E: Endpoint + ?Sized> Endpoint for Box<E> {
         (**self).register(bytes)
     }
 
-    fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
-        (**self).register_filled(len, fill)
+    fn register_filled(&mut self, len: u64, item_len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+        (**self).register_filled(len, item_len, fill)
     }
 
     fn deregister(&mut self, region: &MemoryRegion) -> Result<Vec<u8>, FabricError> {

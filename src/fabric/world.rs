@@ -29,7 +29,7 @@ use super::faults::{
     RELEASED_FILL, REORDER_NS, RESTART_NS,
 };
 use super::memory::Memory;
-pub use super::memory::{ChunkPool, CHUNK_BYTES};
+pub use super::memory::{chunk_bytes, ChunkPool, CHUNK_BYTES};
 use super::verbs::{
     Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, SendQueue, Sge, WcKind,
     WcStatus, WorkCompletion, WorkRequest,
@@ -849,10 +849,10 @@ impl Endpoint for SimEndpoint {
         self.world.borrow_mut().register(self.node, Memory::Dense(bytes))
     }
 
-    /// Lazily: no byte is materialised until a write reaches its chunk ([`CHUNK_BYTES`], 128 KiB).
-    fn register_filled(&mut self, len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
+    /// Lazily: no byte is materialised until a write reaches its chunk ([`chunk_bytes`] of `item_len`).
+    fn register_filled(&mut self, len: u64, item_len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
         let pool = self.world.borrow().pool.clone();
-        let memory = Memory::Lazy { len, fill, chunks: BTreeMap::new(), pool };
+        let memory = Memory::Lazy { len, chunk: chunk_bytes(item_len), fill, chunks: BTreeMap::new(), pool };
         self.world.borrow_mut().register(self.node, memory)
     }
 

@@ -395,7 +395,8 @@ fn serve_refuses_a_rank_the_scenario_does_not_have() {
 }
 
 /// `kvrelay bench --scaling` prints a markdown table whose K3 token sweep plans more with more tokens (counts, not
-/// timings): shuffled pages need more descriptors, contiguous pages never fewer, both more per-row copies.
+/// timings): shuffled pages need more descriptors, contiguous pages never fewer, both more per-row copies; paged
+/// descriptors stay as few on both, whatever the token count.
 #[test]
 fn bench_scaling_table_grows_with_tokens() {
     let output = kvrelay(&["bench", "--scaling", "--max-tokens", "16384", "--iterations", "1"]);
@@ -403,7 +404,7 @@ fn bench_scaling_table_grows_with_tokens() {
     let stdout = text(&output.stdout);
     assert!(
         stdout.starts_with(
-            "| tokens | shape | plan ms | plan ms / 1K tokens | descr+lower ms | descriptors | per-row copies |"
+            "| tokens | shape | plan ms | plan ms / 1K tokens | descr+lower ms | descriptors | paged ms | paged descriptors | per-row copies |"
         ),
         "{stdout}"
     );
@@ -415,10 +416,12 @@ fn bench_scaling_table_grows_with_tokens() {
         .map(|line| line.trim_matches('|').split('|').map(|cell| cell.trim().to_owned()).collect())
         .collect();
     for pages in ["contiguous", "shuffled"] {
-        let sweep: Vec<(u64, u64, u64)> = rows
+        let sweep: Vec<(u64, u64, u64, u64)> = rows
             .iter()
             .filter(|row| row[1] == format!("K3 PP8/TP1->TP8/DCP8 {pages}"))
-            .map(|row| (row[0].parse().unwrap(), row[5].parse().unwrap(), row[6].parse().unwrap()))
+            .map(|row| {
+                (row[0].parse().unwrap(), row[5].parse().unwrap(), row[8].parse().unwrap(), row[7].parse().unwrap())
+            })
             .collect();
         // The DCP sweep repeats the shuffled TP8/DCP8 shape at the largest token count; keep one row per count.
         let mut sweep = sweep;
@@ -426,6 +429,8 @@ fn bench_scaling_table_grows_with_tokens() {
         assert_eq!(sweep.iter().map(|row| row.0).collect::<Vec<_>>(), [4096, 16384], "{stdout}");
         let (small, large) = (sweep[0], sweep[1]);
         assert!(large.2 > small.2, "per-row copies must grow with tokens ({pages}): {stdout}");
+        // One paged descriptor per decode rank and layer (8 x 24), page order and token count notwithstanding.
+        assert_eq!((small.3, large.3), (192, 192), "paged descriptors ({pages}): {stdout}");
         if pages == "shuffled" {
             assert!(large.1 > small.1, "descriptors must grow with tokens on shuffled pages: {stdout}");
         } else {

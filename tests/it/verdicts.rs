@@ -169,10 +169,19 @@ fn sparse_decode_images_are_judged_like_whole_ones(#[case] path: &str) {
     for (key, image) in damaged_sparse.sparse.iter_mut() {
         let len = image.len;
         let written = image.chunks.keys().next().copied();
-        let untouched = (0..len).step_by(CHUNK_BYTES as usize).find(|start| !image.chunks.contains_key(start));
+        // The first byte no chunk covers, and how far the gap there reaches.
+        let mut gap = (0, len);
+        for (start, chunk) in &image.chunks {
+            if *start > gap.0 {
+                gap.1 = *start;
+                break;
+            }
+            gap = (start + chunk.len() as u64, len);
+        }
+        let untouched = (gap.0 < gap.1).then_some(gap.0);
         for start in written.into_iter().chain(untouched) {
             let chunk = image.chunks.entry(start).or_insert_with(|| {
-                let mut bytes = vec![0u8; (len - start).min(CHUNK_BYTES) as usize];
+                let mut bytes = vec![0u8; (gap.1 - start).min(CHUNK_BYTES) as usize];
                 verify::pattern::fill_sentinel_at(start, &mut bytes);
                 bytes
             });
