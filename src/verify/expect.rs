@@ -324,10 +324,13 @@ fn relaid_rows(
     let page = u64::from(problem.prefill.topology.page_size);
     let (dcp, rank) = owner.unwrap_or((1, 0));
     let mut res = Vec::new();
-    for position in request.decode_prefix..request.tokens {
-        if position % dcp != rank {
-            continue;
-        }
+    // The positions owned by `rank` (those with `position % dcp == rank`): from the first at or after the prefix,
+    // every `dcp`-th; none for a rank outside the group.
+    let first = (rank < dcp)
+        .then(|| request.decode_prefix.checked_add((rank + dcp - request.decode_prefix % dcp) % dcp))
+        .flatten()
+        .unwrap_or(request.tokens);
+    for position in (first..request.tokens).step_by(dcp as usize) {
         let local = u64::from((position - request.decode_prefix) / dcp);
         let Some(target_page) = request.decode_pages.get((local / rows) as usize) else {
             notes.push((local, ViolationKind::Unplaceable { request: request.id, position }));

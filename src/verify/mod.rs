@@ -52,17 +52,33 @@ pub struct SparseImage {
 }
 
 /// A decode region's bytes under judgement, dense or sparse.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Image<'a> {
     Dense(&'a [u8]),
-    Sparse(&'a SparseImage),
+    Sparse(Chunks<'a>),
+}
+
+/// A sparse image's chunks as sorted vectors (a region judged piece by piece looks chunks up by binary search
+/// instead of walking the map).
+#[derive(Debug, Clone)]
+struct Chunks<'a> {
+    len: u64,
+    starts: Vec<u64>,
+    bytes: Vec<&'a [u8]>,
+}
+
+impl<'a> Chunks<'a> {
+    fn new(image: &'a SparseImage) -> Self {
+        let (starts, bytes) = image.chunks.iter().map(|(start, bytes)| (*start, bytes.as_slice())).unzip();
+        Chunks { len: image.len, starts, bytes }
+    }
 }
 
 impl<'a> Image<'a> {
     fn len(&self) -> u64 {
         match self {
             Image::Dense(bytes) => bytes.len() as u64,
-            Image::Sparse(image) => image.len,
+            Image::Sparse(chunks) => chunks.len,
         }
     }
 
@@ -70,10 +86,10 @@ impl<'a> Image<'a> {
     fn slice(&self, start: u64, end: u64) -> Cow<'a, [u8]> {
         let image = match self {
             Image::Dense(bytes) => return Cow::Borrowed(&bytes[start as usize..end as usize]),
-            Image::Sparse(image) => *image,
+            Image::Sparse(chunks) => chunks,
         };
-        if let Some((chunk_start, chunk)) = image.chunks.range(..=start).next_back() {
-            if end <= chunk_start + chunk.len() as u64 {
+        if let Some((chunk_start, chunk)) = Self::overlapping(image, start, end).next() {
+            if chunk_start <= start && end <= chunk_start + chunk.len() as u64 {
                 return Cow::Borrowed(&chunk[(start - chunk_start) as usize..(end - chunk_start) as usize]);
             }
         }
@@ -95,7 +111,7 @@ impl<'a> Image<'a> {
             Image::Dense(bytes) => {
                 return pattern::matches_source(number, source_offset, &bytes[start as usize..end as usize]);
             }
-            Image::Sparse(image) => *image,
+            Image::Sparse(chunks) => chunks,
         };
         let hole_matches = |from: u64, to: u64| {
             let mut hole = vec![0u8; (to - from) as usize];
@@ -119,12 +135,14 @@ impl<'a> Image<'a> {
         cursor >= end || hole_matches(cursor, end)
     }
 
-    fn overlapping(image: &SparseImage, start: u64, end: u64) -> impl Iterator<Item = (u64, &Vec<u8>)> {
-        let first = image.chunks.range(..=start).next_back().map_or(start, |(chunk_start, _)| *chunk_start);
-        image
-            .chunks
-            .range(first..end)
-            .map(|(chunk_start, chunk)| (*chunk_start, chunk))
+    /// The chunks that hold a byte of `[start, end)`, in order, with their start offsets.
+    fn overlapping<'c>(image: &'c Chunks<'a>, start: u64, end: u64) -> impl Iterator<Item = (u64, &'a [u8])> + 'c {
+        // The last chunk starting at or before `start` may reach into the range; every later one starting before
+        // `end` does.
+        let first = image.starts.partition_point(|chunk_start| *chunk_start <= start).saturating_sub(1);
+        let starts = image.starts[first..].iter().copied().take_while(move |chunk_start| *chunk_start < end);
+        starts
+            .zip(image.bytes[first..].iter().copied())
             .filter(move |(chunk_start, chunk)| chunk_start + chunk.len() as u64 > start)
     }
 
@@ -302,7 +320,7 @@ pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, ve
         let key = RegionKey { side: Side::Decode, rank, region: index };
         let bytes = match (observation.images.get(&key), observation.sparse.get(&key)) {
             (Some(bytes), _) => Image::Dense(bytes),
-            (None, Some(image)) => Image::Sparse(image),
+            (None, Some(image)) => Image::Sparse(Chunks::new(image)),
             (None, None) => panic!("observation lacks decode region {key:?}"),
         };
         let region = RegionCheck { problem, sources: &sources, key, bytes, verdicts };
@@ -367,7 +385,10 @@ impl RegionCheck<'_> {
             }
         }
         pieces.retain(|piece| !self.verdicts.failed.contains(&piece.request));
-        pieces.sort_by_key(|piece| piece.target_offset);
+        // Unstable is deterministic here: the key is every field.
+        pieces.sort_unstable_by_key(|piece| {
+            (piece.target_offset, piece.length, piece.request, piece.source, piece.source_region, piece.source_offset)
+        });
         let mut free = Vec::new();
         for request in self.problem.requests.iter().filter(|request| self.verdicts.failed.contains(&request.id)) {
             free.extend(expect::territory(self.problem, self.key.rank, self.key.region, request));
@@ -655,10 +676,17 @@ mod tests {
             source_offset in prop_oneof![3 => Just(None), 1 => (0u64..8192).prop_map(Some)],
         ) {
             let sparse = image(&cuts, &absent, shift, flip);
-            let image = Image::Sparse(&sparse);
+            let image = Image::Sparse(Chunks::new(&sparse));
             let (start, end) = (range.0.min(range.1), range.0.max(range.1));
             let source_offset = source_offset.unwrap_or(start + shift);
-            let copied = pattern::matches_source(3, source_offset, &image.slice(start, end));
+            // The reference: every byte laid out (the sentinel, each chunk copied over it).
+            let mut whole = vec![0u8; 4096];
+            pattern::fill_sentinel(&mut whole);
+            for (chunk_start, bytes) in &sparse.chunks {
+                whole[*chunk_start as usize..*chunk_start as usize + bytes.len()].copy_from_slice(bytes);
+            }
+            prop_assert_eq!(&image.slice(start, end)[..], &whole[start as usize..end as usize]);
+            let copied = pattern::matches_source(3, source_offset, &whole[start as usize..end as usize]);
             prop_assert_eq!(image.holds_source(start, end, 3, source_offset), copied);
         }
     }
