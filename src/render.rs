@@ -6,6 +6,7 @@ use std::path::Path;
 
 use crate::harness::Outcome;
 use crate::model::{Problem, RankId, Side};
+use crate::plan::paged::PagedDescriptor;
 use crate::plan::{Plan, TransferKind};
 use crate::scenario::{Expectation, Scenario};
 use crate::verify::{item_noun, tensor_name, Described, Observation, Origin, RegionKey, Run, Sources, Violation};
@@ -194,32 +195,18 @@ pub fn plan_json(problem: &Problem, plan: &Plan, form: PlanForm, out: &mut impl 
         }
     }
     writeln!(out, "\n],")?;
-    if form == PlanForm::Paged {
-        return paged_json(problem, plan, &rank, &region, out);
-    }
-    if form == PlanForm::Descriptors {
-        writeln!(out, "\"descriptors\": [")?;
-        let mut first = true;
-        for descriptor in plan.descriptors() {
-            let value = serde_json::json!({
-                "request": descriptor.request,
-                "chunk": descriptor.chunk,
-                "transfer": transfer_kind(descriptor.kind),
-                "source": rank(Side::Prefill, descriptor.source),
-                "source_region": region(Side::Prefill, descriptor.source, descriptor.source_region),
-                "source_offset": descriptor.source_offset,
-                "source_stride": descriptor.source_stride,
-                "target": rank(Side::Decode, descriptor.target),
-                "target_region": region(Side::Decode, descriptor.target, descriptor.target_region),
-                "target_offset": descriptor.target_offset,
-                "target_stride": descriptor.target_stride,
-                "element_len": descriptor.element_len,
-                "count": descriptor.count,
-            });
-            write!(out, "{}{value}", if first { "  " } else { ",\n  " })?;
-            first = false;
+    match form {
+        PlanForm::Paged => {
+            tables_json(problem, out)?;
+            let paged = crate::plan::paged::compact(problem, &plan.descriptors());
+            return descriptors_json(paged.into_iter(), true, &rank, &region, out);
         }
-        return writeln!(out, "\n]}}");
+        PlanForm::Descriptors => {
+            let descriptors = plan.descriptors();
+            let physical = descriptors.iter().map(crate::plan::paged::physical);
+            return descriptors_json(physical, false, &rank, &region, out);
+        }
+        PlanForm::Copies => {}
     }
     writeln!(out, "\"copies\": [")?;
     let mut first = true;
@@ -242,14 +229,8 @@ pub fn plan_json(problem: &Problem, plan: &Plan, form: PlanForm, out: &mut impl 
     writeln!(out, "\n]}}")
 }
 
-/// The `tables` and `descriptors` of schema `kvrelay-plan-3` (README.md "JSON plan schema").
-fn paged_json(
-    problem: &Problem,
-    plan: &Plan,
-    rank: &dyn Fn(Side, RankId) -> serde_json::Value,
-    region: &dyn Fn(Side, RankId, u32) -> serde_json::Value,
-    out: &mut impl std::io::Write,
-) -> std::io::Result<()> {
+/// The `tables` of schema `kvrelay-plan-3`: each request's page lists (README.md "JSON plan schema").
+fn tables_json(problem: &Problem, out: &mut impl std::io::Write) -> std::io::Result<()> {
     writeln!(out, "\"tables\": [")?;
     for (index, request) in problem.requests.iter().enumerate() {
         let value = serde_json::json!({
@@ -261,26 +242,39 @@ fn paged_json(
         });
         write!(out, "{}{value}", if index == 0 { "  " } else { ",\n  " })?;
     }
-    writeln!(out, "\n],")?;
+    writeln!(out, "\n],")
+}
+
+/// The `descriptors` array and the document's end: plan-2's (all sides physical, no table keys) or, with
+/// `tables`, plan-3's.
+fn descriptors_json(
+    descriptors: impl Iterator<Item = PagedDescriptor>,
+    tables: bool,
+    rank: &dyn Fn(Side, RankId) -> serde_json::Value,
+    region: &dyn Fn(Side, RankId, u32) -> serde_json::Value,
+    out: &mut impl std::io::Write,
+) -> std::io::Result<()> {
     writeln!(out, "\"descriptors\": [")?;
-    for (index, descriptor) in crate::plan::paged::compact(problem, &plan.descriptors()).iter().enumerate() {
-        let value = serde_json::json!({
+    for (index, descriptor) in descriptors.enumerate() {
+        let mut value = serde_json::json!({
             "request": descriptor.request,
             "chunk": descriptor.chunk,
             "transfer": transfer_kind(descriptor.kind),
             "source": rank(Side::Prefill, descriptor.source),
             "source_region": region(Side::Prefill, descriptor.source, descriptor.source_region),
-            "source_table": descriptor.source_table.to_string(),
             "source_offset": descriptor.source_offset,
             "source_stride": descriptor.source_stride,
             "target": rank(Side::Decode, descriptor.target),
             "target_region": region(Side::Decode, descriptor.target, descriptor.target_region),
-            "target_table": descriptor.target_table.to_string(),
             "target_offset": descriptor.target_offset,
             "target_stride": descriptor.target_stride,
             "element_len": descriptor.element_len,
             "count": descriptor.count,
         });
+        if tables {
+            value["source_table"] = descriptor.source_table.to_string().into();
+            value["target_table"] = descriptor.target_table.to_string().into();
+        }
         write!(out, "{}{value}", if index == 0 { "  " } else { ",\n  " })?;
     }
     writeln!(out, "\n]}}")

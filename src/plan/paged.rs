@@ -217,7 +217,7 @@ pub fn compact(problem: &Problem, descriptors: &[Descriptor]) -> Vec<PagedDescri
     }
     open.close(&mut out);
     if out.len() > descriptors.len() {
-        return descriptors.iter().map(paged).collect();
+        return descriptors.iter().map(physical).collect();
     }
     out
 }
@@ -256,12 +256,12 @@ fn piece(descriptor: &Descriptor, source: (Table, u64), target: (Table, u64), le
         target_stride: 0,
         element_len: length,
         count: 1,
-        ..paged(descriptor)
+        ..physical(descriptor)
     }
 }
 
-/// `descriptor` as a paged descriptor addressing physical bytes on both sides.
-fn paged(descriptor: &Descriptor) -> PagedDescriptor {
+/// `descriptor` as a paged descriptor addressing region bytes on both sides ([`Table::Physical`]).
+pub fn physical(descriptor: &Descriptor) -> PagedDescriptor {
     PagedDescriptor {
         request: descriptor.request,
         chunk: descriptor.chunk,
@@ -397,7 +397,8 @@ impl PagedDescriptor {
             while done < self.element_len {
                 let (source_at, target_at) = (source + done, target + done);
                 let length = (self.element_len - done).min(room(from, source_at)).min(room(to, target_at));
-                let segment = Segment { source: physical(from, source_at)?, target: physical(to, target_at)?, length };
+                let segment =
+                    Segment { source: physical_byte(from, source_at)?, target: physical_byte(to, target_at)?, length };
                 out.push(segment);
                 done += length;
             }
@@ -415,7 +416,7 @@ fn room((item_len, listed): (u64, Option<&[u32]>), at: u64) -> u64 {
 }
 
 /// The physical byte at address `at` of a side.
-fn physical((item_len, listed): (u64, Option<&[u32]>), at: u64) -> Option<u64> {
+fn physical_byte((item_len, listed): (u64, Option<&[u32]>), at: u64) -> Option<u64> {
     let Some(listed) = listed else { return Some(at) };
     let ordinal = usize::try_from(at.checked_div(item_len)?).ok()?;
     u64::from(*listed.get(ordinal)?).checked_mul(item_len)?.checked_add(at % item_len)
