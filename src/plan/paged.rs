@@ -188,38 +188,48 @@ pub fn compact(problem: &Problem, descriptors: &[Descriptor]) -> Vec<PagedDescri
         };
         last = Some((key, index));
         let (from, to) = &addressing[index];
-        let mut k = 0;
-        while k < descriptor.count {
-            let run = within_items(descriptor, k, from, to);
-            if run > 0 {
-                let (source, target) = descriptor_at(descriptor, k);
-                let whole = PagedDescriptor {
-                    count: run,
-                    source_stride: descriptor.source_stride,
-                    target_stride: descriptor.target_stride,
-                    ..piece(descriptor, from.address(source), to.address(target), descriptor.element_len)
-                };
-                open.push(&mut out, whole);
-                k += run;
-                continue;
-            }
-            // Element k crosses an item boundary: cut it there.
-            let (source_at, target_at) = descriptor_at(descriptor, k);
-            let mut done = 0;
-            while done < descriptor.element_len {
-                let (source_at, target_at) = (source_at + done, target_at + done);
-                let length = (descriptor.element_len - done).min(from.room(source_at)).min(to.room(target_at));
-                open.push(&mut out, piece(descriptor, from.address(source_at), to.address(target_at), length));
-                done += length;
-            }
-            k += 1;
-        }
+        readdress(descriptor, from, to, &mut open, &mut out);
     }
     open.close(&mut out);
     if out.len() > descriptors.len() {
         return descriptors.iter().map(physical).collect();
     }
     out
+}
+
+/// Feeds `descriptor` to the open descriptors: whole runs of elements that stay inside one item on both sides, and
+/// an element that crosses an item boundary cut there.
+fn readdress(
+    descriptor: &Descriptor,
+    from: &Addressing,
+    to: &Addressing,
+    open: &mut Open,
+    out: &mut Vec<PagedDescriptor>,
+) {
+    let mut k = 0;
+    while k < descriptor.count {
+        let run = within_items(descriptor, k, from, to);
+        let (source_at, target_at) = descriptor_at(descriptor, k);
+        if run > 0 {
+            let whole = PagedDescriptor {
+                count: run,
+                source_stride: descriptor.source_stride,
+                target_stride: descriptor.target_stride,
+                ..piece(descriptor, from.address(source_at), to.address(target_at), descriptor.element_len)
+            };
+            open.push(out, whole);
+            k += run;
+            continue;
+        }
+        let mut done = 0;
+        while done < descriptor.element_len {
+            let (source_at, target_at) = (source_at + done, target_at + done);
+            let length = (descriptor.element_len - done).min(from.room(source_at)).min(to.room(target_at));
+            open.push(out, piece(descriptor, from.address(source_at), to.address(target_at), length));
+            done += length;
+        }
+        k += 1;
+    }
 }
 
 /// Which request, kind and region pair a side's addressing belongs to.
