@@ -302,6 +302,25 @@ mod tests {
         assert_eq!(pool.held_bytes(), 2 * CHUNK_BYTES);
     }
 
+    /// Chunks hold whole items of at least 32 KiB (at most 1 MiB), so writing one item materialises that item
+    /// and the few sharing its chunk, never a straddled neighbour.
+    #[test]
+    fn chunks_hold_whole_items() {
+        assert_eq!(chunk_bytes(0), CHUNK_BYTES);
+        assert_eq!(chunk_bytes(36_864), 36_864);
+        assert_eq!(chunk_bytes(27_648), 2 * 27_648);
+        assert_eq!(chunk_bytes(100), 328 * 100);
+        assert_eq!(chunk_bytes(786_432), 786_432);
+        assert_eq!(chunk_bytes(6 << 20), 1 << 20);
+        let item = 36_864u64;
+        let len = 10 * item;
+        let mut memory =
+            Memory::Lazy { len, chunk: chunk_bytes(item), fill: counting(), chunks: BTreeMap::new(), pool: None };
+        memory.write(3 * item + 5, &[0; 100]);
+        assert_eq!(memory.resident(), item);
+        assert_eq!(memory.into_chunks().into_keys().collect::<Vec<_>>(), [3 * item]);
+    }
+
     fn lazy_bytes(memory: &Memory) -> Vec<u8> {
         let mut bytes = vec![0u8; memory.len() as usize];
         memory.read(0, &mut bytes);
