@@ -115,6 +115,11 @@ impl std::fmt::Debug for Memory {
 }
 
 impl Memory {
+    /// A lazily filled region of `len` bytes, materialised in chunks of `chunk` bytes (taken from `pool` when given).
+    pub(super) fn lazy(len: u64, chunk: u64, fill: Fill, pool: Option<ChunkPool>) -> Memory {
+        Memory::Lazy { len, chunk, fill, chunks: BTreeMap::new(), pool }
+    }
+
     pub(super) fn len(&self) -> u64 {
         match self {
             Memory::Dense(bytes) => bytes.len() as u64,
@@ -240,7 +245,7 @@ mod tests {
     #[test]
     fn lazy_memory_reads_its_fill_and_materialises_only_written_chunks() {
         let len = 3 * CHUNK_BYTES + 100;
-        let mut lazy = Memory::Lazy { len, chunk: CHUNK_BYTES, fill: counting(), chunks: BTreeMap::new(), pool: None };
+        let mut lazy = Memory::lazy(len, CHUNK_BYTES, counting(), None);
         let mut dense = Memory::Dense(lazy_bytes(&lazy));
         assert_eq!(lazy.resident(), 0);
         let data: Vec<u8> = (0..CHUNK_BYTES + 10).map(|index| (index % 7) as u8 * 2).collect();
@@ -255,9 +260,9 @@ mod tests {
         lazy.read(CHUNK_BYTES / 2, &mut part);
         dense.read(CHUNK_BYTES / 2, &mut expected);
         assert_eq!(part, expected);
-        let source = Memory::Lazy { len, chunk: CHUNK_BYTES, fill: counting(), chunks: BTreeMap::new(), pool: None };
+        let source = Memory::lazy(len, CHUNK_BYTES, counting(), None);
         let zero: Fill = Arc::new(|_, out: &mut [u8]| out.fill(0));
-        let mut target = Memory::Lazy { len, chunk: CHUNK_BYTES, fill: zero, chunks: BTreeMap::new(), pool: None };
+        let mut target = Memory::lazy(len, CHUNK_BYTES, zero, None);
         target.copy_from(7, &source, 3, CHUNK_BYTES);
         let mut moved = vec![0u8; CHUNK_BYTES as usize];
         target.read(7, &mut moved);
@@ -274,27 +279,12 @@ mod tests {
         pool.recycle([vec![0xAB; CHUNK_BYTES as usize], vec![0xCD; CHUNK_BYTES as usize], vec![1; 10]]);
         assert_eq!(pool.held_bytes(), 2 * CHUNK_BYTES);
         let len = 2 * CHUNK_BYTES;
-        let mut memory = Memory::Lazy {
-            len,
-            chunk: CHUNK_BYTES,
-            fill: counting(),
-            chunks: BTreeMap::new(),
-            pool: Some(pool.clone()),
-        };
+        let mut memory = Memory::lazy(len, CHUNK_BYTES, counting(), Some(pool.clone()));
         memory.write(10, &[0, 0]);
         memory.write(CHUNK_BYTES, &vec![2; CHUNK_BYTES as usize]);
         assert_eq!(pool.held_bytes(), 0);
         let mut expected = Memory::Dense(vec![0; len as usize]);
-        expected.write(
-            0,
-            &lazy_bytes(&Memory::Lazy {
-                len,
-                chunk: CHUNK_BYTES,
-                fill: counting(),
-                chunks: BTreeMap::new(),
-                pool: None,
-            }),
-        );
+        expected.write(0, &lazy_bytes(&Memory::lazy(len, CHUNK_BYTES, counting(), None)));
         expected.write(10, &[0, 0]);
         expected.write(CHUNK_BYTES, &vec![2; CHUNK_BYTES as usize]);
         assert_eq!(lazy_bytes(&memory), lazy_bytes(&expected));
@@ -314,8 +304,7 @@ mod tests {
         assert_eq!(chunk_bytes(6 << 20), 1 << 20);
         let item = 36_864u64;
         let len = 10 * item;
-        let mut memory =
-            Memory::Lazy { len, chunk: chunk_bytes(item), fill: counting(), chunks: BTreeMap::new(), pool: None };
+        let mut memory = Memory::lazy(len, chunk_bytes(item), counting(), None);
         memory.write(3 * item + 5, &[0; 100]);
         assert_eq!(memory.resident(), item);
         assert_eq!(memory.into_chunks().into_keys().collect::<Vec<_>>(), [3 * item]);

@@ -852,7 +852,7 @@ impl Endpoint for SimEndpoint {
     /// Lazily: no byte is materialised until a write reaches its chunk ([`chunk_bytes`] of `item_len`).
     fn register_filled(&mut self, len: u64, item_len: u64, fill: Fill) -> Result<MemoryRegion, FabricError> {
         let pool = self.world.borrow().pool.clone();
-        let memory = Memory::Lazy { len, chunk: chunk_bytes(item_len), fill, chunks: BTreeMap::new(), pool };
+        let memory = Memory::lazy(len, chunk_bytes(item_len), fill, pool);
         self.world.borrow_mut().register(self.node, memory)
     }
 

@@ -447,3 +447,13 @@ pub struct Problem {
     /// Prefill sends cached prefixes early (`SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX`, domain.md §7).
     pub early_send: bool,
 }
+
+impl Problem {
+    /// The layout of one side.
+    pub fn side(&self, side: Side) -> &SideLayout {
+        match side {
+            Side::Prefill => &self.prefill,
+            Side::Decode => &self.decode,
+        }
+    }
+}

@@ -117,11 +117,8 @@ impl Addressing {
         known: &mut Ordinals,
     ) -> Self {
         let (side, rank, region) = at;
-        let layout = match side {
-            Side::Prefill => problem.prefill.rank(rank),
-            Side::Decode => problem.decode.rank(rank),
-        };
-        let item_len = layout.regions.get(region as usize).map_or(0, |region| region.item_len);
+        let regions = &problem.side(side).rank(rank).regions;
+        let item_len = regions.get(region as usize).map_or(0, |region| region.item_len);
         let table = table_of(kind);
         let listed = request.and_then(|request| Some((request.id, items(request, side, table)?)));
         let Some((id, listed)) = listed.filter(|_| item_len > 0) else {
@@ -161,33 +158,26 @@ impl Addressing {
     }
 }
 
-/// What must agree for two pieces to share a descriptor.
-type Key = (u32, u32, TransferKind, RankId, u32, Table, RankId, u32, Table);
+/// Request, chunk, kind, and each side's rank, region and table.
+type Key = (u32, u32, TransferKind, (RankId, u32, Table), (RankId, u32, Table));
 
 /// The paged form of `descriptors` (a plan's, for `problem`'s requests), per the module doc.
 pub fn compact(problem: &Problem, descriptors: &[Descriptor]) -> Vec<PagedDescriptor> {
     let mut out = Vec::new();
     let mut open = Open::default();
-    let mut sides: BTreeMap<SidesKey, usize> = BTreeMap::new();
-    let mut addressing: Vec<(Addressing, Addressing)> = Vec::new();
-    let mut last: Option<(SidesKey, usize)> = None;
     let mut known = Ordinals::new();
+    // The addressing of the last descriptor's request, kind and regions (descriptors come region pair by pair).
+    let mut sides: Option<(SidesKey, Addressing, Addressing)> = None;
     for descriptor in descriptors {
         let &Descriptor { request, kind, source, source_region, target, target_region, .. } = descriptor;
         let key = (request, kind, source, source_region, target, target_region);
-        let index = match last {
-            Some((last_key, index)) if last_key == key => index,
-            _ => *sides.entry(key).or_insert_with(|| {
-                let listed = problem.requests.iter().find(|listed| listed.id == request);
-                addressing.push((
-                    Addressing::new(problem, listed, (Side::Prefill, source, source_region), kind, &mut known),
-                    Addressing::new(problem, listed, (Side::Decode, target, target_region), kind, &mut known),
-                ));
-                addressing.len() - 1
-            }),
-        };
-        last = Some((key, index));
-        let (from, to) = &addressing[index];
+        if sides.as_ref().is_none_or(|(last, ..)| *last != key) {
+            let listed = problem.requests.iter().find(|listed| listed.id == request);
+            let from = Addressing::new(problem, listed, (Side::Prefill, source, source_region), kind, &mut known);
+            let to = Addressing::new(problem, listed, (Side::Decode, target, target_region), kind, &mut known);
+            sides = Some((key, from, to));
+        }
+        let (_, from, to) = sides.as_ref().expect("just set");
         readdress(descriptor, from, to, &mut open, &mut out);
     }
     open.close(&mut out);
@@ -197,7 +187,7 @@ pub fn compact(problem: &Problem, descriptors: &[Descriptor]) -> Vec<PagedDescri
     out
 }
 
-/// Feeds `descriptor` to the open descriptors: whole runs of elements that stay inside one item on both sides, and
+/// Feeds `descriptor` to the open descriptor: whole runs of elements that stay inside one item on both sides, and
 /// an element that crosses an item boundary cut there.
 fn readdress(
     descriptor: &Descriptor,
@@ -237,7 +227,8 @@ type SidesKey = (u32, TransferKind, RankId, u32, RankId, u32);
 
 /// Where element `k` of `descriptor` starts on each side.
 fn descriptor_at(descriptor: &Descriptor, k: u64) -> (u64, u64) {
-    (descriptor.source_offset + k * descriptor.source_stride, descriptor.target_offset + k * descriptor.target_stride)
+    let element = descriptor.element(k);
+    (element.source_offset, element.target_offset)
 }
 
 /// How many elements from the k-th on lie, each whole, inside the item where the k-th starts on both sides (the
@@ -291,56 +282,42 @@ pub fn physical(descriptor: &Descriptor) -> PagedDescriptor {
     }
 }
 
-/// The descriptors still growing, one per key; the one pushed to last is kept out of the map (consecutive pieces
-/// mostly share a key).
+/// The descriptor still growing. The plan's descriptors come group by group, entry by entry (`Plan::descriptors`),
+/// so what can merge arrives consecutively; the paged form keeps the plan's order.
 #[derive(Default)]
 struct Open {
-    hot: Option<(Key, PagedDescriptor)>,
-    by_key: BTreeMap<Key, PagedDescriptor>,
+    current: Option<PagedDescriptor>,
 }
 
 impl Open {
-    /// Adds `piece` to the open descriptor of its key, or closes that one and opens `piece`.
+    /// Adds `piece` to the open descriptor when it shares its key and continues it; otherwise closes that one and
+    /// opens `piece`.
     fn push(&mut self, out: &mut Vec<PagedDescriptor>, piece: PagedDescriptor) {
-        let key = (
-            piece.request,
-            piece.chunk,
-            piece.kind,
-            piece.source,
-            piece.source_region,
-            piece.source_table,
-            piece.target,
-            piece.target_region,
-            piece.target_table,
-        );
-        if self.hot.as_ref().is_none_or(|(hot, _)| *hot != key) {
-            if let Some((hot, descriptor)) = self.hot.take() {
-                self.by_key.insert(hot, descriptor);
-            }
-            match self.by_key.remove(&key) {
-                Some(current) => self.hot = Some((key, current)),
-                None => {
-                    self.hot = Some((key, piece));
-                    return;
-                }
-            }
-        }
-        let (_, current) = self.hot.as_mut().expect("the hot slot was just filled");
-        if !current.extend(&piece) {
+        let Some(current) = &mut self.current else {
+            self.current = Some(piece);
+            return;
+        };
+        if current.key() != piece.key() || !current.extend(&piece) {
             out.push(std::mem::replace(current, piece));
         }
     }
 
-    /// Emits every open descriptor, by key.
-    fn close(mut self, out: &mut Vec<PagedDescriptor>) {
-        if let Some((hot, descriptor)) = self.hot.take() {
-            self.by_key.insert(hot, descriptor);
-        }
-        out.extend(self.by_key.into_values());
+    /// Emits the open descriptor.
+    fn close(self, out: &mut Vec<PagedDescriptor>) {
+        out.extend(self.current);
     }
 }
 
 impl PagedDescriptor {
+    /// What must agree for two pieces to share a descriptor.
+    fn key(&self) -> Key {
+        let (source, target) = (
+            (self.source, self.source_region, self.source_table),
+            (self.target, self.target_region, self.target_table),
+        );
+        (self.request, self.chunk, self.kind, source, target)
+    }
+
     /// Takes in `piece` (same key) when it continues this descriptor: a longer single element where both sides
     /// continue the bytes of single elements, or more elements at one pair of increasing strides.
     fn extend(&mut self, piece: &PagedDescriptor) -> bool {
@@ -386,11 +363,7 @@ impl PagedDescriptor {
     pub fn segments(&self, problem: &Problem) -> Option<Vec<Segment>> {
         let request = problem.requests.iter().find(|request| request.id == self.request);
         let side = |side: Side, rank: RankId, region: u32, table: Table| {
-            let layout = match side {
-                Side::Prefill => problem.prefill.rank(rank),
-                Side::Decode => problem.decode.rank(rank),
-            };
-            let item_len = layout.regions.get(region as usize)?.item_len;
+            let item_len = problem.side(side).rank(rank).regions.get(region as usize)?.item_len;
             let listed = match table {
                 Table::Physical => None,
                 _ => Some(items(request?, side, table)?),

@@ -665,7 +665,8 @@ mod tests {
     }
 
     proptest! {
-        /// Comparing in place, chunk by chunk and hole by hole, answers exactly as comparing the copied range did.
+        /// A sparse image's slice is the bytes of the image laid out whole (chunks over the sentinel), and comparing
+        /// in place, chunk by chunk and hole by hole, answers exactly as comparing those bytes.
         #[test]
         fn holds_source_answers_as_the_copied_slice(
             cuts in proptest::collection::vec(0u64..4096, 0..8),
