@@ -5,7 +5,9 @@ use crate::engine::live::{self, LiveOptions};
 use crate::engine::seat::SharedPlanner;
 use crate::engine::sim::{self, SimOptions, SimRun};
 use crate::exec::{self, SimFabric};
-use crate::fabric::verbs::{Caps, Endpoint, NodeId};
+use crate::fabric::seam::{NodeId, TransferEngine};
+use crate::fabric::verbs::Caps;
+use crate::fabric::verbs_engine::VerbsEngine;
 use crate::fabric::world::SimWorld;
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
 use std::collections::{BTreeMap, BTreeSet};
@@ -159,7 +161,7 @@ pub fn run_on(scenario: &Scenario, budget: &Budget, fabric: &Fabric, trace: bool
 
 /// [`run_with`] on the live driver over endpoints `open` gives per node (a transport under certification): the
 /// same engines, plan and oracle.
-pub fn run_live<N: Endpoint>(
+pub fn run_live<N: TransferEngine>(
     scenario: &Scenario,
     budget: &Budget,
     options: &LiveOptions,
@@ -254,12 +256,13 @@ pub fn engine_run(problem: &Problem, fabric: &Fabric, trace: bool) -> Result<Sim
         Fabric::Sim => sim::run(problem, &options).map_err(|error| format!("the simulated fabric failed: {error}")),
         Fabric::LiveSim => {
             let world = SimWorld::new(options.caps);
-            live::run_local(problem, &live, |node| Ok(world.eager_endpoint(node))).map_err(|error| error.to_string())
+            live::run_local(problem, &live, |node| Ok(VerbsEngine::new(world.eager_endpoint(node))))
+                .map_err(|error| error.to_string())
         }
         Fabric::Rdma { device } => rdma_run(problem, &live, device.as_deref(), RDMA_CAPS),
         Fabric::Plugin { path } => {
             let plugin = crate::fabric::plugin::Plugin::load(path).map_err(|error| error.to_string())?;
-            let open = |node| plugin.open(node, RDMA_CAPS).map_err(|error| error.to_string());
+            let open = |node| plugin.open(node, RDMA_CAPS).map(VerbsEngine::new).map_err(|error| error.to_string());
             live::run_local(problem, &live, open).map_err(|error| format!("the plug-in {path} failed: {error}"))
         }
     }
@@ -269,7 +272,7 @@ pub fn engine_run(problem: &Problem, fabric: &Fabric, trace: bool) -> Result<Sim
 fn rdma_run(problem: &Problem, live: &LiveOptions, device: Option<&str>, caps: Caps) -> Result<SimRun, String> {
     use crate::fabric::rdma::RdmaEndpoint;
     let run = live::run_local(problem, live, |node| {
-        RdmaEndpoint::open(node, device, caps).map_err(|error| error.to_string())
+        RdmaEndpoint::open(node, device, caps).map(VerbsEngine::new).map_err(|error| error.to_string())
     });
     run.map_err(|error| format!("the RDMA fabric failed: {error}"))
 }

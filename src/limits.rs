@@ -73,6 +73,9 @@ pub const MAX_TEXT_BYTES: usize = 255;
 pub const MAX_REASON_BYTES: usize = 1 << 16;
 /// Bytes of an ASCII integer frame: a `u64` has 20 digits; a sign and leading zeros may use the rest.
 pub const MAX_INT_TEXT_BYTES: usize = 32;
+/// Largest peer address (the transfer engine's opaque address in an engine descriptor or a link answer): 1 MiB, room
+/// for a NIXL agent's metadata.
+pub const MAX_PEER_ADDRESS_BYTES: usize = 1 << 20;
 /// Largest GPU id a registration or engine descriptor names.
 pub const MAX_GPU_ID: u32 = 1023;
 /// Candidate runs of one `kvrelay shrink` by default (`--max-runs`); a shrink stopped by it says so.

@@ -110,7 +110,8 @@ fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Resu
 fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Result<SimRun> {
     use crate::fabric::rdma::RdmaEndpoint;
     let Fabric::Rdma { device } = &options.fabric else { anyhow::bail!(IN_ONE_PROCESS) };
-    let nic = RdmaEndpoint::open(node, device.as_deref(), harness::RDMA_CAPS)?;
+    let nic =
+        crate::fabric::verbs_engine::VerbsEngine::new(RdmaEndpoint::open(node, device.as_deref(), harness::RDMA_CAPS)?);
     let (client, topology) = join(problem, node, options)?;
     Ok(crate::engine::live::serve(problem, node, nic, client, topology, &options.live)?)
 }

@@ -23,7 +23,7 @@ use crate::scenario::{self, Scenario};
 
 /// The version of the case set: bumped whenever a case is added, removed or changes its claim, so two reports with
 /// the same version and hash ran the same cases.
-pub const CASE_SET_VERSION: &str = "kvrelay-certify-1";
+pub const CASE_SET_VERSION: &str = "kvrelay-certify-2";
 
 /// A scenario registering more than this may be reported unsupported without failing the certification (the case
 /// set allows it): a transport on a small host or guest need not hold a multi-gigabyte model shape.
@@ -32,7 +32,10 @@ pub const LARGE_SCENARIO_BYTES: u64 = 512 << 20;
 /// The part of the case set a case belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Group {
-    /// The seam's contract (`fabric::verbs::Endpoint`): ordering, signalling, credits, notifications.
+    /// The transfer-engine seam's contract (`fabric::seam::TransferEngine`), on every transport.
+    Seam,
+    /// The verbs contract (`fabric::verbs::Endpoint`), on verbs-shaped transports: ordering, signalling, credits,
+    /// notifications.
     Contract,
     /// Out-of-bounds and error paths: protection errors, flushes, misuse, peers not connected back.
     ErrorPath,
@@ -45,6 +48,7 @@ pub enum Group {
 impl Group {
     pub fn name(self) -> &'static str {
         match self {
+            Group::Seam => "seam",
             Group::Contract => "contract",
             Group::ErrorPath => "error-path",
             Group::Scenario => "scenario",
@@ -57,6 +61,7 @@ impl Group {
 #[derive(Debug)]
 enum Kind {
     Conformance(&'static ConformanceCase),
+    Seam(&'static ConformanceCase),
     Scenario { file: PathBuf, scenario: Box<Scenario>, registered: u64 },
     Throughput,
 }
@@ -99,7 +104,16 @@ pub enum CertifyError {
 impl CaseSet {
     /// The case set over the scenario corpus at `corpus` (every `*.yaml` below it, sorted).
     pub fn load(corpus: &Path) -> Result<CaseSet, CertifyError> {
-        let mut cases: Vec<Case> = conformance::cases().iter().map(conformance_case).collect();
+        let mut cases: Vec<Case> = super::seam::cases()
+            .iter()
+            .map(|case| Case {
+                id: format!("seam/{}", case.id),
+                group: Group::Seam,
+                claim: case.claim.to_owned(),
+                kind: Kind::Seam(case),
+            })
+            .collect();
+        cases.extend(conformance::cases().iter().map(conformance_case));
         let mut hasher = Sha256::new();
         hasher.update(CASE_SET_VERSION.as_bytes());
         let files = scenario_files(corpus)?;
@@ -229,6 +243,8 @@ pub fn certify(
     for case in set.cases.iter().filter(|case| options.only.is_empty() || options.only.contains(&case.id)) {
         let start = Instant::now();
         let (verdict, detail) = match &case.kind {
+            Kind::Seam(case) => judge_conformance(transport, case),
+            Kind::Conformance(_) | Kind::Throughput if !transport.verbs() => not_verbs(),
             Kind::Conformance(conformance) => judge_conformance(transport, conformance),
             Kind::Scenario { file, scenario, registered } => {
                 let (verdict, mut detail) = judge_scenario(transport, scenario, *registered, options);
@@ -269,6 +285,12 @@ pub fn certify(
     }
 }
 
+/// A verbs case on a transport that meets only the transfer-engine seam: it does not apply.
+fn not_verbs() -> (Verdict, String) {
+    let why = "the transport meets the transfer-engine seam, not verbs: the verbs contract does not apply";
+    (Verdict::Unsupported { allowed: true }, why.to_owned())
+}
+
 fn reproduce_line(options: &Options, case: &Case) -> String {
     format!("{} --case {}", options.reproduce, case.id)
 }
@@ -290,7 +312,7 @@ fn judge_scenario(
     options: &Options,
 ) -> (Verdict, String) {
     transport.reset();
-    let outcome = harness::run_live(scenario, &options.budget, &options.live, |node| transport.open(node, RDMA_CAPS));
+    let outcome = harness::run_live(scenario, &options.budget, &options.live, |node| transport.engine(node, RDMA_CAPS));
     match outcome {
         Ok(outcome) if outcome.passed() => (Verdict::Pass, String::new()),
         Ok(outcome) => {

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::handshake::{classify, Abort, Kind, LinkAck};
 use super::{Nic, Outbox, WAITING_TIMEOUT_NS};
-use crate::fabric::verbs::{NodeId, QpNum};
+use crate::fabric::seam::{ConnId, NodeId, PeerAddress};
 use crate::model::{ModelGeometry, PoolKind, RankId, Request, StateKind, Topology};
 use crate::plan;
 use crate::wire::{KvPoll, Registration, RequestMeta, Status};
@@ -24,7 +24,7 @@ use crate::wire::{KvPoll, Registration, RequestMeta, Status};
 struct Target {
     rank: RankId,
     node: NodeId,
-    qp: QpNum,
+    conn: ConnId,
     /// A pure-MLA dummy (domain.md §3.1): metadata without indices; its status does not count.
     dummy: bool,
     /// The prefill rank's answer to the registration.
@@ -172,16 +172,16 @@ impl DecodeEngine {
             let Some(node) = directory.get(&rank).copied() else {
                 return self.fail_all(now, &format!("prefill {rank} is not in the bootstrap directory"), out);
             };
-            let qp = match nic.create_qp() {
-                Ok(qp) => qp,
+            let (conn, address) = match nic.open() {
+                Ok(end) => end,
                 Err(error) => return self.fail_all(now, &error.to_string(), out),
             };
             let offset = rank.tp.saturating_sub(self.rank.tp * ratio);
             let dummy = self.model.pool_kind() == PoolKind::Mla && self.topology.tp < prefill.tp && offset > 0;
             let mut registration = self.registration.clone();
-            registration.engine.key = format!("{}-{}", registration.engine.key, qp.to_text());
+            registration.engine.address = address.0;
             out.send(node, registration.encode());
-            self.targets.push(Target { rank, node, qp: qp.qpn, dummy, linked: None });
+            self.targets.push(Target { rank, node, conn, dummy, linked: None });
         }
     }
 
@@ -214,7 +214,7 @@ impl DecodeEngine {
                 out.note(format!("prefill {} refused the link: {error}", target.rank));
                 Err(error)
             }
-            None => nic.connect_qp(target.qp, ack.qp).map_err(|error| error.to_string()),
+            None => nic.connect(target.conn, &PeerAddress(ack.address), &[]).map_err(|error| error.to_string()),
         });
         if self.targets.iter().any(|target| target.linked.is_none()) {
             return;

@@ -1,15 +1,15 @@
 //! kvrelay's own control messages beside Mori's (documented in `src/wire/README.md` terms): the prefill rank's
-//! answer to a registration, carrying its queue pair (an RC connection needs both ends) and the link's verdict.
+//! answer to a registration, carrying its transfer engine's peer address for this connection (a verbs connection
+//! needs both ends) and the link's verdict.
 //!
-//! `[guard, "kvrelay-link", qp, error]`: the queue pair as [`QpInfo::to_text`] (ASCII), and the error text (UTF-8,
-//! empty = linked).
+//! `[guard, "kvrelay-link", address, error]`: the peer address's bytes (opaque, at most
+//! [`crate::limits::MAX_PEER_ADDRESS_BYTES`]), and the error text (UTF-8, empty = linked).
 //!
 //! The abort of domain.md §6.4 ([I] kvrelay's wire for it): `[guard, "kvrelay-abort", room]` from a decode rank whose
 //! room failed, to each prefill rank that may still write into it; `[guard, "kvrelay-abort-ack", room]` back once
 //! that rank's writes of the room to this peer drained (the room ascii decimal in both). Only then does the decode
 //! rank release the room's pages.
 
-use crate::fabric::verbs::QpInfo;
 use crate::wire::GUARD;
 
 /// The tag in frame 1.
@@ -18,7 +18,7 @@ pub(super) const LINK_TAG: &[u8] = b"kvrelay-link";
 /// A prefill rank's answer to one registration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct LinkAck {
-    pub(super) qp: QpInfo,
+    pub(super) address: Vec<u8>,
     /// Why the peer cannot be served (domain.md §6.4), or `None`.
     pub(super) error: Option<String>,
 }
@@ -28,22 +28,22 @@ impl LinkAck {
         vec![
             GUARD.to_vec(),
             LINK_TAG.to_vec(),
-            self.qp.to_text().into_bytes(),
+            self.address.clone(),
             self.error.clone().unwrap_or_default().into_bytes(),
         ]
     }
 
     /// `None` for anything that is not a well-formed link answer.
     pub(super) fn decode(frames: &[Vec<u8>]) -> Option<LinkAck> {
-        let [guard, tag, qp, error] = frames else { return None };
+        let [guard, tag, address, error] = frames else { return None };
         if guard.as_slice() != GUARD || tag.as_slice() != LINK_TAG {
             return None;
         }
-        let text = std::str::from_utf8(qp).ok()?;
-        // The whole frame is the queue pair, in its canonical form.
-        let qp = QpInfo::from_text_suffix(text).filter(|qp| qp.to_text() == text)?;
+        if address.len() > crate::limits::MAX_PEER_ADDRESS_BYTES {
+            return None;
+        }
         let error = String::from_utf8(error.clone()).ok()?;
-        Some(LinkAck { qp, error: (!error.is_empty()).then_some(error) })
+        Some(LinkAck { address: address.clone(), error: (!error.is_empty()).then_some(error) })
     }
 }
 
@@ -114,10 +114,7 @@ mod tests {
 
     #[test]
     fn link_ack_round_trips_and_rejects_garbage() {
-        let mut gid = [0u8; 16];
-        gid[10..].copy_from_slice(&[0xff, 0xff, 10, 199, 0, 1]);
-        let qp = QpInfo { node: crate::fabric::verbs::NodeId(3), qpn: crate::fabric::verbs::QpNum(17), lid: 9, gid };
-        let ack = LinkAck { qp, error: Some("no".to_owned()) };
+        let ack = LinkAck { address: b"node3-qp17".to_vec(), error: Some("no".to_owned()) };
         assert_eq!(LinkAck::decode(&ack.encode()), Some(ack));
         assert_eq!(LinkAck::decode(&[GUARD.to_vec(), LINK_TAG.to_vec(), b"x".to_vec()]), None);
     }

@@ -1,11 +1,11 @@
-//! The live driver: the same engines on a real clock, over any [`Endpoint`] that moves real bytes (a verbs NIC),
+//! The live driver: the same engines on a real clock, over any [`TransferEngine`] that moves real bytes (a verbs NIC through `VerbsEngine`, a NIXL agent),
 //! with control messages through a [`Control`]: an in-process queue when every rank shares the process
 //! ([`run_local`], `kvrelay run --fabric rdma`), or the TCP hub of [`crate::control`] when each rank is its own
 //! process ([`serve`], `kvrelay serve`/`launch`).
 //!
 //! One thread runs every local engine: it polls each endpoint's completion queue, delivers control messages and
 //! fires due timers, and when a round made no progress it waits with a bounded back-off (20 µs doubling to 1 ms,
-//! capped by the next timer) on the endpoint's completion channel ([`Endpoint::wait`]) or, with several local
+//! capped by the next timer) on the endpoint's completion channel ([`TransferEngine::wait`]) or, with several local
 //! endpoints, by sleeping. Every wait has a deadline; the run as a whole has [`LiveOptions::time_limit`].
 
 #![allow(
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::sim::{self, kind_name, message_line, note_line, Node, SimRun};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
-use crate::fabric::verbs::{Endpoint, FabricError, NodeId};
+use crate::fabric::seam::{NodeId, SeamError, TransferEngine};
 use crate::model::{Problem, Topology};
 
 /// Shortest idle wait between two rounds without progress.
@@ -87,14 +87,14 @@ impl Control for LocalControl {
 #[derive(Debug, thiserror::Error)]
 pub enum LiveError {
     #[error("the fabric refused: {0}")]
-    Fabric(#[from] FabricError),
+    Fabric(#[from] SeamError),
     #[error("{0}")]
     Open(String),
 }
 
 /// Runs every rank of `problem` in this process, each on the endpoint `open` gives for its node, with an
 /// in-process control queue; the outcome reads back as the simulation's.
-pub fn run_local<N: Endpoint>(
+pub fn run_local<N: TransferEngine>(
     problem: &Problem,
     options: &LiveOptions,
     mut open: impl FnMut(NodeId) -> Result<N, String>,
@@ -119,7 +119,7 @@ pub fn run_local<N: Endpoint>(
 /// prefill topology the hub's start frame carried (`None`: nobody published one, so a decode rank fails its rooms).
 /// Runs until the control says stop (or the time limit passes); the outcome holds this rank's rooms (and, for a
 /// decode rank, its memory).
-pub fn serve<N: Endpoint, C: Control>(
+pub fn serve<N: TransferEngine, C: Control>(
     problem: &Problem,
     node: NodeId,
     nic: N,
@@ -169,7 +169,7 @@ struct Live<N, C> {
     messages: BTreeMap<&'static str, u64>,
 }
 
-impl<N: Endpoint, C: Control> Live<N, C> {
+impl<N: TransferEngine, C: Control> Live<N, C> {
     fn new(
         prefill: Vec<Node<PrefillEngine, N>>,
         decode: Vec<Node<DecodeEngine, N>>,
@@ -261,8 +261,8 @@ impl<N: Endpoint, C: Control> Live<N, C> {
         let timers = self.prefill.iter().filter_map(|node| node.engine.next_timer());
         let next = timers.chain(self.decode.iter().filter_map(|node| node.engine.next_timer())).min();
         let wait = next.map_or(backoff, |at| backoff.min(Duration::from_nanos(at.saturating_sub(self.now()))));
-        let nics = self.prefill.iter_mut().map(|node| &mut node.nic as &mut dyn Endpoint);
-        let mut nics = nics.chain(self.decode.iter_mut().map(|node| &mut node.nic as &mut dyn Endpoint));
+        let nics = self.prefill.iter_mut().map(|node| &mut node.nic as &mut dyn TransferEngine);
+        let mut nics = nics.chain(self.decode.iter_mut().map(|node| &mut node.nic as &mut dyn TransferEngine));
         match (nics.next(), nics.next()) {
             (Some(only), None) => {
                 only.wait(wait);

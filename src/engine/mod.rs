@@ -1,9 +1,9 @@
 //! Per-rank engines (domain.md §6): the prefill sender and the decode receiver as sans-IO state machines.
 //!
 //! An engine owns no socket and reads no clock. Its inputs are messages (frames, decoded by [`crate::wire`]), work
-//! completions from its own fabric endpoint and the simulated time of each call; its outputs are messages to
-//! other engines (an [`Outbox`]) and work requests posted on its own [`Endpoint`] (the NIC seam) within the send
-//! queue's credits. [`sim`] drives every rank of a problem in one process over the in-memory `SimWorld`; the same
+//! events (batch completions) from its own transfer engine and the simulated time of each call; its outputs are
+//! messages to other engines (an [`Outbox`]) and batches submitted on its own [`TransferEngine`] (the transfer seam)
+//! within the engine's declared limits. [`sim`] drives every rank of a problem in one process over the in-memory `SimWorld`; the same
 //! engines are meant to run one per process over real verbs.
 //!
 //! The flow is §6.1's: decode checks the prefill topology (its gates), resolves the rank mapping (§3.1) and sends
@@ -15,7 +15,6 @@
 //! from distinct prefill ranks up to the expected number.
 
 mod decode;
-mod gather;
 mod handshake;
 pub mod live;
 mod prefill;
@@ -27,7 +26,7 @@ pub mod trace;
 pub use decode::{DecodeEngine, RoomState};
 pub use prefill::PrefillEngine;
 
-use crate::fabric::verbs::{Endpoint, NodeId};
+use crate::fabric::seam::{NodeId, TransferEngine};
 
 /// A message to another engine: ZMQ-style frames, guard first.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,8 +53,8 @@ impl Outbox {
     }
 }
 
-/// The fabric endpoint an engine posts on: any [`Endpoint`].
-pub type Nic<'a> = &'a mut dyn Endpoint;
+/// The transfer engine a rank engine submits batches on: any [`TransferEngine`].
+pub type Nic<'a> = &'a mut dyn TransferEngine;
 
 /// Time without progress after which a decode rank fails its waiting requests (domain.md §6.4, bounded simulated
 /// time instead of upstream's 300 s).
@@ -68,6 +67,3 @@ pub const TRANSFER_TIMEOUT_NS: u64 = WAITING_TIMEOUT_NS;
 
 /// Simulated compute time of one prefill chunk (chunks become ready one after another).
 pub const CHUNK_COMPUTE_NS: u64 = 20_000;
-
-/// Writes between two signalled work requests (selective signalling, domain.md seams §1).
-pub const SIGNAL_INTERVAL: usize = 64;

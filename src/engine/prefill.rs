@@ -10,12 +10,12 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use super::gather::{gather, Gathered, Piece};
 use super::handshake::{classify, Abort, Kind, LinkAck};
 use super::seat::{own_copies, view, LinkQuery, SeatCopy, SeatQuery, SharedPlanner};
-use super::{Nic, Outbox, CHUNK_COMPUTE_NS, SIGNAL_INTERVAL, TRANSFER_TIMEOUT_NS};
-use crate::fabric::verbs::{
-    Caps, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcStatus, WorkCompletion, WorkRequest,
+use super::{Nic, Outbox, CHUNK_COMPUTE_NS, TRANSFER_TIMEOUT_NS};
+use crate::fabric::seam::{
+    Batch, BatchId, BatchStatus, Cancelled, Completion, ConnId, Entry, Event, Landed, Memory, NodeId, PeerAddress,
+    RemoteMemory, SeamLimits,
 };
 use crate::model::{ModelGeometry, RankId, RankLayout, Request, Topology};
 use crate::plan::{self, peer, Link, Local};
@@ -26,40 +26,35 @@ use crate::wire::{KvPoll, MemoryDesc, Registration, RequestMeta, Status};
 pub struct Written {
     /// The request the write belongs to.
     pub room: u64,
-    /// The queue pair and work request that carried it.
-    pub qp: QpNum,
-    pub wr_id: u64,
+    /// The batch that carried it.
+    pub batch: BatchId,
     pub target: RankId,
     pub region: u32,
     pub offset: u64,
     pub length: u64,
 }
 
-/// Work requests `first..=last` posted on `qp` for request `room`, towards decode rank `target`.
+/// Batch `batch` was submitted for request `room`, towards decode rank `target`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Posted {
-    pub qp: QpNum,
-    pub first: u64,
-    pub last: u64,
+    pub batch: BatchId,
     pub room: u64,
     pub target: RankId,
 }
 
-/// A write planned for a room and peer, not yet confirmed.
+/// Writes planned for a room and peer (one chunk's, within the engine's limits), not yet confirmed.
 #[derive(Debug, Clone)]
 struct Pending {
     room: u64,
     peer: NodeId,
-    /// The gather list (at most `max_sge` entries), landing contiguously at `remote`.
-    sges: Vec<Sge>,
-    remote: RemoteAddr,
-    written: Written,
+    target: RankId,
+    entries: Vec<Entry>,
 }
 
-/// A connected decode peer: its queue pair and the link (or why it cannot be served).
+/// A connected decode peer: its connection end and the link (or why it cannot be served).
 struct PeerState {
     rank: RankId,
-    qp: QpNum,
+    conn: ConnId,
     link: Result<(PeerLink, Vec<MemoryDesc>), String>,
 }
 
@@ -77,10 +72,10 @@ struct Room {
     infos: BTreeMap<NodeId, RequestMeta>,
     poll: Option<KvPoll>,
     /// Planned writes per chunk, per peer; drained as chunks become ready.
-    chunks: Vec<BTreeMap<NodeId, Vec<Pending>>>,
+    chunks: Vec<BTreeMap<NodeId, Pending>>,
     next_chunk: usize,
     ready_at: u64,
-    /// Per peer, writes queued or in flight.
+    /// Per peer, batches queued or in flight.
     outstanding: BTreeMap<NodeId, usize>,
     reported: Vec<NodeId>,
     /// Peers this rank refused at registration, with the reason: their statuses are Failed.
@@ -93,13 +88,12 @@ struct Room {
     acks_owed: std::collections::BTreeSet<NodeId>,
 }
 
-/// The send queue of one queue pair: writes waiting for credits and writes posted but not yet confirmed.
+/// The batches of one connection: waiting for credits (the engine's [`SeamLimits::batches_in_flight`]), and
+/// submitted but not yet completed.
 #[derive(Default)]
 struct SendQueue {
     waiting: VecDeque<Pending>,
-    in_flight: VecDeque<(u64, Pending)>,
-    /// The QP went to the error state: nothing more can be posted on it.
-    broken: bool,
+    in_flight: BTreeMap<BatchId, Pending>,
 }
 
 /// The prefill engine of one rank.
@@ -108,15 +102,14 @@ pub struct PrefillEngine {
     model: ModelGeometry,
     topology: Topology,
     layout: RankLayout,
-    regions: Vec<MemoryRegion>,
+    regions: Vec<Memory>,
     requests: BTreeMap<u64, Request>,
     peers: BTreeMap<NodeId, PeerState>,
     rooms: BTreeMap<u64, Room>,
-    queues: BTreeMap<QpNum, (NodeId, SendQueue)>,
-    caps: Caps,
-    next_wr: u64,
+    queues: BTreeMap<ConnId, (NodeId, SendQueue)>,
+    limits: SeamLimits,
     written: Vec<Written>,
-    /// Every work request posted, in runs (which room and decode rank each was for).
+    /// Every batch submitted (which room and decode rank each was for).
     posted: Vec<Posted>,
     /// Send cached prefixes early (domain.md §7).
     early_send: bool,
@@ -126,6 +119,8 @@ pub struct PrefillEngine {
     crashed: bool,
     /// Time a room may stay unfinished on this rank, from its first metadata.
     timeout: u64,
+    /// Rooms failed whose submitted batches are still to be cancelled ([`PrefillEngine::cancel_failed`]).
+    cancelling: Vec<u64>,
 }
 
 impl PrefillEngine {
@@ -136,9 +131,9 @@ impl PrefillEngine {
         model: ModelGeometry,
         topology: Topology,
         layout: RankLayout,
-        regions: Vec<MemoryRegion>,
+        regions: Vec<Memory>,
         requests: &[Request],
-        caps: Caps,
+        limits: SeamLimits,
     ) -> PrefillEngine {
         PrefillEngine {
             rank,
@@ -150,14 +145,14 @@ impl PrefillEngine {
             peers: BTreeMap::new(),
             rooms: BTreeMap::new(),
             queues: BTreeMap::new(),
-            caps,
-            next_wr: 1,
+            limits,
             written: Vec::new(),
             posted: Vec::new(),
             early_send: false,
             seat: None,
             crashed: false,
             timeout: TRANSFER_TIMEOUT_NS,
+            cancelling: Vec::new(),
         }
     }
 
@@ -182,7 +177,7 @@ impl PrefillEngine {
         &self.written
     }
 
-    /// Every work request posted so far, in runs of consecutive ids of one room, queue pair and decode rank.
+    /// Every batch submitted so far, with its room and decode rank.
     pub fn posted(&self) -> &[Posted] {
         &self.posted
     }
@@ -218,7 +213,7 @@ impl PrefillEngine {
 
     /// Notices a crash of this rank's node (from then on every input is ignored) and its restart (the engine starts
     /// afresh, [`PrefillEngine::restart`]); whether the node is down.
-    fn down(&mut self, nic: &dyn crate::fabric::verbs::Endpoint, out: &mut Outbox) -> bool {
+    fn down(&mut self, nic: &dyn crate::fabric::seam::TransferEngine, out: &mut Outbox) -> bool {
         match (nic.crashed(), self.crashed) {
             (true, _) => self.crashed = true,
             (false, true) => self.restart(out),
@@ -250,6 +245,8 @@ impl PrefillEngine {
         }
         self.peers.clear();
         self.queues.clear();
+        // The engine below restarted too: nothing of the old process is there to cancel.
+        self.cancelling.clear();
     }
 
     /// `prefill_unique_rank` of domain.md §6.1 (CP 1).
@@ -278,21 +275,28 @@ impl PrefillEngine {
             },
             _ => out.note(format!("dropped an unexpected message of {} frames from {from}", frames.len())),
         }
+        self.cancel_failed(nic);
     }
 
     fn on_registration(&mut self, from: NodeId, frames: &[Vec<u8>], nic: Nic<'_>, out: &mut Outbox) {
         // A queue pair the NIC cannot give is a refusal like any other: the peer hears why at once and its requests
         // fail with the reason, while the room goes on for every other peer.
-        let qp = nic.create_qp().map_err(|error| format!("prefill {} cannot create a queue pair: {error}", self.rank));
+        let end = nic.open().map_err(|error| format!("prefill {} cannot open a connection: {error}", self.rank));
         let registration = Registration::decode(frames).map_err(|error| error.to_string());
         let rank = registration.as_ref().ok().and_then(|registration| peer::rank_of_key(&registration.engine.key));
         let rank = rank.unwrap_or(RankId { pp: u32::MAX, tp: u32::MAX });
-        let linked = qp.clone().and_then(|qp| {
+        let linked = end.clone().and_then(|(conn, _)| {
             let registration = registration?;
-            let remote = remote_qp(&registration.engine.key)
-                .ok_or_else(|| format!("engine key `{}` carries no queue pair", registration.engine.key))?;
-            nic.connect_qp(qp.qpn, remote).map_err(|error| error.to_string())?;
+            if registration.engine.address.is_empty() {
+                return Err(format!("engine desc `{}` carries no peer address", registration.engine.key));
+            }
             let (peer, descs) = peer::from_registration(self.local(), &registration).map_err(|e| e.to_string())?;
+            let remote: Vec<RemoteMemory> = descs
+                .iter()
+                .map(|desc| RemoteMemory { addr: desc.address, len: desc.length_bytes, key: desc.rkey })
+                .collect();
+            let address = PeerAddress(registration.engine.address.clone());
+            nic.connect(conn, &address, &remote).map_err(|error| error.to_string())?;
             if let Some(seat) = &self.seat {
                 let query = LinkQuery { rank: self.rank, local: self.local(), registration: &registration };
                 seat.0.borrow_mut().link(&query)?;
@@ -305,12 +309,12 @@ impl PrefillEngine {
             Ok(_) => out.note(format!("linked decode {rank} ({from})")),
             Err(error) => out.note(format!("cannot serve decode {rank} ({from}): {error}")),
         }
-        let local = qp.clone().unwrap_or_else(|_| QpInfo::plain(nic.node(), QpNum(0)));
-        let ack = LinkAck { qp: local, error: linked.as_ref().err().cloned() };
+        let (conn, address) = end.clone().unwrap_or((ConnId(u32::MAX), PeerAddress::default()));
+        let ack = LinkAck { address: address.0, error: linked.as_ref().err().cloned() };
         out.send(from, ack.encode());
-        self.peers.insert(from, PeerState { rank, qp: local.qpn, link: linked });
-        if qp.is_ok() {
-            self.queues.insert(local.qpn, (from, SendQueue::default()));
+        self.peers.insert(from, PeerState { rank, conn, link: linked });
+        if end.is_ok() {
+            self.queues.insert(conn, (from, SendQueue::default()));
         }
     }
 
@@ -375,7 +379,8 @@ impl PrefillEngine {
                 }
             };
             for (chunk, copies) in chunks.iter_mut().zip(planned) {
-                chunk.insert(*node, self.writes(room_id, *node, peer.rank, &copies, descs)?);
+                let entries = self.entries(&copies, descs)?;
+                chunk.insert(*node, Pending { room: room_id, peer: *node, target: peer.rank, entries });
             }
         }
         let room = self.rooms.get_mut(&room_id).expect("room exists");
@@ -426,54 +431,27 @@ impl PrefillEngine {
         Ok(planned)
     }
 
-    /// The plan's copies as writes between registered addresses: cut to the fabric's largest message, then
-    /// gathered into work requests within its limits ([`gather`]).
-    fn writes(
-        &self,
-        room: u64,
-        peer: NodeId,
-        target: RankId,
-        copies: &[SeatCopy],
-        descs: &[MemoryDesc],
-    ) -> Result<Vec<Pending>, String> {
-        let mut pieces = Vec::with_capacity(copies.len());
+    /// The plan's copies as batch entries between this rank's memory and the peer's advertised memory.
+    fn entries(&self, copies: &[SeatCopy], descs: &[MemoryDesc]) -> Result<Vec<Entry>, String> {
+        let mut entries = Vec::with_capacity(copies.len());
         for copy in copies {
             let source = self.regions.get(copy.source_region as usize).ok_or("a copy names no local region")?;
             let desc = descs.get(copy.target_region as usize).ok_or("a copy names no peer region")?;
             // The peer's address and the planned offset come from the wire: add them without wrapping.
-            let (Some(source_addr), Some(target_addr)) =
-                (source.addr.checked_add(copy.source_offset), desc.address.checked_add(copy.target_offset))
-            else {
+            if source.addr.checked_add(copy.source_offset).is_none()
+                || desc.address.checked_add(copy.target_offset).is_none()
+            {
                 return Err(format!("a copy to peer region {} leaves the address space", copy.target_region));
-            };
-            let mut done = 0;
-            while done < copy.length {
-                let length = (copy.length - done).min(self.caps.max_message.max(1));
-                pieces.push(Piece {
-                    sge: Sge { addr: source_addr.saturating_add(done), len: length, lkey: source.lkey },
-                    remote: RemoteAddr { addr: target_addr.saturating_add(done), rkey: desc.rkey },
-                    region: copy.target_region,
-                    offset: copy.target_offset.saturating_add(done),
-                });
-                done += length;
             }
+            entries.push(Entry {
+                local: source.id,
+                local_offset: copy.source_offset,
+                remote: copy.target_region,
+                remote_offset: copy.target_offset,
+                len: copy.length,
+            });
         }
-        let pending = |write: Gathered| Pending {
-            room,
-            peer,
-            written: Written {
-                room,
-                qp: QpNum(0),
-                wr_id: 0,
-                target,
-                region: write.region,
-                offset: write.offset,
-                length: write.len,
-            },
-            sges: write.sges,
-            remote: write.remote,
-        };
-        Ok(gather(pieces, self.caps).into_iter().map(pending).collect())
+        Ok(entries)
     }
 
     /// The earliest time a chunk becomes ready or an unfinished room times out, if any.
@@ -520,12 +498,13 @@ impl PrefillEngine {
                 }
                 let chunk = std::mem::take(&mut room.chunks[room.next_chunk]);
                 room.next_chunk += 1;
-                let count: usize = chunk.values().map(Vec::len).sum();
+                let count: usize = chunk.values().map(|pending| pending.entries.len()).sum();
                 out.note(format!("room {room_id}: chunk {} ready, {count} writes", room.next_chunk - 1));
-                for (node, writes) in chunk {
-                    *room.outstanding.entry(node).or_default() += writes.len();
-                    let qp = self.peers[&node].qp;
-                    self.queues.get_mut(&qp).expect("a queue per peer").1.waiting.extend(writes);
+                for (node, pending) in chunk {
+                    let batches = split(pending, self.limits);
+                    *room.outstanding.entry(node).or_default() += batches.len();
+                    let conn = self.peers[&node].conn;
+                    self.queues.get_mut(&conn).expect("a queue per peer").1.waiting.extend(batches);
                 }
             }
             self.report_finished(room_id, out);
@@ -533,89 +512,77 @@ impl PrefillEngine {
         self.pump(nic, out);
     }
 
-    /// Posts waiting writes on every queue pair as far as credits allow; the last of each batch is signalled.
+    /// Submits waiting batches on every connection as far as the engine's credits allow, then rings the doorbell.
     fn pump(&mut self, nic: Nic<'_>, out: &mut Outbox) {
-        let depth = self.caps.sq_depth.max(1);
+        self.cancel_failed(nic);
+        let depth = self.limits.batches_in_flight.max(1);
         let mut failures = Vec::new();
-        for (qp, (_, queue)) in &mut self.queues {
-            if queue.broken {
-                // A queue pair in the error state never runs another write (verbs contract, **Errors**): the rooms
-                // of writes still waiting for it fail now rather than at the decode side's waiting timeout.
-                let reason = format!("{qp} is in the error state after a failed work request");
-                failures.extend(queue.waiting.drain(..).map(|pending| (pending.room, reason.clone())));
-                continue;
-            }
-            while !queue.broken && !queue.waiting.is_empty() && queue.in_flight.len() < depth {
-                let room_in_batch = depth - queue.in_flight.len();
-                let batch: Vec<Pending> = queue.waiting.drain(..room_in_batch.min(queue.waiting.len())).collect();
-                let mut requests = Vec::with_capacity(batch.len());
-                for (index, pending) in batch.iter().enumerate() {
-                    let signaled = index + 1 == batch.len() || (self.next_wr as usize) % SIGNAL_INTERVAL == 0;
-                    requests.push(WorkRequest {
-                        wr_id: self.next_wr,
-                        sges: pending.sges.clone(),
-                        remote: pending.remote,
-                        imm: None,
-                        signaled,
-                    });
-                    self.next_wr += 1;
+        for (conn, (_, queue)) in &mut self.queues {
+            while queue.in_flight.len() < depth {
+                let Some(pending) = queue.waiting.pop_front() else { break };
+                let batch = Batch { entries: pending.entries.clone(), notify: None };
+                match nic.submit(*conn, batch) {
+                    Ok(id) => {
+                        self.posted.push(Posted { batch: id, room: pending.room, target: pending.target });
+                        queue.in_flight.insert(id, pending);
+                    }
+                    Err(error) => failures.push((pending.room, format!("submitting failed: {error}"))),
                 }
-                if let Err(error) = nic.post_send(*qp, &requests) {
-                    failures.extend(batch.iter().map(|pending| (pending.room, format!("posting failed: {error}"))));
-                    queue.broken = true;
-                    break;
-                }
-                for (request, pending) in requests.iter().zip(&batch) {
-                    log_posted(&mut self.posted, *qp, request.wr_id, pending);
-                }
-                queue.in_flight.extend(requests.iter().map(|request| request.wr_id).zip(batch));
             }
         }
         for (room, reason) in failures {
             self.fail_room(room, &reason, out);
         }
+        self.cancel_failed(nic);
+        nic.flush();
     }
 
-    /// A work completion from this rank's completion queue.
-    pub fn on_completion(&mut self, completion: WorkCompletion, nic: Nic<'_>, out: &mut Outbox) {
+    /// An event of this rank's transfer engine.
+    pub fn on_event(&mut self, event: Event, nic: Nic<'_>, out: &mut Outbox) {
         if self.down(nic, out) {
             return;
         }
-        let Some((_, queue)) = self.queues.get_mut(&completion.qp) else {
-            return out.note(format!("completion for unknown {}", completion.qp));
+        match event {
+            Event::Completed(completion) => self.on_completion(completion, nic, out),
+            Event::Notified { conn, tag } => out.note(format!("notification {tag} on {conn} ignored")),
+        }
+    }
+
+    /// A batch's completion.
+    fn on_completion(&mut self, completion: Completion, nic: Nic<'_>, out: &mut Outbox) {
+        let Some((_, queue)) = self.queues.get_mut(&completion.conn) else {
+            return out.note(format!("completion for unknown {}", completion.conn));
         };
-        if !queue.in_flight.iter().any(|(wr_id, _)| *wr_id == completion.wr_id) {
-            return out.note(format!("completion for unknown work request {} ignored", completion.wr_id));
-        }
-        // Completions arrive in order per queue pair: this one settles every unsignalled write before it.
-        let mut settled = Vec::new();
-        while let Some((wr_id, mut pending)) = queue.in_flight.pop_front() {
-            (pending.written.qp, pending.written.wr_id) = (completion.qp, wr_id);
-            settled.push(pending);
-            if wr_id == completion.wr_id {
-                break;
+        let Some(pending) = queue.in_flight.remove(&completion.batch) else {
+            return out.note(format!("completion for unknown {} ignored", completion.batch));
+        };
+        let landed: Vec<std::ops::Range<u32>> = match &completion.landed {
+            Landed::All => std::iter::once(0..pending.entries.len() as u32).collect(),
+            Landed::Entries(ranges) => ranges.clone(),
+            Landed::Unknown => Vec::new(),
+        };
+        for range in landed {
+            for entry in pending.entries.get(range.start as usize..range.end as usize).unwrap_or_default() {
+                self.written.push(Written {
+                    room: pending.room,
+                    batch: completion.batch,
+                    target: pending.target,
+                    region: entry.remote,
+                    offset: entry.remote_offset,
+                    length: entry.len,
+                });
             }
         }
-        let ok = completion.status == WcStatus::Success;
-        if !ok {
-            queue.broken = true;
-            let stranded: Vec<Pending> = queue.waiting.drain(..).collect();
-            settled.extend(stranded);
-        }
-        let reason = format!("work request {} completed with {:?}", completion.wr_id, completion.status);
-        for pending in settled {
-            if ok {
-                self.written.push(pending.written);
-                if let Some(count) =
-                    self.rooms.get_mut(&pending.room).and_then(|room| room.outstanding.get_mut(&pending.peer))
-                {
-                    *count -= 1;
-                }
-            } else {
-                self.fail_room(pending.room, &reason, out);
+        if completion.status == BatchStatus::Success {
+            if let Some(count) =
+                self.rooms.get_mut(&pending.room).and_then(|room| room.outstanding.get_mut(&pending.peer))
+            {
+                *count -= 1;
             }
-            self.report_finished(pending.room, out);
+        } else {
+            self.fail_room(pending.room, &completion.detail, out);
         }
+        self.report_finished(pending.room, out);
         self.answer_aborts(out);
         self.pump(nic, out);
     }
@@ -710,26 +677,76 @@ impl PrefillEngine {
         for (_, queue) in self.queues.values_mut() {
             queue.waiting.retain(|pending| pending.room != room_id);
         }
+        self.cancelling.push(room_id);
+    }
+
+    /// Cancels the submitted batches of every room failed since the last call (what is already on the wire drains;
+    /// what the engine has not started never runs). Called before the engine may start anything more.
+    fn cancel_failed(&mut self, nic: Nic<'_>) {
+        for room_id in std::mem::take(&mut self.cancelling) {
+            for (_, queue) in self.queues.values_mut() {
+                let batches: Vec<BatchId> =
+                    queue.in_flight.iter().filter(|(_, pending)| pending.room == room_id).map(|(id, _)| *id).collect();
+                for batch in batches {
+                    if nic.cancel(batch) == Cancelled::Whole {
+                        queue.in_flight.remove(&batch);
+                    }
+                }
+            }
+        }
     }
 }
 
-/// Appends work request `wr_id` of `pending` on `qp` to the run log, extending the last run when it continues it.
-fn log_posted(posted: &mut Vec<Posted>, qp: QpNum, wr_id: u64, pending: &Pending) {
-    if let Some(last) = posted.last_mut() {
-        if (last.qp, last.room, last.target) == (qp, pending.room, pending.written.target) && last.last + 1 == wr_id {
-            last.last = wr_id;
-            return;
+/// `pending` as batches within `limits` (entries and bytes; an entry larger than a batch may carry is cut); none
+/// when it has no entry.
+fn split(pending: Pending, limits: SeamLimits) -> Vec<Pending> {
+    if pending.entries.is_empty() {
+        return Vec::new(); // nothing to write to this peer in this chunk: no batch
+    }
+    let max_entries = limits.max_entries.max(1);
+    let max_bytes = limits.max_batch_bytes.max(1);
+    let fits = pending.entries.len() <= max_entries
+        && pending
+            .entries
+            .iter()
+            .try_fold(0u64, |sum, entry| sum.checked_add(entry.len))
+            .is_some_and(|b| b <= max_bytes);
+    if fits {
+        return vec![pending];
+    }
+    let mut batches = Vec::new();
+    let (mut entries, mut bytes) = (Vec::new(), 0u64);
+    for entry in &pending.entries {
+        let mut done = 0;
+        while done < entry.len {
+            if entries.len() == max_entries || bytes == max_bytes {
+                batches.push(Pending { entries: std::mem::take(&mut entries), ..pending.clone_empty() });
+                bytes = 0;
+            }
+            let len = (entry.len - done).min(max_bytes - bytes);
+            entries.push(Entry {
+                local_offset: entry.local_offset + done,
+                remote_offset: entry.remote_offset + done,
+                len,
+                ..*entry
+            });
+            bytes += len;
+            done += len;
         }
     }
-    posted.push(Posted { qp, first: wr_id, last: wr_id, room: pending.room, target: pending.written.target });
+    if !entries.is_empty() {
+        batches.push(Pending { entries, ..pending.clone_empty() });
+    }
+    batches
+}
+
+impl Pending {
+    fn clone_empty(&self) -> Pending {
+        Pending { room: self.room, peer: self.peer, target: self.target, entries: Vec::new() }
+    }
 }
 
 /// Whether the room ended on this rank (Success or Failed).
 fn ended(room: &Room) -> bool {
     matches!(room.poll, Some(KvPoll::Success | KvPoll::Failed))
-}
-
-/// The engine key's queue pair suffix (`...-` and [`QpInfo::to_text`]).
-fn remote_qp(key: &str) -> Option<QpInfo> {
-    QpInfo::from_text_suffix(key)
 }

@@ -13,7 +13,10 @@ use super::handshake::{classify, Kind};
 use super::trace::{TraceEvent, NOTE};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
 use crate::fabric::faults::{FaultKind, FaultPlan, Injector, MESSAGE_DELAY_NS, REORDER_NS};
-use crate::fabric::verbs::{Caps, Endpoint, FabricError, Fill, MemoryRegion, NodeId, WorkCompletion};
+use crate::fabric::seam::BatchId;
+use crate::fabric::seam::{Event, Fill, Memory, MemoryKind, NodeId, SeamError, TransferEngine};
+use crate::fabric::verbs::Caps;
+use crate::fabric::verbs_engine::{Run, VerbsEngine};
 use crate::fabric::world::{SimEndpoint, SimWorld};
 use crate::model::{Problem, RankId, RankLayout, Side, Topology};
 use crate::plan::peer;
@@ -88,6 +91,8 @@ pub struct SimRun {
     /// How long the engines ran: simulated nanoseconds, or wall nanoseconds of a live run (from the first message
     /// to the end; memory set-up and read-back excluded).
     pub run_ns: u64,
+    /// Operations the prefill ranks' transfer engines issued below the seam (verbs: work requests posted).
+    pub operations: u64,
 }
 
 impl SimRun {
@@ -112,10 +117,10 @@ impl SimRun {
 }
 
 /// A rank: its engine and its endpoint.
-pub(super) struct Node<E, N = SimEndpoint> {
+pub(super) struct Node<E, N = VerbsEngine<SimEndpoint>> {
     pub(super) engine: E,
     pub(super) nic: N,
-    pub(super) regions: Vec<MemoryRegion>,
+    pub(super) regions: Vec<Memory>,
 }
 
 /// The simulated deployment being run.
@@ -134,7 +139,7 @@ pub(super) struct Sim {
 }
 
 /// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
-pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
+pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, SeamError> {
     let sim = Sim::build(problem, options)?;
     super::tasks::drive(sim, problem, options.time_limit_ns)?.finish()
 }
@@ -146,7 +151,7 @@ pub fn run_marked(
     problem: &Problem,
     options: &SimOptions,
     mark: &mut dyn FnMut(&'static str),
-) -> Result<SimRun, FabricError> {
+) -> Result<SimRun, SeamError> {
     let sim = Sim::build(problem, options)?;
     mark("stage");
     let sim = super::tasks::drive(sim, problem, options.time_limit_ns)?;
@@ -229,7 +234,7 @@ pub fn recycle(pool: &crate::fabric::world::ChunkPool, observation: Observation)
 }
 
 /// [`run`] with the single-threaded event loop instead of tasks (the same engines, stepped by hand).
-pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, FabricError> {
+pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, SeamError> {
     let mut sim = Sim::build(problem, options)?;
     sim.start(problem);
     sim.run_loop(options.time_limit_ns);
@@ -237,12 +242,13 @@ pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, Fa
 }
 
 impl Sim {
-    pub(super) fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, FabricError> {
+    pub(super) fn build(problem: &Problem, options: &SimOptions) -> Result<Sim, SeamError> {
         let world = SimWorld::new(options.caps);
         world.set_chunk_pool(options.chunk_pool.clone());
         world.set_faults(&options.faults);
         let mut names = BTreeMap::new();
-        let (mut prefill, decode) = build_nodes(problem, &mut names, |node| Ok(world.endpoint(node)))?;
+        let (mut prefill, decode) =
+            build_nodes(problem, &mut names, |node| Ok(VerbsEngine::new(world.endpoint(node))))?;
         for node in &mut prefill {
             node.engine.set_planner(options.planner.clone());
         }
@@ -344,7 +350,7 @@ impl Sim {
     }
 
     /// Deregisters every decode region into the observation (prefill memory is dropped: the oracle recomputes it).
-    pub(super) fn finish(mut self) -> Result<SimRun, FabricError> {
+    pub(super) fn finish(mut self) -> Result<SimRun, SeamError> {
         self.world.land_late();
         let mut run = finish_nodes(&mut self.prefill, &mut self.decode, self.sparse_images)?;
         run.run_ns = self.now;
@@ -353,9 +359,14 @@ impl Sim {
         run.faults = self.world.injected_faults();
         let late = self.world.late_landings();
         for node in &self.prefill {
-            for written in node.engine.written() {
-                if let Some(&land) = late.get(&(node.nic.node(), written.qp, written.wr_id)) {
-                    run.late_landings.push((written.target, written.room, land));
+            let runs = batch_runs(node);
+            let id = node.nic.node();
+            let mut seen = std::collections::BTreeSet::new();
+            for written in node.engine.written().iter().filter(|written| seen.insert(written.batch)) {
+                for wrs in runs.get(&written.batch).into_iter().flatten() {
+                    for (_, &land) in late.range((id, wrs.qp, wrs.first)..=(id, wrs.qp, wrs.last)) {
+                        run.late_landings.push((written.target, written.room, land));
+                    }
                 }
             }
         }
@@ -368,59 +379,73 @@ impl Sim {
     }
 }
 
-/// When the last write into each (decode rank, request) landed: the world's landing times joined with the work
-/// requests each prefill engine posted.
-fn last_landings<N: Endpoint>(
-    prefill: &[Node<PrefillEngine, N>],
+/// When the last write into each (decode rank, request) landed: the world's landing times joined with the batches
+/// each prefill engine submitted and the work requests its verbs engine lowered them to.
+fn last_landings(
+    prefill: &[Node<PrefillEngine>],
     landed: &BTreeMap<(NodeId, crate::fabric::verbs::QpNum, u64), u64>,
 ) -> BTreeMap<(RankId, u64), u64> {
     let mut last = BTreeMap::new();
     for node in prefill {
         let id = node.nic.node();
-        for run in node.engine.posted() {
-            for (_, &at) in landed.range((id, run.qp, run.first)..=(id, run.qp, run.last)) {
-                let entry = last.entry((run.target, run.room)).or_insert(at);
-                *entry = (*entry).max(at);
+        let runs = batch_runs(node);
+        for posted in node.engine.posted() {
+            for run in runs.get(&posted.batch).into_iter().flatten() {
+                for (_, &at) in landed.range((id, run.qp, run.first)..=(id, run.qp, run.last)) {
+                    let entry = last.entry((posted.target, posted.room)).or_insert(at);
+                    *entry = (*entry).max(at);
+                }
             }
         }
     }
     last
 }
 
-/// Polls every node's completion queue and hands the prefill side's completions to its engines (a decode engine
-/// posts nothing, so its queue is drained): the outboxes per sender, and whether any completion came.
-pub(super) fn poll_all<N: Endpoint>(
+/// The work-request runs of each batch a prefill node's verbs engine posted.
+fn batch_runs(node: &Node<PrefillEngine>) -> BTreeMap<BatchId, Vec<Run>> {
+    let mut runs: BTreeMap<BatchId, Vec<Run>> = BTreeMap::new();
+    for run in node.nic.runs() {
+        runs.entry(run.batch).or_default().push(*run);
+    }
+    runs
+}
+
+/// Polls every node's transfer engine and hands the prefill side's events to its engines (a decode engine submits
+/// nothing, so its events are drained): the outboxes per sender, and whether any event came.
+pub(super) fn poll_all<N: TransferEngine>(
     prefill: &mut [Node<PrefillEngine, N>],
     decode: &mut [Node<DecodeEngine, N>],
     trace: bool,
 ) -> (Vec<(NodeId, Outbox)>, bool) {
-    let mut completions: Vec<WorkCompletion> = Vec::new();
+    let mut events: Vec<Event> = Vec::new();
     let mut outboxes = Vec::new();
     let mut any = false;
     for node in prefill.iter_mut() {
         let mut out = Outbox::default();
         node.engine.wake(&mut node.nic, &mut out);
-        while node.nic.poll_cq(&mut completions, 4096) > 0 {}
-        if trace && !completions.is_empty() {
-            out.note(completion_summary(&completions));
-        }
-        any |= !completions.is_empty();
-        for completion in completions.drain(..) {
-            node.engine.on_completion(completion, &mut node.nic, &mut out);
+        while node.nic.poll(&mut events, usize::MAX) > 0 {
+            any = true;
+            if trace {
+                out.note(event_summary(&events));
+            }
+            for event in events.drain(..) {
+                node.engine.on_event(event, &mut node.nic, &mut out);
+            }
         }
         outboxes.push((node.nic.node(), out));
     }
     for node in decode.iter_mut() {
-        while node.nic.poll_cq(&mut completions, 4096) > 0 {}
-        any |= !completions.is_empty();
-        completions.clear();
+        while node.nic.poll(&mut events, usize::MAX) > 0 {
+            any = true;
+            events.clear();
+        }
     }
     (outboxes, any)
 }
 
 /// Hands `envelope` from `from` to its destination node at `now`: that engine's outbox (a note when the
 /// destination is not among these nodes).
-pub(super) fn deliver<N: Endpoint>(
+pub(super) fn deliver<N: TransferEngine>(
     prefill: &mut [Node<PrefillEngine, N>],
     decode: &mut [Node<DecodeEngine, N>],
     now: u64,
@@ -440,7 +465,7 @@ pub(super) fn deliver<N: Endpoint>(
 }
 
 /// Fires every engine timer due at `now`: the outboxes per sender.
-pub(super) fn fire_due_timers<N: Endpoint>(
+pub(super) fn fire_due_timers<N: TransferEngine>(
     prefill: &mut [Node<PrefillEngine, N>],
     decode: &mut [Node<DecodeEngine, N>],
     now: u64,
@@ -465,11 +490,11 @@ pub(super) type Nodes<N> = (Vec<Node<PrefillEngine, N>>, Vec<Node<DecodeEngine, 
 
 /// Builds every rank of `problem` as a node on the endpoint `open` gives for its node number (prefill ranks first,
 /// then decode ranks, in layout order), naming each in `names`.
-pub(super) fn build_nodes<N: Endpoint>(
+pub(super) fn build_nodes<N: TransferEngine>(
     problem: &Problem,
     names: &mut BTreeMap<NodeId, String>,
-    mut open: impl FnMut(NodeId) -> Result<N, FabricError>,
-) -> Result<Nodes<N>, FabricError> {
+    mut open: impl FnMut(NodeId) -> Result<N, SeamError>,
+) -> Result<Nodes<N>, SeamError> {
     let sources = Sources::new(problem);
     let mut prefill = Vec::new();
     for layout in &problem.prefill.ranks {
@@ -487,12 +512,12 @@ pub(super) fn build_nodes<N: Endpoint>(
 }
 
 /// The node of prefill rank `layout`: its regions registered on `nic`, filled with the source pattern.
-pub(super) fn prefill_node<N: Endpoint>(
+pub(super) fn prefill_node<N: TransferEngine>(
     problem: &Problem,
     sources: &Sources<'_>,
     layout: &RankLayout,
     mut nic: N,
-) -> Result<Node<PrefillEngine, N>, FabricError> {
+) -> Result<Node<PrefillEngine, N>, SeamError> {
     let regions = register_regions(&mut nic, layout, |index| {
         let number = sources.number(layout.rank, index);
         Arc::new(move |offset, out: &mut [u8]| pattern::fill_source_at(number, offset, out))
@@ -504,7 +529,7 @@ pub(super) fn prefill_node<N: Endpoint>(
         layout.clone(),
         regions.clone(),
         &problem.requests,
-        nic.caps(),
+        nic.limits(),
     )
     .with_early_send(problem.early_send);
     Ok(Node { engine, nic, regions })
@@ -512,15 +537,15 @@ pub(super) fn prefill_node<N: Endpoint>(
 
 /// The node of decode rank `layout`: its regions registered on `nic`, filled with the sentinel, advertised in its
 /// registration.
-pub(super) fn decode_node<N: Endpoint>(
+pub(super) fn decode_node<N: TransferEngine>(
     problem: &Problem,
     layout: &RankLayout,
     mut nic: N,
-) -> Result<Node<DecodeEngine, N>, FabricError> {
+) -> Result<Node<DecodeEngine, N>, SeamError> {
     let regions = register_regions(&mut nic, layout, |_| Arc::new(pattern::fill_sentinel_at))?;
     let descs: Vec<MemoryDesc> = regions
         .iter()
-        .map(|region| MemoryDesc { address: region.addr, length_bytes: region.len, rkey: region.rkey })
+        .map(|memory| MemoryDesc { address: memory.addr, length_bytes: memory.len, rkey: memory.key })
         .collect();
     let registration = peer::advertise(problem, layout.rank, &descs);
     let engine =
@@ -530,11 +555,11 @@ pub(super) fn decode_node<N: Endpoint>(
 
 /// What the nodes left behind: every confirmed write and every decode region's bytes (deregistered), each rank's
 /// rooms. Prefill memory is handed back unobserved (the oracle recomputes its pattern). No trace or counts.
-pub(super) fn finish_nodes<N: Endpoint>(
+pub(super) fn finish_nodes<N: TransferEngine>(
     prefill: &mut [Node<PrefillEngine, N>],
     decode: &mut [Node<DecodeEngine, N>],
     sparse: bool,
-) -> Result<SimRun, FabricError> {
+) -> Result<SimRun, SeamError> {
     let mut observation = Observation::default();
     for node in prefill.iter() {
         for written in node.engine.written() {
@@ -546,7 +571,7 @@ pub(super) fn finish_nodes<N: Endpoint>(
     // Prefill bytes are not observed: handed back sparsely, so a lazily filled source is never materialised.
     for node in prefill.iter_mut() {
         for region in &node.regions {
-            drop(node.nic.deregister_sparse(region)?);
+            drop(node.nic.release(region, true)?);
         }
     }
     let mut rooms = BTreeMap::new();
@@ -555,10 +580,11 @@ pub(super) fn finish_nodes<N: Endpoint>(
         for (index, region) in node.regions.iter().enumerate() {
             let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
             if sparse {
-                let image = SparseImage { len: region.len, chunks: node.nic.deregister_sparse(region)? };
+                let image = SparseImage { len: region.len, chunks: node.nic.release(region, true)? };
                 observation.sparse.insert(key, image);
             } else {
-                observation.images.insert(key, node.nic.deregister(region)?);
+                let mut image = node.nic.release(region, false)?;
+                observation.images.insert(key, image.remove(&0).unwrap_or_default());
             }
         }
         rooms.insert(rank, node.engine.rooms().clone());
@@ -574,6 +600,7 @@ pub(super) fn finish_nodes<N: Endpoint>(
         last_landings: BTreeMap::new(),
         corruptions: Vec::new(),
         run_ns: 0,
+        operations: prefill.iter().map(|node| node.nic.operations()).sum(),
     })
 }
 
@@ -611,14 +638,14 @@ pub(super) fn directory(problem: &Problem) -> BTreeMap<RankId, NodeId> {
 
 /// Registers every region of `layout` on `nic`, each holding what `fill(region index)` gives (generated in place:
 /// the in-memory fabric materialises only the chunks written to, and reads the rest from the fill).
-fn register_regions<N: Endpoint>(
+fn register_regions<N: TransferEngine>(
     nic: &mut N,
     layout: &RankLayout,
     mut fill: impl FnMut(u32) -> Fill,
-) -> Result<Vec<MemoryRegion>, FabricError> {
+) -> Result<Vec<Memory>, SeamError> {
     let mut regions = Vec::new();
     for (index, region) in layout.regions.iter().enumerate() {
-        regions.push(nic.register_filled(region.len_bytes(), region.item_len, fill(index as u32))?);
+        regions.push(nic.register(MemoryKind::Host, region.len_bytes(), region.item_len, fill(index as u32))?);
     }
     Ok(regions)
 }
@@ -645,23 +672,22 @@ pub(super) fn message_line(
     }
 }
 
-/// One trace line for a batch of polled completions: how many, on which queue pairs, with which statuses.
-pub(super) fn completion_summary(completions: &[WorkCompletion]) -> String {
-    let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
-    let mut qps: Vec<u32> = completions.iter().map(|completion| completion.qp.0).collect();
-    qps.sort_unstable();
-    qps.dedup();
-    for completion in completions {
-        *statuses.entry(format!("{:?}", completion.status)).or_default() += 1;
+/// One trace line for events polled together: how many batches ended, with which statuses, up to which batch.
+pub(super) fn event_summary(events: &[Event]) -> String {
+    let mut statuses: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut last = None;
+    for event in events {
+        match event {
+            Event::Completed(completion) => {
+                *statuses.entry(completion.status.name()).or_default() += 1;
+                last = Some(completion.batch);
+            }
+            Event::Notified { .. } => *statuses.entry("notified").or_default() += 1,
+        }
     }
     let statuses: Vec<String> = statuses.iter().map(|(status, count)| format!("{count} {status}")).collect();
-    let last = completions.last().map_or(0, |completion| completion.wr_id);
-    format!(
-        "{} completions on {} queue pairs ({}), up to work request {last}",
-        completions.len(),
-        qps.len(),
-        statuses.join(", ")
-    )
+    let last = last.map_or_else(String::new, |batch| format!(", up to {batch}"));
+    format!("{} events ({}){last}", events.len(), statuses.join(", "))
 }
 
 /// The kind of a message, for counting.
@@ -683,7 +709,7 @@ fn describe(frames: &[Vec<u8>]) -> String {
         Kind::Registration => format!("registration ({} frames)", frames.len()),
         Kind::Link => match super::handshake::LinkAck::decode(frames) {
             Some(ack) => match ack.error {
-                None => format!("linked, queue pair {}", ack.qp.qpn),
+                None => format!("linked, peer address {}", crate::fabric::seam::PeerAddress(ack.address)),
                 Some(error) => format!("link refused: {error}"),
             },
             None => "malformed link answer".to_owned(),

@@ -15,9 +15,9 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::{sleep_until, Instant};
 
-use super::sim::{completion_summary, kind_name, message_line, note_line, Network, Node, Sim};
+use super::sim::{event_summary, kind_name, message_line, note_line, Network, Node, Sim};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
-use crate::fabric::verbs::{Endpoint, FabricError, NodeId, WorkCompletion};
+use crate::fabric::seam::{Event, NodeId, SeamError, TransferEngine};
 use crate::fabric::world::SimWorld;
 use crate::model::{Problem, RankId, Topology};
 
@@ -99,12 +99,12 @@ impl Context {
 }
 
 /// Runs the built simulation on a paused current-thread runtime; returns it with its log for `Sim::finish`.
-pub(super) fn drive(mut sim: Sim, problem: &Problem, limit_ns: u64) -> Result<Sim, FabricError> {
+pub(super) fn drive(mut sim: Sim, problem: &Problem, limit_ns: u64) -> Result<Sim, SeamError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
-        .map_err(|_| FabricError::Exhausted("a tokio runtime"))?;
+        .map_err(|_| SeamError::Exhausted("a tokio runtime"))?;
     let local = tokio::task::LocalSet::new();
     let bootstrap = sim.bootstrap(problem);
     let nodes = sim.prefill.len() + sim.decode.len();
@@ -256,7 +256,7 @@ async fn prefill_rank(
 ) -> Node<PrefillEngine> {
     let me = node.nic.node();
     let ring = context.completions[me.0 as usize].clone();
-    let mut completions: Vec<WorkCompletion> = Vec::new();
+    let mut events: Vec<Event> = Vec::new();
     loop {
         // Done while every room that reached it ended (or it crashed): a room may still come, so this is a state,
         // set again after every step, not an event.
@@ -272,12 +272,13 @@ async fn prefill_rank(
             _ = ring.notified() => {
                 context.sync_fabric();
                 node.engine.wake(&mut node.nic, &mut out);
-                while node.nic.poll_cq(&mut completions, 4096) > 0 {}
-                if context.log.borrow().trace.is_some() && !completions.is_empty() {
-                    out.note(completion_summary(&completions));
-                }
-                for completion in completions.drain(..) {
-                    node.engine.on_completion(completion, &mut node.nic, &mut out);
+                while node.nic.poll(&mut events, usize::MAX) > 0 {
+                    if context.log.borrow().trace.is_some() {
+                        out.note(event_summary(&events));
+                    }
+                    for event in events.drain(..) {
+                        node.engine.on_event(event, &mut node.nic, &mut out);
+                    }
                 }
             }
             Some((from, envelope)) = inbox.recv() => {
@@ -321,7 +322,7 @@ async fn decode_rank(
     node.engine.start(context.now(), &rank.bootstrap.0, &rank.bootstrap.1, &mut node.nic, &mut out);
     context.dispatch(me, out);
     let ring = context.completions[me.0 as usize].clone();
-    let mut completions: Vec<WorkCompletion> = Vec::new();
+    let mut events: Vec<Event> = Vec::new();
     let mut reported = false;
     loop {
         if !reported && (node.engine.done() || context.now() > rank.limit_ns) {
@@ -335,8 +336,9 @@ async fn decode_rank(
             biased;
             _ = stopped.changed() => return node,
             _ = ring.notified() => {
-                while node.nic.poll_cq(&mut completions, 4096) > 0 {}
-                completions.clear();
+                while node.nic.poll(&mut events, usize::MAX) > 0 {
+                    events.clear();
+                }
             }
             Some((from, envelope)) = inbox.recv() => {
                 context.sync_fabric();

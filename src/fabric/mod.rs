@@ -6,9 +6,12 @@
 //! The RDMA fabric (feature `rdma`) implements the same [`verbs::Endpoint`] and passes the same conformance suite.
 
 pub mod faults;
+mod gather;
 mod memory;
 pub mod plugin;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod seam;
 pub mod verbs;
+pub mod verbs_engine;
 pub mod world;

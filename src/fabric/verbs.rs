@@ -9,15 +9,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-/// One endpoint: one rank's process (a protection domain, its CQ and its QPs on a real NIC).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct NodeId(pub u32);
-
-impl fmt::Display for NodeId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "node {}", self.0)
-    }
-}
+pub use super::seam::{Fill, NodeId};
 
 /// A queue pair number, unique within its node (`ibv_qp::qp_num`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -83,10 +75,6 @@ impl QpInfo {
         })
     }
 }
-
-/// The initial contents of a region registered with [`Endpoint::register_filled`]: `fill(offset, out)` writes the
-/// region's bytes from byte `offset` on into `out` (any offset, any length; the same bytes every time).
-pub type Fill = std::sync::Arc<dyn Fn(u64, &mut [u8]) + Send + Sync>;
 
 /// A registered memory region, as `ibv_reg_mr` returns it.
 ///

@@ -36,7 +36,13 @@ pub fn advertise(problem: &Problem, rank: RankId, descs: &[MemoryDesc]) -> Regis
     Registration {
         ip: "127.0.0.1".to_owned(),
         port: 17000 + topology.rank_index(rank) as u16 % 1000,
-        engine: EngineDesc { key: engine_key(rank), gpu_id: rank.tp, host: "127.0.0.1".to_owned(), port: 1 },
+        engine: EngineDesc {
+            key: engine_key(rank),
+            gpu_id: rank.tp,
+            host: "127.0.0.1".to_owned(),
+            port: 1,
+            address: Vec::new(),
+        },
         kv_descs,
         aux_descs: layout.aux_entries.iter().map(desc).collect(),
         state_descs: state_descs.collect(),

@@ -197,6 +197,11 @@ impl<'a> Cursor<'a> {
         self.take(8).map(u64::get)
     }
 
+    /// Whether every byte was read.
+    pub(crate) fn at_end(&self) -> bool {
+        self.at >= self.bytes.len()
+    }
+
     /// Ends the frame: every byte must have been read.
     pub(crate) fn finish(self) -> Result<(), WireErrorKind> {
         match self.bytes.len() - self.at {

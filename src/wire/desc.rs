@@ -7,7 +7,7 @@
 
 use super::codec::{item_count, pack_buffers, text, unpack_buffers, Cursor};
 use super::error::WireErrorKind;
-use crate::limits::MAX_GPU_ID;
+use crate::limits::{MAX_GPU_ID, MAX_PEER_ADDRESS_BYTES};
 
 /// A peer's transfer engine: what a prefill rank needs to connect to it (Mori's `EngineDesc`: key, GPU, host, port).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,16 +20,26 @@ pub struct EngineDesc {
     pub host: String,
     /// The engine's out-of-band port, 1..=65535.
     pub port: u16,
+    /// How a peer's transfer engine reaches this one (the transfer-engine seam's opaque peer address: a queue pair's
+    /// text for verbs, an agent's metadata for NIXL, a session id for Mooncake); at most
+    /// [`MAX_PEER_ADDRESS_BYTES`]. Empty: none (then it is not on the wire).
+    pub address: Vec<u8>,
 }
 
 impl EngineDesc {
-    /// `u32le gpu_id | u16le port | u16le key_len | key | u16le host_len | host`.
+    /// `u32le gpu_id | u16le port | u16le key_len | key | u16le host_len | host`, then, when there is an
+    /// address, `u32le address_len | address`.
     pub fn pack(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(10 + self.key.len() + self.host.len());
+        let mut out = Vec::with_capacity(14 + self.key.len() + self.host.len() + self.address.len());
         out.extend_from_slice(&self.gpu_id.to_le_bytes());
         out.extend_from_slice(&self.port.to_le_bytes());
         put_text(&self.key, &mut out);
         put_text(&self.host, &mut out);
+        if !self.address.is_empty() {
+            // Longer than u32::MAX is outside the domain: u32::MAX makes the receiver refuse it.
+            out.extend_from_slice(&u32::try_from(self.address.len()).unwrap_or(u32::MAX).to_le_bytes());
+            out.extend_from_slice(&self.address);
+        }
         out
     }
 
@@ -46,8 +56,17 @@ impl EngineDesc {
         }
         let key = take_text(&mut cursor)?;
         let host = take_text(&mut cursor)?;
+        let mut address = Vec::new();
+        if !cursor.at_end() {
+            let length = cursor.u32()?;
+            if length == 0 || length as usize > MAX_PEER_ADDRESS_BYTES {
+                let max = MAX_PEER_ADDRESS_BYTES as i128;
+                return Err(WireErrorKind::OutOfRange { value: length.into(), min: 1, max });
+            }
+            address = cursor.take(length as usize)?.to_vec();
+        }
         cursor.finish()?;
-        Ok(Self { key, gpu_id, host, port })
+        Ok(Self { key, gpu_id, host, port, address })
     }
 }
 

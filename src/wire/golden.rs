@@ -5,7 +5,7 @@ use super::{DcpFields, EngineDesc, KvPoll, MemoryDesc, PrefillInfo, Registration
 
 /// The decode engine of the examples: rank 3 of a TP8/DCP8 decode side.
 fn decode_engine() -> EngineDesc {
-    EngineDesc { key: "io-decode-dp0-tp3".into(), gpu_id: 3, host: "10.0.0.2".into(), port: 41000 }
+    EngineDesc { key: "io-decode-dp0-tp3".into(), gpu_id: 3, host: "10.0.0.2".into(), port: 41000, address: Vec::new() }
 }
 
 /// Decode TP8 rank 3 with DCP8 (rank 3) registering two MLA KV entries (global layers 17 and 23, the pair of
@@ -38,7 +38,13 @@ pub fn legacy_registration() -> Registration {
     Registration {
         ip: "127.0.0.1".into(),
         port: 5000,
-        engine: EngineDesc { key: "io-decode-dp0-tp0".into(), gpu_id: 0, host: "127.0.0.1".into(), port: 41000 },
+        engine: EngineDesc {
+            key: "io-decode-dp0-tp0".into(),
+            gpu_id: 0,
+            host: "127.0.0.1".into(),
+            port: 41000,
+            address: Vec::new(),
+        },
         kv_descs: vec![MemoryDesc { address: 0x1000, length_bytes: 0x400, rkey: 7 }],
         aux_descs: Vec::new(),
         state_descs: Vec::new(),

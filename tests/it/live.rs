@@ -248,7 +248,8 @@ fn a_prefill_rank_out_of_queue_pairs_refuses_that_peer_and_serves_the_others() {
     let options = kvrelay::engine::live::LiveOptions { waiting_timeout_ns: 30_000_000_000, ..Default::default() };
     let run = kvrelay::engine::live::run_local(&scenario.problem, &options, |node| {
         // Node 0 is the one prefill rank; decode ranks need one queue pair each.
-        Ok(FewQps { inner: world.eager_endpoint(node), left: if node == NodeId(0) { 15 } else { 1 } })
+        let left = if node == NodeId(0) { 15 } else { 1 };
+        Ok(kvrelay::fabric::verbs_engine::VerbsEngine::new(FewQps { inner: world.eager_endpoint(node), left }))
     })
     .unwrap();
     let failures = run.failures();
@@ -256,7 +257,7 @@ fn a_prefill_rank_out_of_queue_pairs_refuses_that_peer_and_serves_the_others() {
     let (rank, _, reason) = &failures[0];
     assert_eq!(rank.tp, 15);
     assert!(
-        reason.starts_with("prefill pp0/tp0 cannot create a queue pair: the fabric ran out of queue pairs"),
+        reason.starts_with("prefill pp0/tp0 cannot open a connection: the engine ran out of queue pairs"),
         "{reason}"
     );
     // Nothing waited for a timeout: the refusal is answered at once.

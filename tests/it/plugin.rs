@@ -288,7 +288,7 @@ fn engines_over(plugin: &Path, scenario: &str) -> (Vec<verify::Violation>, Vec<(
     let problem = &scenario.problem;
     let mut transport = PluginTransport::load(plugin).unwrap();
     let caps = SimOptions::default().caps;
-    let run = live::run_local(problem, &LiveOptions::default(), |node| transport.open(node, caps)).unwrap();
+    let run = live::run_local(problem, &LiveOptions::default(), |node| transport.engine(node, caps)).unwrap();
     let mut violations = Vec::new();
     for layout in &problem.decode.ranks {
         let verdicts = harness::verdicts(&scenario.expect, &run, layout.rank);

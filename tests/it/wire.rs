@@ -124,7 +124,7 @@ fn pack_int_lists_signed_and_wide_formats() {
 /// The registration's memory desc and engine desc layouts, byte by byte (README.md "Frames 4-7").
 #[test]
 fn descriptor_layouts_are_pinned() {
-    let engine = EngineDesc { key: "k".into(), gpu_id: 3, host: "h".into(), port: 0x1234 };
+    let engine = EngineDesc { key: "k".into(), gpu_id: 3, host: "h".into(), port: 0x1234, address: Vec::new() };
     assert_eq!(engine.pack(), hex("03000000 3412 0100 6b 0100 68"));
     let registration =
         Registration { kv_descs: vec![MemoryDesc { address: 1, length_bytes: 2, rkey: 3 }], ..golden::registration() };
@@ -344,7 +344,9 @@ use WireErrorKind::*;
 #[case::memory_desc_wraps(Reg, with(reg(), 6, &hex("ffffffff ffffffff 01000000 00000000 00000000")), 6, "aux_descs", Wraps { list: 0, item: 0 })]
 #[case::state_component_misaligned(Reg, with(reg(), 7, &[hex("02000000 14000000 15000000"), vec![0; 41]].concat()), 7, "state_descs", Misaligned { list: 1, bytes: 21, width: 20 })]
 #[case::engine_desc_truncated(Reg, with(reg(), 4, &engine_bytes()[..7]), 4, "engine", Truncated { needed: 8, present: 7 })]
-#[case::engine_desc_trailing_bytes(Reg, with(reg(), 4, &[engine_bytes(), vec![0]].concat()), 4, "engine", TrailingBytes { extra: 1 })]
+#[case::engine_desc_trailing_bytes(Reg, with(reg(), 4, &[engine_bytes(), hex("01000000 61 00")].concat()), 4, "engine", TrailingBytes { extra: 1 })]
+#[case::engine_desc_address_truncated(Reg, with(reg(), 4, &[engine_bytes(), hex("05000000 61")].concat()), 4, "engine", Truncated { needed: engine_bytes().len() as u64 + 9, present: engine_bytes().len() + 5 })]
+#[case::engine_desc_address_empty(Reg, with(reg(), 4, &[engine_bytes(), hex("00000000")].concat()), 4, "engine", OutOfRange { value: 0, min: 1, max: 1 << 20 })]
 #[case::engine_gpu_out_of_range(Reg, with(reg(), 4, &[hex("88130000"), engine_bytes()[4..].to_vec()].concat()), 4, "engine", OutOfRange { value: 5000, min: 0, max: 1023 })]
 #[case::engine_key_not_ascii(Reg, with(reg(), 4, &hex("03000000 0100 0100 00 0100 68")), 4, "engine", NotAscii { offset: 0, byte: 0 })]
 fn malformed_input_names_the_frame(
@@ -418,7 +420,13 @@ fn memory_desc() -> impl Strategy<Value = MemoryDesc> {
 }
 
 fn engine() -> impl Strategy<Value = EngineDesc> {
-    (text(), 0..=1023_u32, text(), port()).prop_map(|(key, gpu_id, host, port)| EngineDesc { key, gpu_id, host, port })
+    (text(), 0..=1023_u32, text(), port()).prop_map(|(key, gpu_id, host, port)| EngineDesc {
+        key,
+        gpu_id,
+        host,
+        port,
+        address: Vec::new(),
+    })
 }
 
 fn dcp_fields() -> impl Strategy<Value = DcpFields> {

@@ -8,25 +8,29 @@
 //! from one write per copy: only the number of work requests changes (domain.md §6.1 step 5 fixes what lands where,
 //! not how many writes carry it).
 
-use crate::fabric::verbs::{Caps, RemoteAddr, Sge};
+use super::verbs::{Caps, RemoteAddr, Sge};
 
 /// One piece of a copy: `sge.len` bytes from local `sge` to `remote`, `offset` bytes into peer region `region`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Piece {
+pub(crate) struct Piece {
     pub sge: Sge,
     pub remote: RemoteAddr,
     pub region: u32,
     pub offset: u64,
+    /// The index of the batch entry this piece is of.
+    pub entry: u32,
 }
 
 /// One work request's worth: a gather list landing contiguously at `remote` (`offset` into peer region `region`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Gathered {
+pub(crate) struct Gathered {
     pub sges: Vec<Sge>,
     pub remote: RemoteAddr,
     pub region: u32,
     pub offset: u64,
     pub len: u64,
+    /// The batch entries it carries (bytes of), in order.
+    pub entries: std::ops::Range<u32>,
 }
 
 impl Gathered {
@@ -37,6 +41,7 @@ impl Gathered {
             region: piece.region,
             offset: piece.offset,
             len: piece.sge.len,
+            entries: piece.entry..piece.entry + 1,
         }
     }
 
@@ -58,12 +63,13 @@ impl Gathered {
             return false;
         }
         self.len = len;
+        self.entries.end = self.entries.end.max(piece.entry + 1);
         true
     }
 }
 
 /// `pieces` (in plan order, each at most `max_message` bytes) as gather-list writes within `caps`.
-pub(super) fn gather(pieces: impl IntoIterator<Item = Piece>, caps: Caps) -> Vec<Gathered> {
+pub(crate) fn gather(pieces: impl IntoIterator<Item = Piece>, caps: Caps) -> Vec<Gathered> {
     let mut res: Vec<Gathered> = Vec::new();
     for piece in pieces {
         if !res.last_mut().is_some_and(|open| open.absorb(&piece, caps)) {
@@ -85,6 +91,7 @@ mod tests {
             remote: RemoteAddr { addr: 0x9000 + target, rkey: 9 },
             region: 0,
             offset: target,
+            entry: 0,
         }
     }
 

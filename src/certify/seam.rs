@@ -1,0 +1,315 @@
+//! The transfer-engine seam's contract ([`crate::fabric::seam::TransferEngine`]) as library cases, run on every
+//! transport through [`Transport::engine`]: verbs-shaped or not (a NIXL- or Mooncake-shaped engine is held to these
+//! and to the scenarios, not to the verbs cases).
+//!
+//! Each case opens two engines (node 0 sends, node 1 receives), registers a patterned source and a zeroed target
+//! of host memory, connects both ends both ways through the addresses the engines advertise, and drives the
+//! transport ([`Transport::settle`]) while polling, within a bounded number of rounds.
+
+use std::sync::Arc;
+
+use super::conformance::{CaseError, ConformanceCase, Group};
+use super::Transport;
+use crate::fabric::seam::{
+    Batch, BatchId, BatchStatus, Completion, ConnId, Entry, Event, Landed, Memory, MemoryKind, NodeId, SeamErrorKind,
+    TransferEngine,
+};
+use crate::fabric::verbs::Caps;
+
+/// Settle-and-poll rounds before a case gives up waiting for a completion.
+const ROUNDS: usize = 200;
+/// The source and target sizes of every case.
+const REGION: u64 = 64 << 10;
+/// What a case asks a verbs-shaped transport for below the seam.
+const ASK: Caps = Caps { max_sge: 4, max_message: 1 << 20, sq_depth: 64 };
+
+/// The source byte at `offset`: never zero, so a landed byte is told from an untouched one.
+fn source_byte(offset: u64) -> u8 {
+    (offset % 251) as u8 + 1
+}
+
+/// The completions seen, in order, and every notification node 1 got with whether the batch's bytes were there.
+type Driven = (Vec<Completion>, Vec<(u32, bool)>);
+
+struct Pair {
+    sender: Box<dyn TransferEngine>,
+    receiver: Box<dyn TransferEngine>,
+    source: Memory,
+    target: Memory,
+    conn: ConnId,
+    receiver_conn: ConnId,
+}
+
+fn failed(what: &str, error: impl std::fmt::Display) -> CaseError {
+    CaseError::Failed(format!("{what}: {error}"))
+}
+
+fn pair(transport: &mut dyn Transport) -> Result<Pair, CaseError> {
+    let mut sender = transport.engine(NodeId(0), ASK).map_err(|e| failed("opening the engine of node 0", e))?;
+    let mut receiver = transport.engine(NodeId(1), ASK).map_err(|e| failed("opening the engine of node 1", e))?;
+    let fill = Arc::new(|offset: u64, out: &mut [u8]| {
+        for (index, byte) in out.iter_mut().enumerate() {
+            *byte = source_byte(offset + index as u64);
+        }
+    });
+    let source = sender.register(MemoryKind::Host, REGION, 0, fill).map_err(|e| failed("registering the source", e))?;
+    let zero = Arc::new(|_: u64, out: &mut [u8]| out.fill(0));
+    let target =
+        receiver.register(MemoryKind::Host, REGION, 0, zero).map_err(|e| failed("registering the target", e))?;
+    let (conn, sender_address) = sender.open().map_err(|e| failed("opening a connection on node 0", e))?;
+    let (receiver_conn, receiver_address) = receiver.open().map_err(|e| failed("opening a connection on node 1", e))?;
+    sender.connect(conn, &receiver_address, &[target.remote()]).map_err(|e| failed("connecting node 0 to 1", e))?;
+    receiver.connect(receiver_conn, &sender_address, &[]).map_err(|e| failed("connecting node 1 to 0", e))?;
+    Ok(Pair { sender, receiver, source, target, conn, receiver_conn })
+}
+
+impl Pair {
+    fn entry(&self, source_offset: u64, target_offset: u64, len: u64) -> Entry {
+        Entry { local: self.source.id, local_offset: source_offset, remote: 0, remote_offset: target_offset, len }
+    }
+
+    /// Polls both engines (settling the transport between rounds) until `batches` all completed: the completions
+    /// in the order seen, and every notification node 1 got, each with whether the batch's bytes were there.
+    fn drive(
+        &mut self,
+        transport: &mut dyn Transport,
+        batches: &[BatchId],
+        expect_landed: &[(u64, u64, u64)],
+    ) -> Result<Driven, CaseError> {
+        let (mut completions, mut notified, mut events) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            self.sender.flush();
+            transport.settle();
+            self.sender.poll(&mut events, usize::MAX);
+            for event in events.drain(..) {
+                if let Event::Completed(completion) = event {
+                    completions.push(completion);
+                }
+            }
+            self.receiver.poll(&mut events, usize::MAX);
+            for event in events.drain(..) {
+                if let Event::Notified { conn, tag } = event {
+                    if conn != self.receiver_conn {
+                        return Err(CaseError::Failed(format!(
+                            "a notification came on {conn}, not on the receiving end"
+                        )));
+                    }
+                    let bytes = self.target_bytes()?;
+                    notified.push((tag, landed(&bytes, expect_landed)));
+                }
+            }
+            if batches.iter().all(|id| completions.iter().any(|completion| completion.batch == *id)) {
+                return Ok((completions, notified));
+            }
+            transport.step();
+        }
+        Err(CaseError::Failed(format!("no completion for some of {batches:?} after {ROUNDS} rounds")))
+    }
+
+    fn target_bytes(&self) -> Result<Vec<u8>, CaseError> {
+        let mut bytes = vec![0u8; REGION as usize];
+        self.receiver.read(&self.target, 0, &mut bytes).map_err(|e| failed("reading the target", e))?;
+        Ok(bytes)
+    }
+}
+
+/// Whether every (source, target, length) copy is in `bytes`.
+fn landed(bytes: &[u8], copies: &[(u64, u64, u64)]) -> bool {
+    copies.iter().all(|&(source, target, len)| {
+        (0..len).all(|index| bytes[(target + index) as usize] == source_byte(source + index))
+    })
+}
+
+/// The first byte of `bytes` outside every target range of `copies` that is not zero.
+fn stray(bytes: &[u8], copies: &[(u64, u64, u64)]) -> Option<usize> {
+    let inside = |offset: u64| copies.iter().any(|&(_, target, len)| (target..target + len).contains(&offset));
+    (0..bytes.len()).find(|&offset| bytes[offset] != 0 && !inside(offset as u64))
+}
+
+/// Scattered copies: 40 pieces of 100 bytes, every other 256-byte slot of the target, read backwards.
+fn scattered() -> Vec<(u64, u64, u64)> {
+    (0..40u64).map(|k| (1000 * (39 - k), 512 * k + 7, 100)).collect()
+}
+
+fn batch_lands_exactly(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair(transport)?;
+    let copies = scattered();
+    let entries = copies.iter().map(|&(s, t, l)| pair.entry(s, t, l)).collect();
+    let id = pair.sender.submit(pair.conn, Batch { entries, notify: Some(77) }).map_err(|e| failed("submitting", e))?;
+    let (completions, notified) = pair.drive(transport, &[id], &copies)?;
+    let completion = &completions[0];
+    if completion.status != BatchStatus::Success || completion.landed != Landed::All {
+        return Err(CaseError::Failed(format!(
+            "the batch completed {completion:?}, expected success with every entry"
+        )));
+    }
+    let bytes = pair.target_bytes()?;
+    if !landed(&bytes, &copies) {
+        return Err(CaseError::Failed("a completed batch's bytes are not all at their targets".to_owned()));
+    }
+    if let Some(offset) = stray(&bytes, &copies) {
+        return Err(CaseError::Failed(format!("target byte {offset} changed outside every entry")));
+    }
+    if notified != [(77, true)] {
+        return Err(CaseError::Failed(format!(
+            "expected one notification 77 with every byte landed, saw {notified:?} (tag, bytes landed)"
+        )));
+    }
+    Ok(())
+}
+
+fn one_completion_per_batch(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair(transport)?;
+    let mut ids = Vec::new();
+    for k in 0..12u64 {
+        let batch = Batch { entries: vec![pair.entry(64 * k, 4096 * k, 64)], notify: None };
+        ids.push(pair.sender.submit(pair.conn, batch).map_err(|e| failed("submitting", e))?);
+        if ids.len() >= pair.sender.limits().batches_in_flight.min(4) {
+            let (completions, _) = pair.drive(transport, &ids, &[])?;
+            check_once(&completions, &ids)?;
+            ids.clear();
+        }
+    }
+    let (completions, _) = pair.drive(transport, &ids, &[])?;
+    check_once(&completions, &ids)?;
+    let copies: Vec<(u64, u64, u64)> = (0..12u64).map(|k| (64 * k, 4096 * k, 64)).collect();
+    if !landed(&pair.target_bytes()?, &copies) {
+        return Err(CaseError::Failed("completed batches' bytes are not all at their targets".to_owned()));
+    }
+    Ok(())
+}
+
+fn check_once(completions: &[Completion], ids: &[BatchId]) -> Result<(), CaseError> {
+    let mut seen: Vec<BatchId> = completions.iter().map(|completion| completion.batch).collect();
+    seen.sort_unstable();
+    let mut expected = ids.to_vec();
+    expected.sort_unstable();
+    if seen != expected {
+        return Err(CaseError::Failed(format!("expected one completion each for {expected:?}, saw {seen:?}")));
+    }
+    match completions.iter().find(|completion| completion.status != BatchStatus::Success) {
+        Some(completion) => Err(CaseError::Failed(format!("a valid batch completed {completion:?}"))),
+        None => Ok(()),
+    }
+}
+
+fn out_of_range_touches_nothing_outside(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair(transport)?;
+    let good = [(0, 100, 50), (200, 300, 50)];
+    let entries = vec![pair.entry(0, 100, 50), pair.entry(0, REGION - 10, 20), pair.entry(200, 300, 50)];
+    match pair.sender.submit(pair.conn, Batch { entries, notify: None }) {
+        // Refused at submit (NIXL's way): nothing ran.
+        Err(error) if error.kind() == SeamErrorKind::OutOfRange || error.kind() == SeamErrorKind::Engine => {
+            transport.settle();
+            if let Some(offset) = stray(&pair.target_bytes()?, &[]) {
+                return Err(CaseError::Failed(format!("a refused batch changed target byte {offset}")));
+            }
+            Ok(())
+        }
+        Err(error) => Err(failed("a batch past the peer's memory was refused with the wrong kind", error)),
+        Ok(id) => {
+            let (completions, _) = pair.drive(transport, &[id], &[])?;
+            let completion = &completions[0];
+            if completion.status == BatchStatus::Success {
+                return Err(CaseError::Failed("a batch past the peer's memory completed successfully".to_owned()));
+            }
+            let bytes = pair.target_bytes()?;
+            // Entries the engine says landed must be there; no byte outside the entries' ranges may change.
+            if let Landed::Entries(ranges) = &completion.landed {
+                let claimed: Vec<(u64, u64, u64)> = ranges
+                    .iter()
+                    .flat_map(|range| range.clone())
+                    .filter_map(|index| [Some(good[0]), None, Some(good[1])].get(index as usize).copied().flatten())
+                    .collect();
+                if !landed(&bytes, &claimed) {
+                    return Err(CaseError::Failed(format!("entries {ranges:?} are reported landed but are not")));
+                }
+            }
+            match stray(&bytes, &[good[0], good[1], (0, REGION - 10, 10)]) {
+                Some(offset) => Err(CaseError::Failed(format!("target byte {offset} changed outside every entry"))),
+                None => Ok(()),
+            }
+        }
+    }
+}
+
+fn unknown_connection_is_refused(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair(transport)?;
+    let entries = vec![pair.entry(0, 0, 8)];
+    let bogus = ConnId(pair.conn.0.wrapping_add(1000));
+    match pair.sender.submit(bogus, Batch { entries, notify: None }) {
+        Err(error) if error.kind() == SeamErrorKind::UnknownConnection => Ok(()),
+        Err(error) => Err(failed("a batch on a connection never opened was refused with the wrong kind", error)),
+        Ok(id) => Err(CaseError::Failed(format!("a batch on a connection never opened was accepted as {id}"))),
+    }
+}
+
+fn over_limits_is_refused(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair(transport)?;
+    let limits = pair.sender.limits();
+    let entries = limits.max_entries.checked_add(1).filter(|count| *count <= 1 << 16);
+    let Some(count) = entries else {
+        return Ok(()); // no entry limit a batch of this size could pass
+    };
+    let entries = (0..count).map(|k| pair.entry((k % 1024) as u64, (k % 1024) as u64, 1)).collect();
+    match pair.sender.submit(pair.conn, Batch { entries, notify: None }) {
+        Err(error) if error.kind() == SeamErrorKind::OverLimits => Ok(()),
+        Err(error) => Err(failed("a batch over the declared entry limit was refused with the wrong kind", error)),
+        Ok(id) => {
+            Err(CaseError::Failed(format!("a batch of {count} entries, over the declared limit, was accepted as {id}")))
+        }
+    }
+}
+
+/// Caps these cases need below the seam (none: a verbs transport lowers within what it grants).
+const ANY: Caps = Caps { max_sge: 1, max_message: 1, sq_depth: 1 };
+
+fn case(
+    id: &'static str,
+    group: Group,
+    claim: &'static str,
+    run: fn(&mut dyn Transport) -> Result<(), CaseError>,
+) -> ConformanceCase {
+    ConformanceCase { id, group, claim, caps: ANY, run }
+}
+
+static CASES: std::sync::LazyLock<Vec<ConformanceCase>> = std::sync::LazyLock::new(|| {
+    use Group::{Contract, ErrorPath};
+    vec![
+        case(
+            "batch_lands_exactly_and_notifies_after_its_bytes",
+            Contract,
+            "a batch of scattered entries lands byte for byte, completes once with every entry, changes nothing else, and its notification arrives after its bytes",
+            batch_lands_exactly,
+        ),
+        case(
+            "one_completion_per_batch",
+            Contract,
+            "every submitted batch completes exactly once, successfully, within the engine's declared batches in flight",
+            one_completion_per_batch,
+        ),
+        case(
+            "out_of_range_touches_nothing_outside",
+            ErrorPath,
+            "a batch past the peer's memory is refused or fails, reports only entries that landed, and changes no byte outside its entries",
+            out_of_range_touches_nothing_outside,
+        ),
+        case(
+            "unknown_connection_is_refused",
+            ErrorPath,
+            "a batch on a connection never opened is refused at submit",
+            unknown_connection_is_refused,
+        ),
+        case(
+            "over_limits_is_refused",
+            ErrorPath,
+            "a batch over the engine's declared entry limit is refused at submit",
+            over_limits_is_refused,
+        ),
+    ]
+});
+
+/// Every seam case, in a fixed order (ids are stable across versions).
+pub fn cases() -> &'static [ConformanceCase] {
+    &CASES
+}

@@ -1,0 +1,405 @@
+//! The transfer-engine seam: what every real transfer engine can meet natively (a verbs NIC, NIXL, Mooncake's
+//! Transfer Engine, a GPU copy engine), and all that kvrelay's rank engines ask of a fabric.
+//!
+//! - **Memory of a kind** ([`MemoryKind`]: host, or device memory of one GPU) is registered with the rank's engine,
+//!   which owns it until released. The harness fills it with what a [`Fill`] gives and reads back through the engine
+//!   ([`TransferEngine::read`], [`TransferEngine::release`]), so device memory needs no host mirror. A peer sees only
+//!   what the owner advertises of it: a [`RemoteMemory`] (address, length, key).
+//! - **A peer is reached through an opaque address** ([`PeerAddress`]): [`TransferEngine::open`] makes a connection
+//!   end and says what to tell the peer (verbs: a queue pair's number, LID and GID; NIXL: the agent's metadata;
+//!   Mooncake: a session id); [`TransferEngine::connect`] joins it to the peer's address and the peer's advertised
+//!   memory. The bootstrap carries the addresses (the registration's engine desc, the link answer).
+//! - **A transfer is a [`Batch`]** of ([`Entry`]: local memory, offset, remote memory, offset, length) to one
+//!   connection with an optional notification, which the peer sees ([`Event::Notified`]) only after every byte of the
+//!   batch landed. The engine reports **one completion per batch** ([`Event::Completed`]) with a typed
+//!   [`BatchStatus`] and, where it can tell, which entries landed ([`Landed`]).
+//! - **Declared limits** ([`SeamLimits`]: entries and bytes per batch, batches in flight per connection), which the
+//!   rank engines respect with credits.
+//!
+//! Nothing here knows plans, models or the oracle, and nothing here names a queue pair: the verbs fabrics meet this
+//! seam through [`super::verbs_engine::VerbsEngine`], which lowers a batch to gather-list work requests.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Range;
+use std::time::Duration;
+
+/// One rank's process on the fabric (its transfer engine; on a verbs NIC a protection domain, its CQ and QPs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeId(pub u32);
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "node {}", self.0)
+    }
+}
+
+/// The initial contents of a region registered with [`TransferEngine::register`]: `fill(offset, out)` writes the
+/// region's bytes from byte `offset` on into `out` (any offset, any length; the same bytes every time).
+pub type Fill = std::sync::Arc<dyn Fn(u64, &mut [u8]) + Send + Sync>;
+
+/// Where registered memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum MemoryKind {
+    /// Host memory (DRAM).
+    #[default]
+    Host,
+    /// Device memory of GPU `gpu` (its index on the host).
+    Device { gpu: u32 },
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MemoryKind::Host => write!(f, "host"),
+            MemoryKind::Device { gpu } => write!(f, "device (GPU {gpu})"),
+        }
+    }
+}
+
+/// Memory registered with one engine: `id` names it in this engine's [`Entry::local`]; `addr`, `len` and `key` are
+/// what the owner advertises to peers ([`Memory::remote`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Memory {
+    pub id: u32,
+    pub kind: MemoryKind,
+    /// The address a peer writes to (never zero).
+    pub addr: u64,
+    pub len: u64,
+    /// What a peer needs beside the address (verbs: the rkey; engines without keys: 0).
+    pub key: u32,
+}
+
+impl Memory {
+    /// What a peer is told of this memory.
+    pub fn remote(&self) -> RemoteMemory {
+        RemoteMemory { addr: self.addr, len: self.len, key: self.key }
+    }
+}
+
+/// A peer's memory as it advertised it: writes land at `addr + offset` for offsets within `len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RemoteMemory {
+    pub addr: u64,
+    pub len: u64,
+    pub key: u32,
+}
+
+/// What a rank tells a peer so that the peer can reach it: opaque bytes, meaningful only to the same kind of engine.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct PeerAddress(pub Vec<u8>);
+
+impl fmt::Display for PeerAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match std::str::from_utf8(&self.0) {
+            Ok(text) if text.bytes().all(|byte| byte.is_ascii_graphic()) => write!(f, "{text}"),
+            _ => write!(f, "{} bytes", self.0.len()),
+        }
+    }
+}
+
+/// One end of a connection, unique within its engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConnId(pub u32);
+
+impl fmt::Display for ConnId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "connection {}", self.0)
+    }
+}
+
+/// A submitted batch, unique within its engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BatchId(pub u64);
+
+impl fmt::Display for BatchId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "batch {}", self.0)
+    }
+}
+
+/// `len` bytes of local memory `local` from `local_offset` to the peer's advertised memory number `remote` (its
+/// index in the list given to [`TransferEngine::connect`]) from `remote_offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Entry {
+    pub local: u32,
+    pub local_offset: u64,
+    pub remote: u32,
+    pub remote_offset: u64,
+    pub len: u64,
+}
+
+/// Writes to one peer, with an optional notification the peer sees after all of them landed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Batch {
+    pub entries: Vec<Entry>,
+    pub notify: Option<u32>,
+}
+
+impl Batch {
+    /// The bytes the batch moves (`None` if the sum overflows).
+    pub fn byte_len(&self) -> Option<u64> {
+        self.entries.iter().try_fold(0u64, |total, entry| total.checked_add(entry.len))
+    }
+}
+
+/// How a batch ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum BatchStatus {
+    /// Every byte landed.
+    Success,
+    /// A local range is outside its registered memory.
+    LocalProtection,
+    /// A remote range is outside the peer's advertised memory, or its key is wrong.
+    RemoteAccess,
+    /// The peer did not answer.
+    Unreachable,
+    /// The batch did not run (or stopped): cancelled, or behind an earlier failure on its connection.
+    Aborted,
+}
+
+impl BatchStatus {
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchStatus::Success => "success",
+            BatchStatus::LocalProtection => "local_protection",
+            BatchStatus::RemoteAccess => "remote_access",
+            BatchStatus::Unreachable => "unreachable",
+            BatchStatus::Aborted => "aborted",
+        }
+    }
+}
+
+/// Which entries of a batch are known to have landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Landed {
+    /// Every entry (a successful batch).
+    All,
+    /// These ranges of entry indices, sorted and disjoint (possibly none).
+    Entries(Vec<Range<u32>>),
+    /// The engine cannot tell: callers treat every target byte of the batch as undefined.
+    Unknown,
+}
+
+/// One batch's end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub conn: ConnId,
+    pub batch: BatchId,
+    pub status: BatchStatus,
+    pub landed: Landed,
+    /// The engine's own words for a failure (empty on success), e.g. `work request 3 completed with RetryExceeded`.
+    pub detail: String,
+}
+
+/// What [`TransferEngine::poll`] hands out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A batch this engine submitted ended.
+    Completed(Completion),
+    /// A peer's batch with a notification landed here whole, on this engine's end `conn`.
+    Notified { conn: ConnId, tag: u32 },
+}
+
+/// What an engine accepts: a rank engine never submits more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeamLimits {
+    /// Most entries in one batch.
+    pub max_entries: usize,
+    /// Most bytes in one batch.
+    pub max_batch_bytes: u64,
+    /// Most batches in flight (submitted, not completed) on one connection.
+    pub batches_in_flight: usize,
+}
+
+impl SeamLimits {
+    /// No limit an engine needs to respect (an engine that queues internally).
+    pub const UNLIMITED: SeamLimits =
+        SeamLimits { max_entries: usize::MAX, max_batch_bytes: u64::MAX, batches_in_flight: usize::MAX };
+}
+
+/// Whether a cancelled batch may still land bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancelled {
+    /// Nothing more of it will land and no completion will come for it.
+    Whole,
+    /// Parts are on the wire: its completion (usually [`BatchStatus::Aborted`]) comes once they settled.
+    Draining,
+    /// It already ended (its completion was or will be handed out).
+    Ended,
+}
+
+/// The kind of a [`SeamError`], for callers that match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SeamErrorKind {
+    UnknownMemory,
+    UnknownConnection,
+    NotConnected,
+    AlreadyConnected,
+    BadAddress,
+    OverLimits,
+    OutOfRange,
+    Exhausted,
+    Engine,
+}
+
+/// Why an engine call failed (as opposed to a batch completing in error). A failed submit submitted nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SeamError {
+    #[error("memory {0} is not registered with this engine: use the id its register returned")]
+    UnknownMemory(u32),
+    #[error("{0} does not exist on this engine: use a connection open returned")]
+    UnknownConnection(ConnId),
+    #[error("{0} is not connected: call connect with the peer's address first")]
+    NotConnected(ConnId),
+    #[error("{0} is already connected: open another end for another peer")]
+    AlreadyConnected(ConnId),
+    #[error("the peer address `{address}` is not one this engine understands: {why}")]
+    BadAddress { address: String, why: String },
+    #[error("a batch of {entries} entries and {bytes} bytes exceeds the engine's limits ({max_entries} entries, {max_bytes} bytes): split it")]
+    OverLimits { entries: usize, bytes: u64, max_entries: usize, max_bytes: u64 },
+    #[error("bytes {offset}..{offset}+{len} are outside the {region_len}-byte memory: stay within the memory")]
+    OutOfRange { offset: u64, len: u64, region_len: u64 },
+    #[error("the engine ran out of {0}: use fewer registrations or connections")]
+    Exhausted(&'static str),
+    /// The engine below (a NIC, a library) refused the call; its own words.
+    #[error("the transfer engine refused {call}: {message}")]
+    Engine { call: &'static str, message: String },
+}
+
+impl SeamError {
+    pub fn kind(&self) -> SeamErrorKind {
+        match self {
+            SeamError::UnknownMemory(_) => SeamErrorKind::UnknownMemory,
+            SeamError::UnknownConnection(_) => SeamErrorKind::UnknownConnection,
+            SeamError::NotConnected(_) => SeamErrorKind::NotConnected,
+            SeamError::AlreadyConnected(_) => SeamErrorKind::AlreadyConnected,
+            SeamError::BadAddress { .. } => SeamErrorKind::BadAddress,
+            SeamError::OverLimits { .. } => SeamErrorKind::OverLimits,
+            SeamError::OutOfRange { .. } => SeamErrorKind::OutOfRange,
+            SeamError::Exhausted(_) => SeamErrorKind::Exhausted,
+            SeamError::Engine { .. } => SeamErrorKind::Engine,
+        }
+    }
+
+    /// Checks `batch` against `limits` ([`SeamError::OverLimits`]).
+    pub fn check_limits(batch: &Batch, limits: SeamLimits) -> Result<(), SeamError> {
+        let bytes = batch.byte_len().unwrap_or(u64::MAX);
+        if batch.entries.len() > limits.max_entries || bytes > limits.max_batch_bytes {
+            return Err(SeamError::OverLimits {
+                entries: batch.entries.len(),
+                bytes,
+                max_entries: limits.max_entries,
+                max_bytes: limits.max_batch_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A released region's bytes: the chunks the engine can tell were touched, by start offset; a byte in no chunk
+/// still holds what the memory was registered with. One chunk of every byte when the engine cannot tell.
+pub type Image = BTreeMap<u64, Vec<u8>>;
+
+/// One rank's transfer engine.
+///
+/// Semantics every implementation keeps (`crate::certify::conformance` checks them through the seam):
+/// - **Submitting** is non-blocking and all or nothing: a batch over the limits, naming unknown memory or an
+///   unconnected end, is refused and nothing of it runs. [`TransferEngine::flush`] lets everything submitted
+///   since the last flush start (a doorbell; engines that start at submit need not do anything).
+/// - **One completion per batch**, whatever happened, unless it was cancelled [`Cancelled::Whole`]. After a
+///   batch's completion no byte of it lands any more. A failed batch's target bytes are undefined except the entries
+///   its [`Landed`] names.
+/// - **Notification.** A batch's notification reaches the peer only after every byte of the batch landed.
+/// - **Protection.** A byte outside every entry's target range never changes.
+/// - **Memory.** Only the owner reads or releases its memory; peers reach it only through its advertised
+///   [`RemoteMemory`].
+pub trait TransferEngine {
+    /// Which rank's process this engine is.
+    fn node(&self) -> NodeId;
+    /// What a rank engine may submit.
+    fn limits(&self) -> SeamLimits;
+    /// Registers `len` bytes of memory of `kind` holding what `fill` gives. `item_len` is the unit the memory is
+    /// used in (a page of one layer, a state slot; 0 when none): an engine that materialises memory lazily sizes its
+    /// chunks in whole items.
+    fn register(&mut self, kind: MemoryKind, len: u64, item_len: u64, fill: Fill) -> Result<Memory, SeamError>;
+    /// Copies `out.len()` bytes of this engine's memory `memory` from `offset` into `out` (through the device for
+    /// device memory).
+    fn read(&self, memory: &Memory, offset: u64, out: &mut [u8]) -> Result<(), SeamError>;
+    /// Deregisters `memory` and hands back its bytes as an [`Image`] (`sparse`: only the chunks the engine knows
+    /// were touched; otherwise one chunk of every byte).
+    fn release(&mut self, memory: &Memory, sparse: bool) -> Result<Image, SeamError>;
+    /// A new connection end and the address the peer must be told.
+    fn open(&mut self) -> Result<(ConnId, PeerAddress), SeamError>;
+    /// Joins end `conn` to the peer at `peer`, whose advertised memory is `remote` (numbered as [`Entry::remote`];
+    /// empty for an end that only receives).
+    fn connect(&mut self, conn: ConnId, peer: &PeerAddress, remote: &[RemoteMemory]) -> Result<(), SeamError>;
+    /// Submits `batch` on `conn` (see the trait's **Submitting**).
+    fn submit(&mut self, conn: ConnId, batch: Batch) -> Result<BatchId, SeamError>;
+    /// Starts everything submitted since the last flush.
+    fn flush(&mut self) {}
+    /// Stops `batch` as far as it can (see [`Cancelled`]).
+    fn cancel(&mut self, batch: BatchId) -> Cancelled;
+    /// Moves up to `max` events into `out` (appending) and returns how many; never blocks.
+    fn poll(&mut self, out: &mut Vec<Event>, max: usize) -> usize;
+    /// Blocks until an event may be ready or `timeout` passed; `true` when one may be ready. Engines on simulated
+    /// time return `false` at once and their driver advances the world.
+    fn wait(&mut self, timeout: Duration) -> bool {
+        let _ = timeout;
+        false
+    }
+    /// Whether this engine's process crashed (a simulated fault): its rank processes nothing more.
+    fn crashed(&self) -> bool {
+        false
+    }
+    /// How many operations the engine issued below the seam so far (verbs: work requests posted; a descriptor-list
+    /// engine: descriptors), for reports; 0 when it does not count.
+    fn operations(&self) -> u64 {
+        0
+    }
+}
+
+impl<T: TransferEngine + ?Sized> TransferEngine for Box<T> {
+    fn node(&self) -> NodeId {
+        (**self).node()
+    }
+    fn limits(&self) -> SeamLimits {
+        (**self).limits()
+    }
+    fn register(&mut self, kind: MemoryKind, len: u64, item_len: u64, fill: Fill) -> Result<Memory, SeamError> {
+        (**self).register(kind, len, item_len, fill)
+    }
+    fn read(&self, memory: &Memory, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
+        (**self).read(memory, offset, out)
+    }
+    fn release(&mut self, memory: &Memory, sparse: bool) -> Result<Image, SeamError> {
+        (**self).release(memory, sparse)
+    }
+    fn open(&mut self) -> Result<(ConnId, PeerAddress), SeamError> {
+        (**self).open()
+    }
+    fn connect(&mut self, conn: ConnId, peer: &PeerAddress, remote: &[RemoteMemory]) -> Result<(), SeamError> {
+        (**self).connect(conn, peer, remote)
+    }
+    fn submit(&mut self, conn: ConnId, batch: Batch) -> Result<BatchId, SeamError> {
+        (**self).submit(conn, batch)
+    }
+    fn flush(&mut self) {
+        (**self).flush()
+    }
+    fn cancel(&mut self, batch: BatchId) -> Cancelled {
+        (**self).cancel(batch)
+    }
+    fn poll(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
+        (**self).poll(out, max)
+    }
+    fn wait(&mut self, timeout: Duration) -> bool {
+        (**self).wait(timeout)
+    }
+    fn crashed(&self) -> bool {
+        (**self).crashed()
+    }
+    fn operations(&self) -> u64 {
+        (**self).operations()
+    }
+}
