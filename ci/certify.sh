@@ -7,7 +7,10 @@
 #   2. the sample C plug-in (tests/plugins/memcpy/, built by ci/plugin.sh with the system C compiler) loaded with
 #      `--fabric plugin:PATH`, clean and built with -DKVRELAY_SAMPLE_PLANT_WRONG_OFFSET;
 #   3. a Rust crate calling the library entry point (tests/transports/loopback.rs, `--example certify-loopback`),
-#      clean and with --plant-wrong-offset.
+#      clean and with --plant-wrong-offset;
+#   4. a NIXL-shaped Rust crate meeting the transfer-engine seam directly, not verbs (tests/transports/requests.rs,
+#      `--example certify-requests`), clean and with --plant-dropped-tail (a long request's last descriptor dropped
+#      while it reports DONE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,7 +60,7 @@ expect() {
 }
 
 mkdir -p "$out"
-cargo build --locked --release --bin kvrelay --example certify-loopback
+cargo build --locked --release --bin kvrelay --example certify-loopback --example certify-requests
 bash ci/plugin.sh
 plugin=target/plugins/libkvrelay_memcpy.so
 planted=target/plugins/libkvrelay_memcpy_planted.so
@@ -72,10 +75,14 @@ expect pass "Rust crate: cargo run --example certify-loopback" "$out/loopback" \
     target/release/examples/certify-loopback "$out/loopback"
 expect fail "Rust crate with the planted wrong offset: certify-loopback --plant-wrong-offset" "$out/loopback-planted" \
     target/release/examples/certify-loopback "$out/loopback-planted" --plant-wrong-offset
+expect pass "NIXL-shaped Rust crate at the transfer-engine seam: cargo run --example certify-requests" "$out/requests" \
+    target/release/examples/certify-requests "$out/requests"
+expect fail "NIXL-shaped crate with its planted dropped tail: certify-requests --plant-dropped-tail" "$out/requests-planted" \
+    target/release/examples/certify-requests "$out/requests-planted" --plant-dropped-tail
 
 echo
 if [ "${#failed[@]}" -gt 0 ]; then
     for line in "${failed[@]}"; do say "FAILED: $line"; done
     exit 1
 fi
-say "all five certification runs ended as expected; reports under $out/"
+say "all seven certification runs ended as expected; reports under $out/"

@@ -8,6 +8,10 @@ use kvrelay::fabric::verbs::{Caps, Endpoint, NodeId};
 use kvrelay::harness::Budget;
 
 use crate::conformance::{Broken, Sabotage};
+
+/// The transfer-engine seam's NIXL-shaped template transport (also `--example certify-requests`).
+#[path = "../transports/requests.rs"]
+mod requests;
 use crate::support::{kvrelay, text};
 
 /// A small corpus: four scenarios through the engines, including a failed registration.
@@ -55,12 +59,12 @@ fn the_in_memory_fabric_is_certified_on_every_case() {
     assert!(report.certified() && report.complete(), "{}", report.summary());
     let throughput = report.throughput.expect("the throughput case measured");
     assert_eq!(throughput.bytes, 1 << 20);
-    for group in ["contract", "error-path", "scenario", "throughput"] {
+    for group in ["seam", "contract", "error-path", "scenario", "throughput"] {
         assert!(report.results.iter().any(|result| result.group == group), "no {group} case ran");
     }
     let junit = report.junit();
     assert_eq!(junit.matches("<testcase ").count(), report.results.len(), "each case once in junit.xml");
-    assert_eq!(junit.matches("<testsuite ").count(), 4, "one suite per group");
+    assert_eq!(junit.matches("<testsuite ").count(), 5, "one suite per group");
 }
 
 #[test]
@@ -155,7 +159,8 @@ fn the_cli_lists_the_case_set_and_refuses_unknown_cases_and_transports() {
     let listed = kvrelay(&["certify", "--list", "--scenarios", "scenarios/engines"]);
     assert!(listed.status.success(), "{}", text(&listed.stderr));
     let out = text(&listed.stdout);
-    assert!(out.starts_with("case set kvrelay-certify-1 ("), "{out}");
+    assert!(out.starts_with("case set kvrelay-certify-2 ("), "{out}");
+    assert!(out.contains("seam/batch_lands_exactly_and_notifies_after_its_bytes"), "{out}");
     assert!(out.contains("scenario/legacy-registration"), "{out}");
     let unknown = kvrelay(&["certify", "--case", "scenario/nothing-here", "--scenarios", "scenarios/engines"]);
     assert!(!unknown.status.success());
@@ -166,8 +171,9 @@ fn the_cli_lists_the_case_set_and_refuses_unknown_cases_and_transports() {
 }
 
 /// The sample C plug-in through the whole kit: clean, certified on every conformance case and scenario; with its
-/// planted wrong offset, every conformance case still passes (their regions are smaller than 4 KiB) while the
-/// scenario cases catch it in coordinates and the throughput case's byte check catches it too.
+/// planted wrong offset, every verbs conformance case still passes (their regions are smaller than 4 KiB) while the
+/// scenario cases catch it in coordinates, and the seam cases (64 KiB regions) and the throughput case's byte check
+/// catch it too.
 #[test]
 fn the_sample_plugin_is_certified_clean_and_refused_with_its_planted_offset() {
     use kvrelay::fabric::plugin::PluginTransport;
@@ -182,7 +188,8 @@ fn the_sample_plugin_is_certified_clean_and_refused_with_its_planted_offset() {
         .filter(|result| result.verdict == Verdict::Fail)
         .map(|result| result.id.as_str())
         .collect();
-    assert!(failed.iter().all(|id| id.starts_with("scenario/") || id.starts_with("throughput/")), "{failed:?}");
+    let caught_by = |id: &str| ["scenario/", "throughput/", "seam/"].iter().any(|group| id.starts_with(group));
+    assert!(failed.iter().all(|id| caught_by(id)), "{failed:?}");
     assert!(failed.contains(&"throughput/write-bandwidth"), "{failed:?}");
     let relayout = planted.results.iter().find(|result| result.id == "scenario/dcp-relayout-two-stages").unwrap();
     assert_eq!(relayout.verdict, Verdict::Fail);
@@ -202,4 +209,29 @@ fn kvrelay_run_puts_a_scenario_on_a_plugin_and_the_oracle_judges_it() {
     let output = kvrelay(&["run", scenario, "--fabric", &planted]);
     assert!(!output.status.success());
     assert!(text(&output.stdout).contains("oracle violations"), "{}", text(&output.stdout));
+}
+
+/// The seam is not verbs in disguise: a transport shaped like NIXL (requests of descriptor lists to a peer agent,
+/// one status per request, a notification after its bytes; no queue pairs, keys or work-request completions) meets
+/// it natively and is certified on the seam's cases and every scenario, the verbs cases not applying to it; with its
+/// planted bug (the last descriptor of a long request silently dropped) the oracle fails it in coordinates.
+#[test]
+fn a_nixl_shaped_transport_is_certified_through_the_seam_and_its_planted_bug_is_caught() {
+    let report = run(&mut requests::Requests::new(false), &options());
+    let failed: Vec<_> = report.results.iter().filter(|result| !result.verdict.acceptable()).collect();
+    assert!(failed.is_empty(), "{failed:#?}");
+    assert!(report.certified() && report.complete(), "{}", report.summary());
+    let passed = |group: &str| {
+        report.results.iter().filter(|result| result.group == group && result.verdict == Verdict::Pass).count()
+    };
+    assert_eq!(passed("seam"), kvrelay::certify::seam::cases().len());
+    assert_eq!(passed("scenario"), report.results.iter().filter(|result| result.group == "scenario").count());
+    assert_eq!(passed("contract") + passed("error-path"), 0, "verbs cases do not apply to a NIXL-shaped transport");
+
+    let planted = run(&mut requests::Requests::new(true), &options());
+    assert!(!planted.certified(), "{}", planted.summary());
+    let dcp = planted.results.iter().find(|result| result.id == "scenario/dcp-relayout-two-stages").unwrap();
+    assert_eq!(dcp.verdict, Verdict::Fail);
+    assert!(dcp.detail.contains("decode rank") || dcp.detail.contains("decode pp"), "{}", dcp.detail);
+    assert!(dcp.detail.contains("oracle violations"), "{}", dcp.detail);
 }
