@@ -1,5 +1,6 @@
 //! One scenario end to end: budget, composed plan, the per-rank engines on the in-memory fabric, the oracle per
-//! decode rank, and the judgement against the scenario's expectation.
+//! decode rank, and the judgement against the scenario's expectation, or against the fault guarantee
+//! ([`guarantee()`]) for a faulted run.
 
 use crate::engine::live::{self, LiveOptions};
 use crate::engine::seat::SharedPlanner;
@@ -15,6 +16,9 @@ use crate::plan::{self, Plan, PlanError};
 use crate::scenario::{Expectation, Scenario};
 use crate::verify::{self, Observation, Verdicts, Violation};
 use crate::wire::KvPoll;
+
+mod guarantee;
+pub use guarantee::{guarantee, premature_successes, Judgement};
 
 /// Everything a run produced, for rendering and judging.
 #[derive(Debug)]
@@ -131,7 +135,7 @@ pub fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> 
 /// judges every decode rank with the rooms it saw fail.
 ///
 /// A scenario with `faults:` runs them (unless `options` brings faults of its own) and is judged by the fault
-/// guarantee instead of its expectation ([`crate::swarm::guarantee`]).
+/// guarantee instead of its expectation ([`guarantee()`]).
 pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> Result<Outcome, RunError> {
     check_budget(&scenario.problem, budget)?;
     let faulted;
@@ -302,10 +306,9 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> O
     let mut failures = match whose {
         Judge::OwnPlan => expectation_failures(&scenario.expect, &plan, ends.as_ref()),
         Judge::SeatOnly => ends.as_ref().map(|ends| room_failures(&scenario.expect, ends)).unwrap_or_default(),
-        Judge::Guarantee => engine
-            .as_ref()
-            .map(|run| crate::swarm::guarantee(scenario, run, &observation, &violations).failures)
-            .unwrap_or_default(),
+        Judge::Guarantee => {
+            engine.as_ref().map(|run| guarantee(scenario, run, &observation, &violations).failures).unwrap_or_default()
+        }
     };
     failures.extend(run_error);
     if !violations.is_empty() && whose != Judge::Guarantee {
