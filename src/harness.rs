@@ -11,7 +11,7 @@ use crate::fabric::world::SimWorld;
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::model::{Problem, RankId};
+use crate::model::{Problem, RankId, RankLayout};
 use crate::plan::{self, Plan, PlanError};
 use crate::scenario::{Expectation, Scenario};
 use crate::verify::{self, Observation, Verdicts, Violation};
@@ -323,7 +323,38 @@ pub fn oracle(scenario: &Scenario, run: &SimRun, observation: &Observation) -> V
     let problem = &scenario.problem;
     let ranks: Vec<_> =
         problem.decode.ranks.iter().map(|layout| (layout.rank, verdicts(&scenario.expect, run, layout.rank))).collect();
-    verify::check_ranks(problem, observation, &ranks)
+    check_ranks(problem, observation, &ranks)
+}
+
+/// [`verify::check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores; the
+/// violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
+pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(ranks.len()).max(1);
+    if workers == 1 {
+        return verify::check_ranks(problem, observation, ranks);
+    }
+    let mut per_rank: Vec<Vec<Violation>> = vec![Vec::new(); ranks.len()];
+    std::thread::scope(|scope| {
+        // Rank i goes to worker i % workers, so every worker gets a similar share.
+        let handles: Vec<_> = (0..workers)
+            .map(|worker| {
+                scope.spawn(move || {
+                    let mine = ranks.iter().enumerate().skip(worker).step_by(workers);
+                    mine.map(|(index, (rank, verdicts))| {
+                        (index, verify::check_rank(problem, *rank, observation, verdicts))
+                    })
+                    .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for handle in handles {
+            match handle.join() {
+                Ok(done) => done.into_iter().for_each(|(index, violations)| per_rank[index] = violations),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    per_rank.into_iter().flatten().collect()
 }
 
 /// The oracle's verdicts for `rank`: a rejected scenario promises more than failed rooms (no byte may have moved
@@ -440,5 +471,8 @@ pub fn run_direct(problem: &Problem, budget: &Budget) -> Result<Option<Vec<Viola
     let direct = exec::stage(problem, &mut transport)
         .and_then(|()| exec::execute(&plan, &mut transport))
         .and_then(|writes| exec::observe(problem, &mut transport, writes));
-    Ok(direct.ok().map(|observation| verify::check(problem, &observation)))
+    let all_succeeded = |layout: &RankLayout| (layout.rank, Verdicts::all_succeeded());
+    let ranks: Vec<_> = problem.decode.ranks.iter().map(all_succeeded).collect();
+    // `verify::check`, with the ranks judged in parallel.
+    Ok(direct.ok().map(|observation| check_ranks(problem, &observation, &ranks)))
 }
