@@ -1,5 +1,6 @@
 //! One scenario end to end: budget, composed plan, the per-rank engines on the in-memory fabric, the oracle per
-//! decode rank, and the judgement against the scenario's expectation.
+//! decode rank, and the judgement against the scenario's expectation, or against the fault guarantee
+//! ([`guarantee()`]) for a faulted run.
 
 use crate::engine::live::{self, LiveOptions};
 use crate::engine::seat::SharedPlanner;
@@ -12,11 +13,14 @@ use crate::fabric::world::SimWorld;
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::model::{Problem, RankId};
+use crate::model::{Problem, RankId, RankLayout};
 use crate::plan::{self, Plan, PlanError};
 use crate::scenario::{Expectation, Scenario};
 use crate::verify::{self, Observation, Verdicts, Violation};
 use crate::wire::KvPoll;
+
+mod guarantee;
+pub use guarantee::{guarantee, premature_successes, Judgement};
 
 /// Everything a run produced, for rendering and judging.
 #[derive(Debug)]
@@ -133,7 +137,7 @@ pub fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> 
 /// judges every decode rank with the rooms it saw fail.
 ///
 /// A scenario with `faults:` runs them (unless `options` brings faults of its own) and is judged by the fault
-/// guarantee instead of its expectation ([`crate::swarm::guarantee`]).
+/// guarantee instead of its expectation ([`guarantee()`]).
 pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> Result<Outcome, RunError> {
     check_budget(&scenario.problem, budget)?;
     let faulted;
@@ -305,10 +309,9 @@ fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> O
     let mut failures = match whose {
         Judge::OwnPlan => expectation_failures(&scenario.expect, &plan, ends.as_ref()),
         Judge::SeatOnly => ends.as_ref().map(|ends| room_failures(&scenario.expect, ends)).unwrap_or_default(),
-        Judge::Guarantee => engine
-            .as_ref()
-            .map(|run| crate::swarm::guarantee(scenario, run, &observation, &violations).failures)
-            .unwrap_or_default(),
+        Judge::Guarantee => {
+            engine.as_ref().map(|run| guarantee(scenario, run, &observation, &violations).failures).unwrap_or_default()
+        }
     };
     failures.extend(run_error);
     if !violations.is_empty() && whose != Judge::Guarantee {
@@ -323,7 +326,38 @@ pub fn oracle(scenario: &Scenario, run: &SimRun, observation: &Observation) -> V
     let problem = &scenario.problem;
     let ranks: Vec<_> =
         problem.decode.ranks.iter().map(|layout| (layout.rank, verdicts(&scenario.expect, run, layout.rank))).collect();
-    verify::check_ranks(problem, observation, &ranks)
+    check_ranks(problem, observation, &ranks)
+}
+
+/// [`verify::check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores; the
+/// violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
+pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(ranks.len()).max(1);
+    if workers == 1 {
+        return verify::check_ranks(problem, observation, ranks);
+    }
+    let mut per_rank: Vec<Vec<Violation>> = vec![Vec::new(); ranks.len()];
+    std::thread::scope(|scope| {
+        // Rank i goes to worker i % workers, so every worker gets a similar share.
+        let handles: Vec<_> = (0..workers)
+            .map(|worker| {
+                scope.spawn(move || {
+                    let mine = ranks.iter().enumerate().skip(worker).step_by(workers);
+                    mine.map(|(index, (rank, verdicts))| {
+                        (index, verify::check_rank(problem, *rank, observation, verdicts))
+                    })
+                    .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for handle in handles {
+            match handle.join() {
+                Ok(done) => done.into_iter().for_each(|(index, violations)| per_rank[index] = violations),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    per_rank.into_iter().flatten().collect()
 }
 
 /// The oracle's verdicts for `rank`: a rejected scenario promises more than failed rooms (no byte may have moved
@@ -440,5 +474,8 @@ pub fn run_direct(problem: &Problem, budget: &Budget) -> Result<Option<Vec<Viola
     let direct = exec::stage(problem, &mut transport)
         .and_then(|()| exec::execute(&plan, &mut transport))
         .and_then(|writes| exec::observe(problem, &mut transport, writes));
-    Ok(direct.ok().map(|observation| verify::check(problem, &observation)))
+    let all_succeeded = |layout: &RankLayout| (layout.rank, Verdicts::all_succeeded());
+    let ranks: Vec<_> = problem.decode.ranks.iter().map(all_succeeded).collect();
+    // `verify::check`, with the ranks judged in parallel.
+    Ok(direct.ok().map(|observation| check_ranks(problem, &observation, &ranks)))
 }

@@ -88,7 +88,7 @@ pub fn events(outcome: &Outcome) -> String {
             let _ = writeln!(out, "  prefill {rank}: request {id} {ended}");
         }
     }
-    let premature = crate::swarm::premature_successes(run);
+    let premature = crate::harness::premature_successes(run);
     if !premature.is_empty() {
         let rooms: Vec<String> = premature.iter().map(|(rank, id)| format!("decode {rank} request {id}")).collect();
         let _ = writeln!(out, "Success before its bytes landed: {}", rooms.join(", "));

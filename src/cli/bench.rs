@@ -105,8 +105,9 @@ pub(super) fn bench(tokens: u32, iterations: u32) -> anyhow::Result<ExitCode> {
 /// The in-memory fabric's limits (`SimOptions::default`) and Soft-RoCE's (`ibv_devinfo` on rxe0: max_sge 32,
 /// max_msg_sz 8 MiB; the send-queue depth kvrelay asks for, `RDMA_CAPS`).
 fn lowerings() -> [plan::Limits; 2] {
+    let caps = SimOptions::default().caps;
     [
-        plan::Limits::from(SimOptions::default().caps),
+        plan::Limits { max_sge: caps.max_sge, max_message: caps.max_message, sq_depth: caps.sq_depth },
         plan::Limits { max_sge: 32, max_message: 8 << 20, sq_depth: harness::RDMA_CAPS.sq_depth },
     ]
 }

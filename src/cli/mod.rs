@@ -273,67 +273,15 @@ fn load(path: &Path, seed: Option<u64>) -> anyhow::Result<Scenario> {
 
 /// Runs one command; `Ok(FAILURE)` for a completed command whose verdict is negative.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let seed = match run::seed_override(args.seed)? {
-        // The variable is for the commands that take a seed; the others say they leave it alone (the planner
-        // quietly: `check --planner` starts it once per scenario).
-        Some((_, run::SeedSource::Env)) if matches!(args.command, Command::Planner) => None,
-        Some((seed, run::SeedSource::Env)) if !takes_seed(&args.command) => {
-            eprintln!("note: {}={seed} ignored: checks and benchmarks keep each scenario's own seed", run::SEED_ENV);
-            None
-        }
-        other => other.map(|(seed, _)| seed),
-    };
+    let seed = command_seed(&args)?;
     match args.command {
         Command::Run(args) => run::run(&args, seed),
-        Command::Layout { scenario, rank } => {
-            let scenario = load(&scenario, seed)?;
-            let only = match rank {
-                None => None,
-                Some(index) => {
-                    let decode = &scenario.problem.decode.topology;
-                    let Some(rank) = decode.ranks().nth(index as usize) else {
-                        bail!("--rank {index} is out of range: decode has {} ranks", decode.tp * decode.pp);
-                    };
-                    Some(rank)
-                }
-            };
-            let outcome = harness::run(&scenario)?;
-            if let Err(error) = &outcome.plan {
-                eprintln!("note: plan rejected ({error}); showing the untouched decode memory");
-            }
-            out!("{}", render::layout(&scenario.problem, &outcome.observation, only));
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Plan { scenario, json, expand, paged } => {
-            let scenario = load(&scenario, seed)?;
-            let plan = plan::plan(&scenario.problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
-            let stdout = std::io::stdout();
-            let mut out = std::io::BufWriter::new(stdout.lock());
-            if json {
-                let form = match (expand, paged) {
-                    (true, _) => render::PlanForm::Copies,
-                    (false, true) => render::PlanForm::Paged,
-                    (false, false) => render::PlanForm::Descriptors,
-                };
-                render::plan_json(&scenario.problem, &plan, form, &mut out)?;
-            } else {
-                out.write_all(render::plan_summary(&plan).as_bytes())?;
-            }
-            out.flush()?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Layout { scenario, rank } => layout(&load(&scenario, seed)?, rank),
+        Command::Plan { scenario, json, expand, paged } => print_plan(&load(&scenario, seed)?, json, expand, paged),
         Command::Diff { scenarios, fabric } => ranks::diff(&scenarios, &fabric.fabric("rdma")?, seed),
         Command::Serve { scenario, role, rank, bootstrap, fabric, deadlines } => {
             let loaded = load(&scenario, seed)?;
-            let options = crate::process::ServeOptions {
-                role,
-                rank,
-                bootstrap,
-                fabric: fabric.fabric("rdma")?,
-                connect_timeout: Duration::from_secs(deadlines.connect_timeout),
-                live: deadlines.live(),
-            };
-            ranks::serve(&loaded, &options)
+            ranks::serve(&loaded, &serve_options(role, rank, bootstrap, &fabric, &deadlines)?)
         }
         Command::Hub { scenario, bootstrap, deadlines } => {
             let scenario = load(&scenario, seed)?;
@@ -341,14 +289,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         Command::Launch { scenario, fabric, deadlines, omit } => {
             let loaded = load(&scenario, seed)?;
-            let options = crate::process::LaunchOptions {
-                fabric: fabric.fabric("rdma")?,
-                child_args: seed.map(|seed| vec!["--seed".to_owned(), seed.to_string()]).unwrap_or_default(),
-                connect_timeout: Duration::from_secs(deadlines.connect_timeout),
-                live: deadlines.live(),
-                omit,
-            };
-            ranks::launch(&scenario, &loaded, &options)
+            ranks::launch(&scenario, &loaded, &launch_options(&fabric, &deadlines, omit, seed)?)
         }
         Command::Check { .. }
         | Command::Bench { .. }
@@ -372,10 +313,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Selftest(args) => selftest::selftest(&args),
         Command::Sim(args) => sim::sim(&args),
         Command::Shrink(args) => shrink::shrink(&args, seed),
-        Command::Planner => {
-            crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Planner => reference_planner(),
         Command::Bench {
             fabric: FabricArgs { fabric: Some(name), device },
             message_bytes,
@@ -393,6 +331,99 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             bench::bench_engines(runs)
         }
     }
+}
+
+/// The seed override (`--seed` or `KVRELAY_SEED`) `args.command` loads its scenarios under, if any.
+fn command_seed(args: &Args) -> anyhow::Result<Option<u64>> {
+    Ok(match run::seed_override(args.seed)? {
+        // The variable is for the commands that take a seed; the others say they leave it alone (the planner
+        // quietly: `check --planner` starts it once per scenario).
+        Some((_, run::SeedSource::Env)) if matches!(args.command, Command::Planner) => None,
+        Some((seed, run::SeedSource::Env)) if !takes_seed(&args.command) => {
+            eprintln!("note: {}={seed} ignored: checks and benchmarks keep each scenario's own seed", run::SEED_ENV);
+            None
+        }
+        other => other.map(|(seed, _)| seed),
+    })
+}
+
+/// `kvrelay layout`: the decode memory after a run of `scenario`, of every decode rank or of the `rank`th.
+fn layout(scenario: &Scenario, rank: Option<u32>) -> anyhow::Result<ExitCode> {
+    let only = match rank {
+        None => None,
+        Some(index) => {
+            let decode = &scenario.problem.decode.topology;
+            let Some(rank) = decode.ranks().nth(index as usize) else {
+                bail!("--rank {index} is out of range: decode has {} ranks", decode.tp * decode.pp);
+            };
+            Some(rank)
+        }
+    };
+    let outcome = harness::run(scenario)?;
+    if let Err(error) = &outcome.plan {
+        eprintln!("note: plan rejected ({error}); showing the untouched decode memory");
+    }
+    out!("{}", render::layout(&scenario.problem, &outcome.observation, only));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kvrelay plan`: the composed plan of `scenario`, as a summary or as JSON (descriptors, paged or expanded copies).
+fn print_plan(scenario: &Scenario, json: bool, expand: bool, paged: bool) -> anyhow::Result<ExitCode> {
+    let plan = plan::plan(&scenario.problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    if json {
+        let form = match (expand, paged) {
+            (true, _) => render::PlanForm::Copies,
+            (false, true) => render::PlanForm::Paged,
+            (false, false) => render::PlanForm::Descriptors,
+        };
+        render::plan_json(&scenario.problem, &plan, form, &mut out)?;
+    } else {
+        out.write_all(render::plan_summary(&plan).as_bytes())?;
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kvrelay planner`: kvrelay's own planner over the plan protocol on stdin and stdout.
+fn reference_planner() -> anyhow::Result<ExitCode> {
+    crate::external::reference::serve(std::io::stdin().lock(), std::io::stdout().lock())?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kvrelay serve`'s options from its flags.
+fn serve_options(
+    role: crate::process::Role,
+    rank: u32,
+    bootstrap: String,
+    fabric: &FabricArgs,
+    deadlines: &Deadlines,
+) -> anyhow::Result<crate::process::ServeOptions> {
+    Ok(crate::process::ServeOptions {
+        role,
+        rank,
+        bootstrap,
+        fabric: fabric.fabric("rdma")?,
+        connect_timeout: Duration::from_secs(deadlines.connect_timeout),
+        live: deadlines.live(),
+    })
+}
+
+/// `kvrelay launch`'s options from its flags; the children get the seed override as `--seed`.
+fn launch_options(
+    fabric: &FabricArgs,
+    deadlines: &Deadlines,
+    omit: Vec<(crate::process::Role, u32)>,
+    seed: Option<u64>,
+) -> anyhow::Result<crate::process::LaunchOptions> {
+    Ok(crate::process::LaunchOptions {
+        fabric: fabric.fabric("rdma")?,
+        child_args: seed.map(|seed| vec!["--seed".to_owned(), seed.to_string()]).unwrap_or_default(),
+        connect_timeout: Duration::from_secs(deadlines.connect_timeout),
+        live: deadlines.live(),
+        omit,
+    })
 }
 
 /// Whether `command` loads scenarios under a seed override (`--seed` or `KVRELAY_SEED`).

@@ -1,4 +1,6 @@
-//! Seeded faults, as data: what can go wrong on a work request or a control message, and how often.
+//! Seeded faults injected: what each fault kind does on a work request or a control message, and the [`Injector`]
+//! that draws them. The rules as data ([`FaultKind`], [`FaultRule`], [`FaultPlan`]) live below the scenario parser,
+//! in [`crate::faults`], and are re-exported here.
 //!
 //! A [`FaultPlan`] is a list of [`FaultRule`]s and a seed. For every work request delivered (per queue pair) and
 //! every control message sent (per ordered pair of nodes), an [`Injector`] consults each rule that applies to it, in
@@ -34,7 +36,7 @@
 //!   completion-after-placement does (an unordered transport, or GPUDirect writes not yet visible without a flush),
 //!   and the status control message then overtakes the data. Like `corrupt` it is a fault only the guarantee can
 //!   find: the in-memory world records when each write's bytes landed, and a decode room reported Success before
-//!   all of its writes landed is flagged ([`crate::swarm::guarantee`]): "detected" when this fault was injected,
+//!   all of its writes landed is flagged ([`crate::harness::guarantee()`]): "detected" when this fault was injected,
 //!   a harness failure (an engine that reports Success too early) otherwise.
 //! - `delay_message`: a control message arrives [`MESSAGE_DELAY_NS`] late; messages sent after it on the same link
 //!   (ordered pair of nodes) wait behind it, as on one TCP connection.
@@ -58,31 +60,11 @@ use std::collections::BTreeMap;
 use rand::RngExt as _;
 
 use super::verbs::{NodeId, QpNum, WcStatus};
+pub use crate::faults::{FaultKind, FaultPlan, FaultRule, WrErrorStatus};
 use crate::seed::{Seed, SimRng, StreamId};
 
 /// The bits a `corrupt` fault flips in its byte.
 pub const CORRUPTION_MASK: u8 = 0x5A;
-
-/// What goes wrong.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum FaultKind {
-    WrError(WcStatus),
-    TornWrite,
-    Corrupt,
-    DropCompletion,
-    DuplicateCompletion,
-    DropMessage,
-    DuplicateMessage,
-    CrashPrefill,
-    NotifyBeforeData,
-    DelayMessage,
-    ReorderMessage,
-    DelayCompletion,
-    ReorderCompletion,
-    Timeout,
-    ReadAfterRelease,
-    CrashRestartPrefill,
-}
 
 /// How long after its completion the bytes of a `notify_before_data` work request land: ten control-message
 /// latencies, so the Success status usually overtakes them.
@@ -107,88 +89,12 @@ pub const RELEASED_BYTES: u64 = 4096;
 /// What a released and reused prefill page holds when a `read_after_release` work request reads it.
 pub const RELEASED_FILL: u8 = 0xEE;
 
-impl FaultKind {
-    /// Every kind, in the order of the names below (swarm runs draw subsets of it).
-    pub const ALL: [FaultKind; 17] = [
-        FaultKind::WrError(WcStatus::RemoteAccess),
-        FaultKind::WrError(WcStatus::RetryExceeded),
-        FaultKind::TornWrite,
-        FaultKind::Corrupt,
-        FaultKind::DropCompletion,
-        FaultKind::DuplicateCompletion,
-        FaultKind::DropMessage,
-        FaultKind::DuplicateMessage,
-        FaultKind::CrashPrefill,
-        FaultKind::NotifyBeforeData,
-        FaultKind::DelayMessage,
-        FaultKind::ReorderMessage,
-        FaultKind::DelayCompletion,
-        FaultKind::ReorderCompletion,
-        FaultKind::Timeout,
-        FaultKind::ReadAfterRelease,
-        FaultKind::CrashRestartPrefill,
-    ];
-
-    /// The name in a `faults:` list.
-    pub fn name(self) -> &'static str {
-        match self {
-            FaultKind::WrError(WcStatus::RemoteAccess) => "wr_error_remote_access",
-            FaultKind::WrError(_) => "wr_error_retry_exceeded",
-            FaultKind::TornWrite => "torn_write",
-            FaultKind::Corrupt => "corrupt",
-            FaultKind::DropCompletion => "drop_completion",
-            FaultKind::DuplicateCompletion => "duplicate_completion",
-            FaultKind::DropMessage => "drop_message",
-            FaultKind::DuplicateMessage => "duplicate_message",
-            FaultKind::CrashPrefill => "crash_prefill",
-            FaultKind::NotifyBeforeData => "notify_before_data",
-            FaultKind::DelayMessage => "delay_message",
-            FaultKind::ReorderMessage => "reorder_message",
-            FaultKind::DelayCompletion => "delay_completion",
-            FaultKind::ReorderCompletion => "reorder_completion",
-            FaultKind::Timeout => "timeout",
-            FaultKind::ReadAfterRelease => "read_after_release",
-            FaultKind::CrashRestartPrefill => "crash_restart_prefill",
+impl From<WrErrorStatus> for WcStatus {
+    fn from(status: WrErrorStatus) -> WcStatus {
+        match status {
+            WrErrorStatus::RemoteAccess => WcStatus::RemoteAccess,
+            WrErrorStatus::RetryExceeded => WcStatus::RetryExceeded,
         }
-    }
-
-    /// The kind named `name`, if any.
-    pub fn parse(name: &str) -> Option<FaultKind> {
-        FaultKind::ALL.into_iter().find(|kind| kind.name() == name)
-    }
-
-    /// Whether it happens to a work request (otherwise to a control message).
-    pub fn on_work_request(self) -> bool {
-        !matches!(
-            self,
-            FaultKind::DropMessage | FaultKind::DuplicateMessage | FaultKind::DelayMessage | FaultKind::ReorderMessage
-        )
-    }
-
-    /// Whether the bytes it leaves are wrong while every status says Success (only the oracle can see it).
-    pub fn silent(self) -> bool {
-        matches!(self, FaultKind::Corrupt | FaultKind::NotifyBeforeData | FaultKind::ReadAfterRelease)
-    }
-}
-
-/// One rule: `kind` happens with `probability` (0 to 1) to each work request or message it applies to.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct FaultRule {
-    pub kind: FaultKind,
-    pub probability: f64,
-}
-
-/// The rules of a run and the seed their streams derive from.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct FaultPlan {
-    pub seed: u64,
-    pub rules: Vec<FaultRule>,
-}
-
-impl FaultPlan {
-    /// Whether any rule can fire.
-    pub fn is_empty(&self) -> bool {
-        self.rules.iter().all(|rule| rule.probability <= 0.0)
     }
 }
 
@@ -276,13 +182,5 @@ mod tests {
         }
         assert!(alone.iter().flatten().count() > 30, "about 60 of 200 fire");
         assert_eq!(fired(&mut Injector::new(&plan(&[(FaultKind::TornWrite, 0.3)])), 200), alone);
-    }
-
-    #[test]
-    fn kinds_round_trip_their_names() {
-        for kind in FaultKind::ALL {
-            assert_eq!(FaultKind::parse(kind.name()), Some(kind));
-        }
-        assert_eq!(FaultKind::parse("teleport"), None);
     }
 }

@@ -475,7 +475,7 @@ impl World {
     /// [`World::execute`] under a drawn fault (module docs of [`super::faults`]).
     fn execute_with(&mut self, delivery: &Delivery, fault: Option<FaultKind>) -> WcStatus {
         match fault {
-            Some(FaultKind::WrError(status)) => status,
+            Some(FaultKind::WrError(status)) => status.into(),
             Some(FaultKind::TornWrite) => {
                 let half = delivery.wr.byte_len().expect("checked by check_post") / 2;
                 let wr = WorkRequest { sges: cut_sges(&delivery.wr.sges, half), ..delivery.wr.clone() };

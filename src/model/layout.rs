@@ -4,7 +4,7 @@ use std::ops::Range;
 
 use super::{
     draft_layer_id, Attention, KvPart, LayerId, ModelGeometry, RankId, RankLayout, Region, RegionKind, Side,
-    SideLayout, StateKind, StateMetadata, TensorShape, Topology,
+    SideLayout, StateComponent, StateKind, StateMetadata, TensorShape, Topology,
 };
 
 /// Layers held by pipeline stage `stage` of `pp` (domain.md §4.1): the last `L mod pp` stages get one extra.
@@ -65,6 +65,33 @@ pub fn build_side_layout(side: Side, topology: Topology, model: &ModelGeometry, 
 
 fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options: &SideOptions) -> RankLayout {
     let stage = stage_layers(model.layer_count, topology.pp, rank.pp);
+    let (mut regions, ids) = kv_regions(topology, rank, model, options, &stage);
+    let kv_entries: Vec<u32> = (0..regions.len() as u32).collect();
+    let mut state = StateMetadata::default();
+    for (component_index, component) in model.state.iter().enumerate() {
+        push_component(topology, options, &stage, component_index, component, &mut regions, &mut state);
+    }
+    override_metadata(&mut state, options);
+    let aux_entries = aux_regions(model, options, &mut regions);
+    RankLayout {
+        rank,
+        regions,
+        kv_entries,
+        advertised_layer_ids: options.advertise_layer_ids.then_some(ids),
+        state,
+        aux_entries,
+    }
+}
+
+/// The KV entries of the stage's layers (MLA latent, or all K then all V) and, on the last stage, the draft entries;
+/// with the layer id of each.
+fn kv_regions(
+    topology: &Topology,
+    rank: RankId,
+    model: &ModelGeometry,
+    options: &SideOptions,
+    stage: &Range<u32>,
+) -> (Vec<Region>, Vec<LayerId>) {
     let page = topology.page_size;
     let mut regions = Vec::new();
     let mut ids = Vec::new();
@@ -105,55 +132,67 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
             ids.push(draft_layer_id(index));
         }
     }
-    let kv_entries: Vec<u32> = (0..regions.len() as u32).collect();
+    (regions, ids)
+}
 
-    let mut state = StateMetadata::default();
-    for (component_index, component) in model.state.iter().enumerate() {
-        let layers: Vec<LayerId> = component.layers.iter().copied().filter(|layer| stage.contains(layer)).collect();
-        let item_count = match component.kind {
-            StateKind::Mamba => options.slot_count,
-            _ => options.state_page_counts.get(component_index).copied().unwrap_or(1),
-        };
-        let (mut entry_regions, mut layer_ids, mut dims, mut groups, mut outers) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (tensor_index, tensor) in component.tensors.iter().enumerate() {
-            let item_len = options
-                .item_len_overrides
-                .iter()
-                .find(|(component, tensor, _)| {
-                    *component as usize == component_index && *tensor as usize == tensor_index
-                })
-                .map_or(tensor.item_len(topology.tp), |item| item.2);
-            for layer in &layers {
-                entry_regions.push(regions.len() as u32);
-                regions.push(Region {
-                    kind: RegionKind::State { component: component_index as u32, tensor: tensor_index as u32 },
-                    layer: *layer,
-                    item_len,
-                    item_count,
-                    rows_per_item: 1,
-                });
-                layer_ids.push(*layer);
-                dims.push(tensor.local_dim(topology.tp));
-                match &tensor.shape {
-                    TensorShape::Sliced { outer_count, groups: tensor_groups, .. } => {
-                        groups.push(tensor_groups.clone());
-                        outers.push(*outer_count);
-                    }
-                    TensorShape::Replicated { .. } => {
-                        groups.push(None);
-                        outers.push(1);
-                    }
+/// Appends the entries of state component `component_index` on the stage (tensor-major, then layer) to `regions`,
+/// and its metadata lists to `state`.
+fn push_component(
+    topology: &Topology,
+    options: &SideOptions,
+    stage: &Range<u32>,
+    component_index: usize,
+    component: &StateComponent,
+    regions: &mut Vec<Region>,
+    state: &mut StateMetadata,
+) {
+    let layers: Vec<LayerId> = component.layers.iter().copied().filter(|layer| stage.contains(layer)).collect();
+    let item_count = match component.kind {
+        StateKind::Mamba => options.slot_count,
+        _ => options.state_page_counts.get(component_index).copied().unwrap_or(1),
+    };
+    let (mut entry_regions, mut layer_ids, mut dims, mut groups, mut outers) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (tensor_index, tensor) in component.tensors.iter().enumerate() {
+        let item_len = options
+            .item_len_overrides
+            .iter()
+            .find(|(component, tensor, _)| *component as usize == component_index && *tensor as usize == tensor_index)
+            .map_or(tensor.item_len(topology.tp), |item| item.2);
+        for layer in &layers {
+            entry_regions.push(regions.len() as u32);
+            regions.push(Region {
+                kind: RegionKind::State { component: component_index as u32, tensor: tensor_index as u32 },
+                layer: *layer,
+                item_len,
+                item_count,
+                rows_per_item: 1,
+            });
+            layer_ids.push(*layer);
+            dims.push(tensor.local_dim(topology.tp));
+            match &tensor.shape {
+                TensorShape::Sliced { outer_count, groups: tensor_groups, .. } => {
+                    groups.push(tensor_groups.clone());
+                    outers.push(*outer_count);
+                }
+                TensorShape::Replicated { .. } => {
+                    groups.push(None);
+                    outers.push(1);
                 }
             }
         }
-        state.kinds.push(component.kind);
-        state.regions.push(entry_regions);
-        state.layer_ids.push(layer_ids);
-        state.dims.push(dims);
-        state.conv_groups.push(groups);
-        state.outer_counts.push(outers);
     }
+    state.kinds.push(component.kind);
+    state.regions.push(entry_regions);
+    state.layer_ids.push(layer_ids);
+    state.dims.push(dims);
+    state.conv_groups.push(groups);
+    state.outer_counts.push(outers);
+}
+
+/// What the side advertises instead of the truth: per-entry metadata overrides, and an older peer's shorter
+/// per-component lists (domain.md §5.5).
+fn override_metadata(state: &mut StateMetadata, options: &SideOptions) {
     for item in &options.overrides {
         let (component, entry) = (item.component as usize, item.entry as usize);
         if let Some(groups) = &item.conv_groups {
@@ -173,7 +212,10 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
         state.conv_groups.truncate(count);
         state.outer_counts.truncate(count);
     }
+}
 
+/// Appends one aux buffer region per aux item length to `regions`; their region indices.
+fn aux_regions(model: &ModelGeometry, options: &SideOptions, regions: &mut Vec<Region>) -> Vec<u32> {
     let mut aux_entries = Vec::new();
     for (buffer, item_len) in model.aux_item_lens.iter().enumerate() {
         aux_entries.push(regions.len() as u32);
@@ -185,14 +227,7 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
             rows_per_item: 1,
         });
     }
-    RankLayout {
-        rank,
-        regions,
-        kv_entries,
-        advertised_layer_ids: options.advertise_layer_ids.then_some(ids),
-        state,
-        aux_entries,
-    }
+    aux_entries
 }
 
 #[cfg(test)]

@@ -217,12 +217,6 @@ pub fn packed_work_request_count(descriptors: &[Descriptor], limits: Limits) -> 
     count + open.map_or(0, |(.., bytes)| bytes.div_ceil(max_message))
 }
 
-impl From<crate::fabric::verbs::Caps> for Limits {
-    fn from(caps: crate::fabric::verbs::Caps) -> Limits {
-        Limits { max_sge: caps.max_sge, max_message: caps.max_message, sq_depth: caps.sq_depth }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -250,6 +250,13 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
 
 /// The peer decode rank `rank` as the prefill rank sees it: its registration encoded onto the wire and decoded
 /// (memory addresses are placeholders; the engines advertise real ones).
+///
+/// Why the round trip (advertise → encode → decode → `from_registration`) inside the pure planner: a prefill rank
+/// knows its peer only from the decoded registration, and the wire is lossy (a legacy or lying peer's
+/// [`crate::model::Advertise`] options, only entry 0's length on the PR #37358 wire, empty and absent id lists
+/// alike). The composed plan is the expected verdict the engines are held against, so it must see exactly what they
+/// see: the same bytes through the same decoder. It needs only [`crate::wire`] (pure core: bytes in, bytes out),
+/// never the fabric.
 fn advertised_peer(problem: &Problem, local: Local<'_>, rank: RankId) -> Result<Peer, PlanError> {
     let descs: Vec<crate::wire::MemoryDesc> = problem
         .decode

@@ -9,7 +9,7 @@ pub mod reduce;
 mod text;
 mod yaml;
 
-use crate::fabric::faults::{FaultKind, FaultPlan, FaultRule};
+use crate::faults::{FaultKind, FaultPlan, FaultRule};
 use std::fmt;
 use std::io::Read as _;
 use std::path::Path;

@@ -23,180 +23,252 @@ pub(crate) fn pieces(
     region: u32,
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
-    let layout = problem.decode.rank(target);
-    let decode_region = &layout.regions[region as usize];
-    let layer = decode_region.layer;
-    let mut res = Vec::new();
+    let decode_region = &problem.decode.rank(target).regions[region as usize];
     match decode_region.kind {
-        RegionKind::Kv(KvPart::Latent) | RegionKind::Draft => {
-            let Some((source, source_region)) =
-                holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None)
-            else {
-                return res;
-            };
-            let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
-            let target_len = decode_region.row_len();
-            if source_len != target_len {
-                notes.push((0, ViolationKind::Geometry { source_len, target_len }));
-                return res;
-            }
-            for request in &problem.requests {
-                let rows = if decode_region.kind == RegionKind::Draft {
-                    draft_rows(problem, request, notes)
-                } else {
-                    token_rows(problem, target, request, notes)
-                };
-                for (target_row, source_row) in rows {
-                    res.push(Piece {
-                        request: request.id,
-                        target_offset: target_row * target_len,
-                        length: target_len,
-                        source,
-                        source_region,
-                        source_offset: source_row * source_len,
-                    });
-                }
-            }
-        }
-        RegionKind::Kv(part) => {
-            let Attention::Mha { kv_heads, .. } = problem.model.attention else { return res };
-            let (prefill_tp, decode_tp) = (problem.prefill.topology.tp, problem.decode.topology.tp);
-            let head_len = problem.model.head_len();
-            let (first_head, head_count) = rank_heads(kv_heads, decode_tp, target.tp);
-            let target_len = decode_region.row_len();
-            for local in 0..head_count {
-                let head = first_head + local;
-                // The sender of a global head (domain.md §3.1, §3.2): with decode TP >= prefill TP the one prefill rank
-                // the decode rank connects to (it holds the head, maybe as one of several replicas); otherwise the
-                // head's shard, or the first replica the decode rank contacts when prefill TP exceeds the head count ([I]).
-                let holder_tp = if decode_tp >= prefill_tp {
-                    primary_tp(problem, target)
-                } else if prefill_tp <= kv_heads {
-                    head / (kv_heads / prefill_tp)
-                } else {
-                    // Replicas of the head are prefill ranks [head*rep, (head+1)*rep); the decode rank contacts
-                    // [d*k, (d+1)*k) (domain.md §3.1); the first replica it contacts writes.
-                    (head * (prefill_tp / kv_heads)).max(target.tp * (prefill_tp / decode_tp))
-                };
-                let Some((source, source_region)) =
-                    holder(problem, holder_tp, target, RegionKind::Kv(part), layer, None)
-                else {
-                    continue;
-                };
-                let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
-                // Rows must hold the heads at their local positions (and the holder the head at all, which a head
-                // count that does not divide the TP sizes can break); otherwise no byte-exact placement exists.
-                let fits = |len: u64, heads: u32| u64::from(heads) * head_len <= len;
-                let holder_local = head
-                    .checked_sub(rank_heads(kv_heads, prefill_tp, holder_tp).0)
-                    .filter(|local| fits(target_len, head_count) && fits(source_len, local + 1));
-                let Some(holder_local) = holder_local else {
-                    notes.push((0, ViolationKind::Geometry { source_len, target_len }));
-                    continue;
-                };
-                for request in &problem.requests {
-                    for (target_row, source_row) in token_rows(problem, target, request, notes) {
-                        res.push(Piece {
-                            request: request.id,
-                            target_offset: target_row * target_len + u64::from(local) * head_len,
-                            length: head_len,
-                            source,
-                            source_region,
-                            source_offset: source_row * source_len + u64::from(holder_local) * head_len,
-                        });
-                    }
-                }
-            }
-        }
+        RegionKind::Kv(KvPart::Latent) | RegionKind::Draft => row_pieces(problem, target, decode_region, notes),
+        RegionKind::Kv(part) => head_pieces(problem, target, decode_region, part, notes),
         RegionKind::State { component, tensor } => {
-            let state = &problem.model.state[component as usize];
-            let shape = &state.tensors[tensor as usize].shape;
-            match (state.kind, shape) {
-                (crate::model::StateKind::Mamba, TensorShape::Sliced { full_dim, unit_bytes, outer_count, groups }) => {
-                    let sliced = Sliced {
-                        full_dim: *full_dim,
-                        unit_bytes: *unit_bytes,
-                        outer_count: *outer_count,
-                        groups: groups.as_deref(),
-                    };
-                    mamba_pieces(problem, target, decode_region, &sliced, &mut res, notes);
-                }
-                (crate::model::StateKind::Mamba, TensorShape::Replicated { item_len }) => {
-                    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None);
-                    if let Some((source, source_region)) =
-                        held.filter(|held| same_items(problem, *held, decode_region, *item_len, *item_len, notes))
-                    {
-                        for request in &problem.requests {
-                            res.push(Piece {
-                                request: request.id,
-                                target_offset: u64::from(request.decode_state.slot) * item_len,
-                                length: *item_len,
-                                source,
-                                source_region,
-                                source_offset: u64::from(request.prefill_state.slot) * item_len,
-                            });
-                        }
-                    }
-                }
-                (kind, _) => {
-                    let item_len = decode_region.item_len;
-                    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, layer, None);
-                    let Some((source, source_region)) =
-                        held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
-                    else {
-                        return res;
-                    };
-                    for request in &problem.requests {
-                        let (source_pages, target_pages) = (
-                            &request.prefill_state.pages[component as usize],
-                            &request.decode_state.pages[component as usize],
-                        );
-                        if source_pages.len() != target_pages.len() && !kind.is_paged() {
-                            notes.push((
-                                0,
-                                ViolationKind::IndexLengths {
-                                    request: request.id,
-                                    prefill: source_pages.len(),
-                                    decode: target_pages.len(),
-                                },
-                            ));
-                            continue;
-                        }
-                        // Paged kinds pair the common prefix of both index lists (domain.md §8: truncate to m).
-                        for (source_page, target_page) in source_pages.iter().zip(target_pages) {
-                            res.push(Piece {
-                                request: request.id,
-                                target_offset: u64::from(*target_page) * item_len,
-                                length: item_len,
-                                source,
-                                source_region,
-                                source_offset: u64::from(*source_page) * item_len,
-                            });
-                        }
-                    }
-                }
-            }
+            state_pieces(problem, target, decode_region, component, tensor, notes)
         }
-        RegionKind::Aux { .. } => {
-            let last = problem.prefill.topology.pp - 1;
-            let item_len = decode_region.item_len;
-            let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, 0, Some(last));
-            let Some((source, source_region)) =
-                held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
-            else {
-                return res;
-            };
-            for request in &problem.requests {
+        RegionKind::Aux { .. } => aux_pieces(problem, target, decode_region, notes),
+    }
+}
+
+/// Latent KV and draft rows: whole rows, replicated, from the primary prefill rank (domain.md §2, §3.1).
+fn row_pieces(
+    problem: &Problem,
+    target: RankId,
+    decode_region: &Region,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Piece> {
+    let mut res = Vec::new();
+    let Some((source, source_region)) =
+        holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None)
+    else {
+        return res;
+    };
+    let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
+    let target_len = decode_region.row_len();
+    if source_len != target_len {
+        notes.push((0, ViolationKind::Geometry { source_len, target_len }));
+        return res;
+    }
+    for request in &problem.requests {
+        let rows = if decode_region.kind == RegionKind::Draft {
+            draft_rows(problem, request, notes)
+        } else {
+            token_rows(problem, target, request, notes)
+        };
+        for (target_row, source_row) in rows {
+            res.push(Piece {
+                request: request.id,
+                target_offset: target_row * target_len,
+                length: target_len,
+                source,
+                source_region,
+                source_offset: source_row * source_len,
+            });
+        }
+    }
+    res
+}
+
+/// MHA K or V rows: each of `target`'s heads from the prefill rank that holds it, at its local positions
+/// (domain.md §3.1, §3.2).
+fn head_pieces(
+    problem: &Problem,
+    target: RankId,
+    decode_region: &Region,
+    part: KvPart,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Piece> {
+    let mut res = Vec::new();
+    let Attention::Mha { kv_heads, .. } = problem.model.attention else { return res };
+    let prefill_tp = problem.prefill.topology.tp;
+    let head_len = problem.model.head_len();
+    let (first_head, head_count) = rank_heads(kv_heads, problem.decode.topology.tp, target.tp);
+    let target_len = decode_region.row_len();
+    for local in 0..head_count {
+        let head = first_head + local;
+        let holder_tp = head_holder_tp(problem, target, kv_heads, head);
+        let Some((source, source_region)) =
+            holder(problem, holder_tp, target, RegionKind::Kv(part), decode_region.layer, None)
+        else {
+            continue;
+        };
+        let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
+        // Rows must hold the heads at their local positions (and the holder the head at all, which a head
+        // count that does not divide the TP sizes can break); otherwise no byte-exact placement exists.
+        let fits = |len: u64, heads: u32| u64::from(heads) * head_len <= len;
+        let holder_local = head
+            .checked_sub(rank_heads(kv_heads, prefill_tp, holder_tp).0)
+            .filter(|local| fits(target_len, head_count) && fits(source_len, local + 1));
+        let Some(holder_local) = holder_local else {
+            notes.push((0, ViolationKind::Geometry { source_len, target_len }));
+            continue;
+        };
+        for request in &problem.requests {
+            for (target_row, source_row) in token_rows(problem, target, request, notes) {
                 res.push(Piece {
                     request: request.id,
-                    target_offset: u64::from(request.decode_state.aux) * item_len,
-                    length: item_len,
+                    target_offset: target_row * target_len + u64::from(local) * head_len,
+                    length: head_len,
                     source,
                     source_region,
-                    source_offset: u64::from(request.prefill_state.aux) * item_len,
+                    source_offset: source_row * source_len + u64::from(holder_local) * head_len,
                 });
             }
         }
+    }
+    res
+}
+
+/// The prefill TP rank that sends global KV head `head` to `target` (domain.md §3.1, §3.2): with decode TP >= prefill
+/// TP the one prefill rank the decode rank connects to (it holds the head, maybe as one of several replicas);
+/// otherwise the head's shard, or the first replica the decode rank contacts when prefill TP exceeds the head count
+/// ([I]).
+fn head_holder_tp(problem: &Problem, target: RankId, kv_heads: u32, head: u32) -> u32 {
+    let (prefill_tp, decode_tp) = (problem.prefill.topology.tp, problem.decode.topology.tp);
+    if decode_tp >= prefill_tp {
+        primary_tp(problem, target)
+    } else if prefill_tp <= kv_heads {
+        head / (kv_heads / prefill_tp)
+    } else {
+        // Replicas of the head are prefill ranks [head*rep, (head+1)*rep); the decode rank contacts
+        // [d*k, (d+1)*k) (domain.md §3.1); the first replica it contacts writes.
+        (head * (prefill_tp / kv_heads)).max(target.tp * (prefill_tp / decode_tp))
+    }
+}
+
+/// State tensor `tensor` of component `component` (domain.md §5, §8): Mamba by channel or replicated by slot, other
+/// kinds by page.
+fn state_pieces(
+    problem: &Problem,
+    target: RankId,
+    decode_region: &Region,
+    component: u32,
+    tensor: u32,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Piece> {
+    let state = &problem.model.state[component as usize];
+    let shape = &state.tensors[tensor as usize].shape;
+    match (state.kind, shape) {
+        (crate::model::StateKind::Mamba, TensorShape::Sliced { full_dim, unit_bytes, outer_count, groups }) => {
+            let sliced = Sliced {
+                full_dim: *full_dim,
+                unit_bytes: *unit_bytes,
+                outer_count: *outer_count,
+                groups: groups.as_deref(),
+            };
+            let mut res = Vec::new();
+            mamba_pieces(problem, target, decode_region, &sliced, &mut res, notes);
+            res
+        }
+        (crate::model::StateKind::Mamba, TensorShape::Replicated { item_len }) => {
+            slot_pieces(problem, target, decode_region, *item_len, notes)
+        }
+        (kind, _) => page_pieces(problem, target, decode_region, kind, component, notes),
+    }
+}
+
+/// Replicated Mamba state: one item per request, from the prefill slot to the decode slot.
+fn slot_pieces(
+    problem: &Problem,
+    target: RankId,
+    decode_region: &Region,
+    item_len: u64,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Piece> {
+    let mut res = Vec::new();
+    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+    if let Some((source, source_region)) =
+        held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
+    {
+        for request in &problem.requests {
+            res.push(Piece {
+                request: request.id,
+                target_offset: u64::from(request.decode_state.slot) * item_len,
+                length: item_len,
+                source,
+                source_region,
+                source_offset: u64::from(request.prefill_state.slot) * item_len,
+            });
+        }
+    }
+    res
+}
+
+/// Paged (and other page-indexed) state: one item per page index pair of component `component` (domain.md §8).
+fn page_pieces(
+    problem: &Problem,
+    target: RankId,
+    decode_region: &Region,
+    kind: StateKind,
+    component: u32,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Piece> {
+    let mut res = Vec::new();
+    let item_len = decode_region.item_len;
+    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+    let Some((source, source_region)) =
+        held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
+    else {
+        return res;
+    };
+    for request in &problem.requests {
+        let (source_pages, target_pages) =
+            (&request.prefill_state.pages[component as usize], &request.decode_state.pages[component as usize]);
+        if source_pages.len() != target_pages.len() && !kind.is_paged() {
+            notes.push((
+                0,
+                ViolationKind::IndexLengths {
+                    request: request.id,
+                    prefill: source_pages.len(),
+                    decode: target_pages.len(),
+                },
+            ));
+            continue;
+        }
+        // Paged kinds pair the common prefix of both index lists (domain.md §8: truncate to m).
+        for (source_page, target_page) in source_pages.iter().zip(target_pages) {
+            res.push(Piece {
+                request: request.id,
+                target_offset: u64::from(*target_page) * item_len,
+                length: item_len,
+                source,
+                source_region,
+                source_offset: u64::from(*source_page) * item_len,
+            });
+        }
+    }
+    res
+}
+
+/// The auxiliary item: one per request, from the last prefill stage.
+fn aux_pieces(
+    problem: &Problem,
+    target: RankId,
+    decode_region: &Region,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Piece> {
+    let mut res = Vec::new();
+    let last = problem.prefill.topology.pp - 1;
+    let item_len = decode_region.item_len;
+    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, 0, Some(last));
+    let Some((source, source_region)) =
+        held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
+    else {
+        return res;
+    };
+    for request in &problem.requests {
+        res.push(Piece {
+            request: request.id,
+            target_offset: u64::from(request.decode_state.aux) * item_len,
+            length: item_len,
+            source,
+            source_region,
+            source_offset: u64::from(request.prefill_state.aux) * item_len,
+        });
     }
     res
 }

@@ -282,33 +282,10 @@ pub fn check_outcome(problem: &Problem, observation: &Observation, verdicts: &Ve
     check_ranks(problem, observation, &ranks)
 }
 
-/// [`check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores; the
-/// violations in the order given (the same list a sequential loop returns).
+/// [`check_rank`] for each `(rank, verdicts)`, in the order given. The oracle is pure and starts no thread: the
+/// harness judges ranks in parallel across the machine's cores (`harness::check_ranks`, the same list).
 pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
-    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(ranks.len()).max(1);
-    if workers == 1 {
-        return ranks.iter().flat_map(|(rank, verdicts)| check_rank(problem, *rank, observation, verdicts)).collect();
-    }
-    let mut per_rank: Vec<Vec<Violation>> = vec![Vec::new(); ranks.len()];
-    std::thread::scope(|scope| {
-        // Rank i goes to worker i % workers, so every worker gets a similar share.
-        let handles: Vec<_> = (0..workers)
-            .map(|worker| {
-                scope.spawn(move || {
-                    let mine = ranks.iter().enumerate().skip(worker).step_by(workers);
-                    mine.map(|(index, (rank, verdicts))| (index, check_rank(problem, *rank, observation, verdicts)))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        for handle in handles {
-            match handle.join() {
-                Ok(done) => done.into_iter().for_each(|(index, violations)| per_rank[index] = violations),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-    });
-    per_rank.into_iter().flatten().collect()
+    ranks.iter().flat_map(|(rank, verdicts)| check_rank(problem, *rank, observation, verdicts)).collect()
 }
 
 /// [`check_outcome`] for one decode rank alone: `observation` needs only that rank's images and writes, so a

@@ -37,7 +37,7 @@ fn failed_rooms(run: &SimRun) -> Vec<(u64, Option<u64>, Option<u64>)> {
 /// being written. Each such room is released only after its last write landed, every abort is acknowledged, and the
 /// run keeps the guarantee.
 #[rstest]
-#[case::remote_access_error(FaultKind::WrError(kvrelay::fabric::verbs::WcStatus::RemoteAccess))]
+#[case::remote_access_error(FaultKind::WrError(kvrelay::faults::WrErrorStatus::RemoteAccess))]
 #[case::torn_write(FaultKind::TornWrite)]
 fn a_failed_room_is_released_only_after_its_last_write_landed(#[case] kind: FaultKind) {
     let scenario = load("flushed-queue-pair.yaml");
@@ -87,7 +87,7 @@ fn a_room_aborted_on_a_crashed_rank_is_released_after_the_waiting_timeout() {
 #[case::reordered(FaultKind::ReorderMessage)]
 fn aborts_survive_a_faulty_control_network(#[case] kind: FaultKind) {
     let scenario = load("flushed-queue-pair.yaml");
-    let error = FaultKind::WrError(kvrelay::fabric::verbs::WcStatus::RemoteAccess);
+    let error = FaultKind::WrError(kvrelay::faults::WrErrorStatus::RemoteAccess);
     for seed in 0..12 {
         let faults = plan(seed, &[(error, 0.02), (kind, 0.3)]);
         let (run_tasks, judgement) = swarm::run_faulted(&scenario, &faults).unwrap();

@@ -1,5 +1,6 @@
 //! Repository hygiene that `cargo test` enforces; each failure says how to fix it.
 
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
 
 fn root() -> PathBuf {
@@ -47,11 +48,13 @@ fn every_source_file_starts_with_module_docs() {
     }
 }
 
-/// ARCHITECTURE.md invariant: model, plan, verify, wire and render do no IO, read no clock and draw no randomness.
+/// ARCHITECTURE.md invariant: model, plan, verify, wire, limits, faults and render do no IO, start no thread, read
+/// no clock and draw no randomness.
 #[test]
 fn pure_modules_do_no_io_time_or_randomness() {
     let forbidden = [
         "std::fs",
+        "std::thread",
         "std::time",
         "Instant",
         "SystemTime",
@@ -72,7 +75,7 @@ fn pure_modules_do_no_io_time_or_randomness() {
         .iter()
         .flat_map(|dir| files(&root().join(dir), "rs"))
         .collect();
-    pure.push(root().join("src/render.rs"));
+    pure.extend(["src/render.rs", "src/limits.rs", "src/faults.rs"].map(|path| root().join(path)));
     for path in pure {
         let text = read(&path);
         for word in forbidden {
@@ -291,4 +294,170 @@ fn golden_files_and_scenarios_match_one_to_one() {
         "scenarios without golden layout {missing:?}: run `cargo test`, review golden/*.snap.new and accept them"
     );
     assert!(orphaned.is_empty(), "golden files without scenario {orphaned:?}: delete them");
+}
+
+/// The pure core (ARCHITECTURE.md, "Layers"): scenario input, the planner, the oracle, the wire and their
+/// vocabulary, below every module that runs, drives or presents anything.
+const PURE_CORE: [&str; 8] = ["model", "limits", "seed", "faults", "scenario", "plan", "verify", "wire"];
+
+/// The modules above the pure core, which it never imports.
+const ABOVE_THE_CORE: [&str; 12] = [
+    "fabric", "engine", "harness", "swarm", "certify", "selftest", "shrink", "cli", "process", "control", "external",
+    "exec",
+];
+
+/// The one import cycle left, being untied in issue 19 with the transport seam's rewrite: the plug-in fabric
+/// implements certification's `Transport`, and certification runs the engines over the harness, which run on the
+/// fabric. Every other cycle is an error, and this one may only shrink.
+const KNOWN_CYCLE: [&str; 4] = ["certify", "engine", "fabric", "harness"];
+
+/// `text` without its `//` comments (doc comments included: a doc link is no import).
+fn code(text: &str) -> String {
+    text.lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n")
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_alphanumeric() || c == '_'
+}
+
+/// The top-level modules `code` names through `crate::` paths: `crate::a::b`, `$crate::a`, `crate::{a, b::c}`.
+fn crate_refs(code: &str) -> BTreeSet<String> {
+    let leading_ident = |text: &str| text.trim_start().chars().take_while(|&c| is_ident(c)).collect::<String>();
+    let mut refs = BTreeSet::new();
+    for (index, word) in code.match_indices("crate::") {
+        if code[..index].chars().next_back().is_some_and(is_ident) {
+            continue;
+        }
+        let rest = &code[index + word.len()..];
+        let Some(group) = rest.strip_prefix('{') else {
+            refs.insert(leading_ident(rest));
+            continue;
+        };
+        // Split the group at its own commas (nested groups belong to their item).
+        let (mut depth, mut start) = (0usize, 0);
+        for (at, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    refs.insert(leading_ident(&group[start..at]));
+                    break;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    refs.insert(leading_ident(&group[start..at]));
+                    start = at + 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    refs.remove("");
+    refs
+}
+
+#[test]
+fn crate_refs_are_found_in_paths_and_groups() {
+    let found = crate_refs("use crate::plan::{self, Plan};\nuse crate::{wire::Registration, model::{A, B}, limits};");
+    assert_eq!(found, ["limits", "model", "plan", "wire"].map(String::from).into());
+    assert_eq!(crate_refs("x = $crate::seed::Seed(1); my_crate::fabric::X; crate :: y"), ["seed".into()].into());
+    assert!(crate_refs(&code("/// [`crate::fabric::faults`]\nlet a = 1; // crate::engine")).is_empty());
+}
+
+/// The top-level module of a source file (`src/plan/rows.rs` is `plan`); `None` for the crate root and the binary.
+fn top_module(path: &Path) -> Option<String> {
+    let relative = path.strip_prefix(root().join("src")).unwrap();
+    let first = relative.components().next()?.as_os_str().to_string_lossy().into_owned();
+    match first.strip_suffix(".rs") {
+        Some("lib" | "main") => None,
+        Some(name) => Some(name.to_owned()),
+        None => Some(first),
+    }
+}
+
+/// The imports between top-level modules through `crate::` paths: module → (module it names → a file naming it).
+fn import_graph() -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut graph: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for path in files(&root().join("src"), "rs") {
+        let Some(module) = top_module(&path) else { continue };
+        let relative = path.strip_prefix(root()).unwrap().to_string_lossy().replace('\\', "/");
+        let edges = graph.entry(module.clone()).or_default();
+        for target in crate_refs(&code(&read(&path))).into_iter().filter(|target| *target != module) {
+            edges.entry(target).or_insert_with(|| relative.clone());
+        }
+    }
+    graph
+}
+
+/// The shortest import cycle from `start` back to itself, as `a → b (file) → ...`, if there is one.
+fn cycle_through(graph: &BTreeMap<String, BTreeMap<String, String>>, start: &str) -> Option<Vec<String>> {
+    let mut came_from: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut queue = VecDeque::from([start]);
+    while let Some(module) = queue.pop_front() {
+        for target in graph.get(module).into_iter().flat_map(BTreeMap::keys) {
+            if target == start {
+                let mut path = vec![module];
+                while let Some(&before) = came_from.get(path.last().unwrap()) {
+                    path.push(before);
+                }
+                path.reverse();
+                path.push(start);
+                let steps =
+                    path.windows(2).map(|pair| format!("{} → {} ({})", pair[0], pair[1], graph[pair[0]][pair[1]]));
+                return Some(steps.collect());
+            }
+            if target != start && !came_from.contains_key(target.as_str()) {
+                came_from.insert(target, module);
+                queue.push_back(target);
+            }
+        }
+    }
+    None
+}
+
+/// ARCHITECTURE.md, "Layers": no top-level module of the pure core lies on an import cycle, with another core module
+/// or with any module above it.
+#[test]
+fn no_import_cycle_through_the_pure_core() {
+    let graph = import_graph();
+    for module in PURE_CORE {
+        assert!(graph.contains_key(module), "src/{module} is gone: update PURE_CORE");
+        if let Some(cycle) = cycle_through(&graph, module) {
+            panic!(
+                "{module} is on an import cycle: {cycle:?}; move the shared piece down so only one direction remains"
+            );
+        }
+    }
+}
+
+/// No import cycle between top-level modules beyond the one being untied ([`KNOWN_CYCLE`]): tools built on running
+/// (swarm, shrink, selftest, process, cli) import the harness, never the reverse.
+#[test]
+fn no_import_cycles_but_the_known_one() {
+    let graph = import_graph();
+    for module in graph.keys() {
+        if let Some(cycle) = cycle_through(&graph, module) {
+            assert!(
+                KNOWN_CYCLE.contains(&module.as_str()),
+                "{module} is on an import cycle: {cycle:?}; move the shared piece down so only one direction remains"
+            );
+        }
+    }
+}
+
+/// ARCHITECTURE.md, "Layers": the pure core names nothing above it, not even in its tests.
+#[test]
+fn pure_core_imports_nothing_above_it() {
+    for module in PURE_CORE {
+        let dir = root().join("src").join(module);
+        let paths = if dir.is_dir() { files(&dir, "rs") } else { vec![root().join(format!("src/{module}.rs"))] };
+        for path in paths {
+            let refs = crate_refs(&code(&read(&path)));
+            let above: Vec<&String> = refs.iter().filter(|target| ABOVE_THE_CORE.contains(&target.as_str())).collect();
+            assert!(
+                above.is_empty(),
+                "{} (pure core) imports {above:?}: move the type it needs down into the core (or the call up to the caller)",
+                path.display()
+            );
+        }
+    }
 }
