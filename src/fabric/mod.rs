@@ -11,7 +11,11 @@ mod memory;
 pub mod plugin;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+#[cfg(feature = "rdma")]
+pub mod rdma_transport;
 pub mod seam;
+pub mod sim_transport;
+pub mod transport;
 pub mod verbs;
 pub mod verbs_engine;
 pub mod world;

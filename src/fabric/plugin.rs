@@ -59,7 +59,7 @@ use super::verbs::{
     Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, SendQueue, WcKind, WcStatus, WorkCompletion,
     WorkRequest,
 };
-use crate::certify::{Identity, Transport};
+use super::transport::{Identity, Transport};
 
 /// The ABI version this loader accepts (`KVRELAY_TRANSPORT_ABI_VERSION` of the header).
 pub const ABI_VERSION: u32 = 1;

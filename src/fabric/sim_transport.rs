@@ -1,9 +1,9 @@
 //! [`SimTransport`]: the in-memory fabric ([`SimWorld`]) as a [`Transport`], kvrelay's reference transport and the
 //! one the conformance suite's own tests run on.
 
-use super::{Identity, Transport};
-use crate::fabric::verbs::{Caps, Endpoint, NodeId};
-use crate::fabric::world::SimWorld;
+use super::transport::{Identity, Transport};
+use super::verbs::{Caps, Endpoint, NodeId};
+use super::world::SimWorld;
 
 /// The in-memory fabric: one [`SimWorld`] per case, created at the first [`Transport::open`] after a reset with the
 /// smaller of the caps asked and the caps this transport grants; `step` executes the next delivery and `settle`

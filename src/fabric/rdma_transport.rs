@@ -14,9 +14,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use super::{Identity, Transport};
-use crate::fabric::rdma::{RdmaEndpoint, RdmaError};
-use crate::fabric::verbs::{
+use super::rdma::{RdmaEndpoint, RdmaError};
+use super::transport::{Identity, Transport};
+use super::verbs::{
     Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, WorkCompletion, WorkRequest,
 };
 
