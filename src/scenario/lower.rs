@@ -66,7 +66,9 @@ fn lower_expect(raw: RawExpect, diagnostics: &mut Diagnostics) -> Expectation {
     };
     let Some(kind) = PlanErrorKind::parse(&error) else {
         let hint = if error.contains(' ') { "; the exact message goes in `text:`" } else { "" };
-        let message = format!("unknown error kind `{error}` (fix: one of {}{hint})", PlanErrorKind::names());
+        // Each name in backticks, so that clipping long echoed text never cuts the list.
+        let kinds: Vec<String> = PlanErrorKind::ALL.iter().map(|kind| format!("`{kind}`")).collect();
+        let message = format!("unknown error kind `{error}` (fix: one of {}{hint})", kinds.join(", "));
         diagnostics.push_kind(ScenarioErrorKind::UnknownErrorKind, "expect.error", message);
         return Expectation::Ok;
     };

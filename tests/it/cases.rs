@@ -264,9 +264,11 @@ fn inconsistent_state_dims_are_a_clear_error() {
     let yaml = format!(
         "{HYBRID}  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{{kind: mamba, tensors: [{{name: temporal, dim: 8, unit_bytes: 16}}]}}]\nprefill: {{tp: 1, page_size: 8, metadata_overrides: [{{component: 0, entry: 1, dim: 5}}]}}\ndecode: {{tp: 2, page_size: 8}}\nrequests: [{{tokens: 30}}]\nexpect: ok\n"
     );
-    let res = plan::plan(&scenario(&yaml).problem);
+    let error = plan::plan(&scenario(&yaml).problem).unwrap_err();
+    assert_eq!(error.kind(), PlanErrorKind::StateMetadata);
+    // The claim is the clarity of the message: it names the component, the entry and both sides' dims.
     assert_eq!(
-        res.unwrap_err().to_string(),
+        error.to_string(),
         "invalid state metadata for component 0 entry 1: dims disagree: prefill 5 x tp 1 != decode 4 x tp 2"
     );
 }
