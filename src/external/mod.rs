@@ -198,12 +198,12 @@ impl ProcessPlanner {
     }
 
     /// Fails the case with `reason` (its first failure is kept) and stops the process (the next case starts a
-    /// fresh one); the case's failure as the engines report it.
-    fn broken(&mut self, reason: ExternalError) -> String {
+    /// fresh one); the case's first failure.
+    fn broken(&mut self, reason: ExternalError) -> ExternalError {
         if let Some(running) = self.running.take() {
             stop(running.child);
         }
-        self.failure.get_or_insert(reason).reason()
+        self.failure.get_or_insert(reason).clone()
     }
 
     /// Sends the query `render(id)` and parses the answer with `parse(line, id)`, within the case's deadline.
@@ -211,9 +211,9 @@ impl ProcessPlanner {
         &mut self,
         render: impl FnOnce(u64, &str) -> serde_json::Value,
         parse: impl FnOnce(&str, u64) -> Result<Answer, protocol::ProtocolError>,
-    ) -> Result<Answer, String> {
+    ) -> Result<Answer, ExternalError> {
         if let Some(reason) = &self.failure {
-            return Err(reason.reason());
+            return Err(reason.clone());
         }
         let answer = self.ensure_running().and_then(|()| {
             let id = self.next_id;
@@ -228,21 +228,25 @@ impl ProcessPlanner {
 
 impl Planner for ProcessPlanner {
     fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), String> {
-        let answer = self.ask(|id, case| protocol::link_query(id, case, query), protocol::parse_link_answer)?;
-        match answer {
+        let answer = self.ask(|id, case| protocol::link_query(id, case, query), protocol::parse_link_answer);
+        match answer.map_err(|error| error.reason())? {
             Answer::Linked => Ok(()),
             Answer::Rejected(text) => Err(text),
-            Answer::Copies(_) => Err(self.broken(ExternalError::WrongShape { query: "link", problem: "with copies" })),
+            Answer::Copies(_) => {
+                Err(self.broken(ExternalError::WrongShape { query: "link", problem: "with copies" }).reason())
+            }
         }
     }
 
     fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
         let chunks = query.request.chunks.len();
         let parse = |line: &str, id| protocol::parse_answer(line, id, chunks);
-        match self.ask(|id, case| protocol::query(id, case, query), parse)? {
+        match self.ask(|id, case| protocol::query(id, case, query), parse).map_err(|error| error.reason())? {
             Answer::Copies(copies) => Ok(copies),
             Answer::Rejected(text) => Err(text),
-            Answer::Linked => Err(self.broken(ExternalError::WrongShape { query: "plan", problem: "without copies" })),
+            Answer::Linked => {
+                Err(self.broken(ExternalError::WrongShape { query: "plan", problem: "without copies" }).reason())
+            }
         }
     }
 }
