@@ -400,14 +400,14 @@ pub fn expectation_failures(
     let mut failures = Vec::new();
     match (expect.error(), plan) {
         (None, Err(error)) => failures.push(format!("expected a clean transfer, planner rejected: {error}")),
-        (Some(message), Ok(_)) => failures.push(format!("expected rejection `{message}`, planner accepted")),
-        (Some(message), Err(error)) if error.to_string() != message => {
-            failures.push(format!("expected rejection `{message}`, got `{error}`"));
+        (Some(expected), Ok(_)) => failures.push(format!("expected rejection `{expected}`, planner accepted")),
+        (Some(expected), Err(error)) if !expected.matches(error) => {
+            failures.push(format!("expected rejection `{expected}`, got `{}: {error}`", error.kind()));
         }
         _ => {}
     }
     if let Some(rooms) = rooms {
-        failures.extend(room_failures(expect, rooms));
+        failures.extend(room_failures(&expect.pinned(plan), rooms));
     }
     failures
 }
@@ -440,14 +440,15 @@ fn room_failures(expect: &Expectation, ends: &RoomEnds) -> Vec<String> {
             };
             let failed = *poll != KvPoll::Success;
             let reason = reason.clone().unwrap_or_else(|| format!("{poll:?}"));
-            let wrong_reason = matches!(expect, Expectation::Partial { error, .. } if failed && reason != *error);
+            let wrong_reason =
+                matches!(expect, Expectation::Partial { error, .. } if failed && !error.matches_reason(&reason));
             if failed != should_fail || wrong_reason {
                 let ended = if failed { format!("failed: {reason}") } else { "succeeded".to_owned() };
                 failures.push(format!("request {room} on decode {rank} {ended}"));
             }
         }
     }
-    if let Expectation::Error(message) = expect {
+    if let Expectation::Error(crate::scenario::ExpectedError { text: Some(message), .. }) = expect {
         let reasons: BTreeSet<&String> =
             ends.values().flat_map(|rooms| rooms.values()).filter_map(|(_, reason)| reason.as_ref()).collect();
         if failures.is_empty() && !ends.is_empty() && !reasons.contains(message) {

@@ -42,6 +42,9 @@
 //! - [`render`]: stable text for golden files and the CLI.
 //! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
 
+#[macro_use]
+mod kinds;
+
 pub mod certify;
 pub mod cli;
 pub mod control;

@@ -70,6 +70,63 @@ pub struct RoomVerdict {
     pub reason: Option<String>,
 }
 
+/// Why a rank process or the launcher failed, or why a decode rank has no verdict.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error("--rank {rank}: the scenario has {count} {role:?} ranks (fix: 0..{count})")]
+    NoSuchRank { rank: u32, role: Role, count: usize },
+    #[error("{IN_ONE_PROCESS}")]
+    InOneProcess,
+    #[error("{}", harness::RDMA_MISSING)]
+    NoRdma,
+    #[error("cannot open the RDMA device: {reason}")]
+    Device { reason: String },
+    #[error(transparent)]
+    Live(#[from] crate::engine::live::LiveError),
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
+    #[error("the hub has no local address")]
+    NoAddress,
+    #[error("cannot start a rank process: {0} (fix: check that the kvrelay binary is still in place)")]
+    Spawn(#[from] std::io::Error),
+    #[error("no verdict ({status})")]
+    NoVerdict { status: String },
+    #[error("not started (--omit)")]
+    Omitted,
+}
+
+error_kinds! {
+    /// The kind of a [`ProcessError`].
+    pub enum ProcessErrorKind {
+        /// `--rank` names no rank of the scenario.
+        NoSuchRank = "no_such_rank",
+        /// The fabric cannot serve one rank per process (in-memory, or built without RDMA).
+        WrongFabric = "wrong_fabric",
+        /// The RDMA device or the live run failed.
+        Fabric = "fabric",
+        /// The control plane (hub, connection) failed.
+        Control = "control",
+        /// A rank process cannot be started.
+        Spawn = "spawn",
+        /// A decode rank reported no verdict (it failed, was killed, or was not started).
+        NoVerdict = "no_verdict",
+    }
+}
+
+impl ProcessError {
+    /// The failure's kind (stable across rewording).
+    pub fn kind(&self) -> ProcessErrorKind {
+        match self {
+            ProcessError::NoSuchRank { .. } => ProcessErrorKind::NoSuchRank,
+            ProcessError::InOneProcess | ProcessError::NoRdma => ProcessErrorKind::WrongFabric,
+            ProcessError::Device { .. } | ProcessError::Live(_) => ProcessErrorKind::Fabric,
+            ProcessError::Control(_) | ProcessError::NoAddress => ProcessErrorKind::Control,
+            ProcessError::Spawn(_) => ProcessErrorKind::Spawn,
+            ProcessError::NoVerdict { .. } | ProcessError::Omitted => ProcessErrorKind::NoVerdict,
+        }
+    }
+}
+
 /// The node number of rank `index` of `role` in `problem`, if there is such a rank.
 pub fn node_of(problem: &Problem, role: Role, index: u32) -> Option<NodeId> {
     let prefill = problem.prefill.ranks.len() as u32;
@@ -80,14 +137,14 @@ pub fn node_of(problem: &Problem, role: Role, index: u32) -> Option<NodeId> {
 }
 
 /// Runs one rank of `scenario` until the hub stops the run; a decode rank returns its verdict.
-pub fn serve(scenario: &Scenario, options: &ServeOptions) -> anyhow::Result<Option<RankVerdict>> {
+pub fn serve(scenario: &Scenario, options: &ServeOptions) -> Result<Option<RankVerdict>, ProcessError> {
     let problem = &scenario.problem;
     let Some(node) = node_of(problem, options.role, options.rank) else {
         let count = match options.role {
             Role::Prefill => problem.prefill.ranks.len(),
             Role::Decode => problem.decode.ranks.len(),
         };
-        anyhow::bail!("--rank {}: the scenario has {count} {:?} ranks (fix: 0..{count})", options.rank, options.role);
+        return Err(ProcessError::NoSuchRank { rank: options.rank, role: options.role, count });
     };
     let run = serve_on_fabric(problem, node, options)?;
     let decode = (options.role == Role::Decode).then(|| problem.decode.ranks[options.rank as usize].rank);
@@ -96,7 +153,7 @@ pub fn serve(scenario: &Scenario, options: &ServeOptions) -> anyhow::Result<Opti
 
 /// Connects to the hub as `node` and waits for the start: the control and the published prefill topology.
 /// Prefill rank 0 publishes the topology (domain.md §6.1 step 1), as SGLang's bootstrap server learns it.
-fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Result<(Client, Option<Topology>)> {
+fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<(Client, Option<Topology>), ProcessError> {
     let published = if node == NodeId(0) { sim::prefill_info(problem).encode() } else { Vec::new() };
     let mut client = Client::connect(&options.bootstrap, node, published, options.connect_timeout)?;
     let start = client.wait_start(options.connect_timeout * 2)?;
@@ -107,21 +164,22 @@ fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Resu
 /// Opens the rank's endpoint and registers its memory before joining the run (a rank that cannot open its device
 /// never connects), then serves.
 #[cfg(feature = "rdma")]
-fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Result<SimRun> {
+fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
     use crate::fabric::rdma::RdmaEndpoint;
-    let Fabric::Rdma { device } = &options.fabric else { anyhow::bail!(IN_ONE_PROCESS) };
-    let nic =
-        crate::fabric::verbs_engine::VerbsEngine::new(RdmaEndpoint::open(node, device.as_deref(), harness::RDMA_CAPS)?);
+    let Fabric::Rdma { device } = &options.fabric else { return Err(ProcessError::InOneProcess) };
+    let nic = RdmaEndpoint::open(node, device.as_deref(), harness::RDMA_CAPS)
+        .map(crate::fabric::verbs_engine::VerbsEngine::new)
+        .map_err(|error| ProcessError::Device { reason: error.to_string() })?;
     let (client, topology) = join(problem, node, options)?;
     Ok(crate::engine::live::serve(problem, node, nic, client, topology, &options.live)?)
 }
 
 #[cfg(not(feature = "rdma"))]
-fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> anyhow::Result<SimRun> {
+fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
     let _ = (problem, node, join);
     match options.fabric {
-        Fabric::Rdma { .. } => anyhow::bail!(harness::RDMA_MISSING),
-        _ => anyhow::bail!(IN_ONE_PROCESS),
+        Fabric::Rdma { .. } => Err(ProcessError::NoRdma),
+        _ => Err(ProcessError::InOneProcess),
     }
 }
 
@@ -163,7 +221,7 @@ pub struct LaunchOptions {
 #[derive(Debug)]
 pub struct Launched {
     /// Per decode rank (stage-major index), its verdict or why there is none.
-    pub verdicts: BTreeMap<u32, Result<RankVerdict, String>>,
+    pub verdicts: BTreeMap<u32, Result<RankVerdict, ProcessError>>,
     /// Per process, `role index: exit status`.
     pub exits: Vec<String>,
     pub hub: HubReport,
@@ -173,10 +231,10 @@ pub struct Launched {
 
 /// Starts the hub and one `serve` child per rank of the scenario at `path`, waits for them (killing any that
 /// outlive the time limit), and judges the gathered verdicts against the scenario's expectation.
-pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> anyhow::Result<Launched> {
+pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> Result<Launched, ProcessError> {
     let problem = &scenario.problem;
     let hub = Hub::bind("127.0.0.1:0")?;
-    let addr = hub.local_addr().ok_or_else(|| anyhow::anyhow!("the hub has no local address"))?.to_string();
+    let addr = hub.local_addr().ok_or(ProcessError::NoAddress)?.to_string();
     let plan = hub_plan(problem, options.connect_timeout, options.live.time_limit);
     let mut children = Vec::new();
     for (role, count) in [(Role::Prefill, problem.prefill.ranks.len()), (Role::Decode, problem.decode.ranks.len())] {
@@ -192,11 +250,11 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> anyh
         let (status, verdict) = gather(child, deadline);
         exits.push(format!("{} {index}: {status}", role_name(role)));
         if role == Role::Decode {
-            verdicts.insert(index, verdict.ok_or_else(|| format!("no verdict ({status})")));
+            verdicts.insert(index, verdict.ok_or_else(|| ProcessError::NoVerdict { status: status.clone() }));
         }
     }
     for &(_, index) in options.omit.iter().filter(|(role, _)| *role == Role::Decode) {
-        verdicts.insert(index, Err("not started (--omit)".to_owned()));
+        verdicts.insert(index, Err(ProcessError::Omitted));
     }
     let failures = launch_failures(scenario, &verdicts, &report);
     Ok(Launched { verdicts, exits, hub: report, failures })
@@ -226,7 +284,7 @@ pub fn hub_plan(problem: &Problem, connect_timeout: Duration, run_limit: Duratio
     HubPlan { nodes, decode, connect_timeout, time_limit: connect_timeout + run_limit }
 }
 
-fn spawn_rank(path: &Path, role: Role, index: u32, addr: &str, options: &LaunchOptions) -> anyhow::Result<Child> {
+fn spawn_rank(path: &Path, role: Role, index: u32, addr: &str, options: &LaunchOptions) -> Result<Child, ProcessError> {
     let exe = std::env::current_exe()?;
     let mut command = Command::new(exe);
     command.arg("serve").arg("--role").arg(role_name(role)).arg("--rank").arg(index.to_string());
@@ -273,7 +331,7 @@ pub const VERDICT_PREFIX: &str = "verdict-json ";
 /// How the gathered verdicts depart from the scenario's expectation.
 fn launch_failures(
     scenario: &Scenario,
-    verdicts: &BTreeMap<u32, Result<RankVerdict, String>>,
+    verdicts: &BTreeMap<u32, Result<RankVerdict, ProcessError>>,
     report: &HubReport,
 ) -> Vec<String> {
     let problem = &scenario.problem;

@@ -31,8 +31,8 @@ pub fn golden_header(scenario: &Scenario, outcome: &Outcome) -> String {
     let _ = writeln!(out, "scenario: {}", scenario.name);
     match &scenario.expect {
         Expectation::Ok => out.push_str("expect: ok\n"),
-        Expectation::Error(message) => {
-            let _ = writeln!(out, "expect: error: {message}");
+        Expectation::Error(expected) => {
+            let _ = writeln!(out, "expect: error: {expected}");
         }
         Expectation::Partial { error, ranks, requests } => {
             let list = |ids: &Option<Vec<u32>>| ids.as_ref().map_or("all".to_owned(), |ids| format!("{ids:?}"));

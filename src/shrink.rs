@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use crate::engine::seat::SharedPlanner;
 use crate::engine::sim::SimOptions;
-use crate::external::{ProcessPlanner, PROTOCOL_ERROR};
+use crate::external::ProcessPlanner;
 use crate::harness::{self, Budget, Outcome, RunError};
 use crate::scenario::reduce::Draft;
 use crate::scenario::{self, Scenario, ScenarioError};
@@ -174,6 +174,8 @@ pub enum ShrinkError {
     Run(#[from] RunError),
     #[error("{0}")]
     Refused(String),
+    #[error(transparent)]
+    Draft(#[from] crate::scenario::reduce::DraftError),
 }
 
 /// A shrunk scenario.
@@ -210,7 +212,7 @@ fn attempt(scenario: &Scenario, mode: &Mode, budget: &Budget) -> Result<Vec<Sign
             planner.borrow_mut().start_case(&scenario.file);
             let outcome = harness::run_with_planner(scenario, budget, SharedPlanner(planner.clone()))?;
             if let Some(reason) = planner.borrow().failure() {
-                let detail = without_numbers(&format!("{PROTOCOL_ERROR}: {reason}"));
+                let detail = without_numbers(&reason.reason());
                 return Ok(vec![Signature { class: "protocol", detail }]);
             }
             Ok(signatures(&outcome))
@@ -269,7 +271,7 @@ pub fn shrink(
             "{file} does not fail ({how}); there is nothing to shrink (fix: {fix})"
         )));
     };
-    let mut draft = Draft::parse(text).map_err(ShrinkError::Refused)?;
+    let mut draft = Draft::parse(text)?;
     draft.set_seed(original.seed);
     draft.set_name(&format!("{}-shrunk", original.name));
     let mut current = (draft.to_yaml(), original.clone());

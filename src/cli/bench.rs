@@ -466,12 +466,12 @@ struct ScalingRow {
     heap: Option<u64>,
 }
 
-fn scaling_row(shape: &ScalingShape, iterations: u32) -> Result<ScalingRow, String> {
-    let problem = scenario::parse(&shape.text, "<bench>", "bench-scaling").map_err(|error| error.to_string())?.problem;
+fn scaling_row(shape: &ScalingShape, iterations: u32) -> Result<ScalingRow, super::CliError> {
+    let problem = scenario::parse(&shape.text, "<bench>", "bench-scaling")?.problem;
     let (plan_time, _) = median(iterations, &mut || {
         plan::plan(&problem).map_or(0, |plan| std::hint::black_box(plan.groups.len()) as u64)
     });
-    let plan = plan::plan(&problem).map_err(|error| format!("plan rejected: {error}"))?;
+    let plan = plan::plan(&problem)?;
     let [_, roce] = lowerings();
     let (lower_time, work_requests) = median(iterations, &mut || {
         let descriptors = plan.descriptors();
@@ -520,7 +520,12 @@ pub(super) fn bench_scaling(max_tokens: u32, iterations: u32) -> anyhow::Result<
                 show(row.heap)
             ),
             Err(error) => {
-                outln!("| {} | {} | not planned: {} |||||||||||", shape.tokens, shape.label, error.replace('|', "/"))
+                outln!(
+                    "| {} | {} | not planned: {} |||||||||||",
+                    shape.tokens,
+                    shape.label,
+                    error.to_string().replace('|', "/")
+                )
             }
         }
     }

@@ -236,16 +236,58 @@ impl Deadlines {
     }
 }
 
+/// Why a command-line value or a CLI step below `anyhow`'s top level failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("`{text}` names no rank (fix: prefill:N or decode:N)")]
+    NoRank { text: String },
+    #[error("`{side}` is not a side (fix: prefill:N or decode:N)")]
+    NotSide { side: String },
+    #[error("`{index}` is not a rank index (fix: prefill:N or decode:N)")]
+    NotIndex { index: String },
+    #[error("no mutant `{name}` (fix: one of {names})")]
+    UnknownMutant { name: String, names: String },
+    #[error(transparent)]
+    Scenario(#[from] scenario::ScenarioError),
+    #[error("plan rejected: {0}")]
+    Plan(#[from] plan::PlanError),
+}
+
+error_kinds! {
+    /// The kind of a [`CliError`].
+    pub enum CliErrorKind {
+        /// A `--omit`-style rank spec that is not `prefill:N` or `decode:N`.
+        BadRankSpec = "bad_rank_spec",
+        /// A `--mutant` that names no mutant.
+        UnknownMutant = "unknown_mutant",
+        /// A scenario that does not load.
+        Scenario = "scenario",
+        /// A plan the planner rejects.
+        PlanRejected = "plan_rejected",
+    }
+}
+
+impl CliError {
+    /// The failure's kind (stable across rewording).
+    pub fn kind(&self) -> CliErrorKind {
+        match self {
+            CliError::NoRank { .. } | CliError::NotSide { .. } | CliError::NotIndex { .. } => CliErrorKind::BadRankSpec,
+            CliError::UnknownMutant { .. } => CliErrorKind::UnknownMutant,
+            CliError::Scenario(_) => CliErrorKind::Scenario,
+            CliError::Plan(_) => CliErrorKind::PlanRejected,
+        }
+    }
+}
+
 /// `prefill:N` or `decode:N`.
-fn parse_rank_spec(text: &str) -> Result<(crate::process::Role, u32), String> {
-    let fix = "(fix: prefill:N or decode:N)";
-    let (role, index) = text.split_once(':').ok_or_else(|| format!("`{text}` names no rank {fix}"))?;
+fn parse_rank_spec(text: &str) -> Result<(crate::process::Role, u32), CliError> {
+    let (role, index) = text.split_once(':').ok_or_else(|| CliError::NoRank { text: text.to_owned() })?;
     let role = match role {
         "prefill" => crate::process::Role::Prefill,
         "decode" => crate::process::Role::Decode,
-        other => return Err(format!("`{other}` is not a side {fix}")),
+        other => return Err(CliError::NotSide { side: other.to_owned() }),
     };
-    let index = index.parse().map_err(|_| format!("`{index}` is not a rank index {fix}"))?;
+    let index = index.parse().map_err(|_| CliError::NotIndex { index: index.to_owned() })?;
     Ok((role, index))
 }
 

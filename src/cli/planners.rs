@@ -17,7 +17,7 @@ use serde::Deserialize;
 
 use super::{scenario_files, Found};
 use crate::engine::seat::SharedPlanner;
-use crate::external::{ProcessPlanner, PROTOCOL_ERROR};
+use crate::external::ProcessPlanner;
 use crate::harness::{self, Budget};
 use crate::scenario;
 
@@ -193,7 +193,7 @@ fn case(file: &Path, planner: &Rc<RefCell<ProcessPlanner>>, budget: &Budget) -> 
     let seat = SharedPlanner(planner.clone());
     let outcome = harness::run_with_planner(&scenario, budget, seat).map_err(|error| vec![error.to_string()])?;
     if let Some(reason) = planner.borrow().failure() {
-        return Err(vec![format!("{PROTOCOL_ERROR}: {reason}")]);
+        return Err(vec![reason.reason()]);
     }
     if outcome.passed() {
         return Ok(());

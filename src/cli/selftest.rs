@@ -27,10 +27,10 @@ pub struct SelftestArgs {
     pub mutant: Vec<Mutant>,
 }
 
-pub(super) fn parse_mutant(name: &str) -> Result<Mutant, String> {
+pub(super) fn parse_mutant(name: &str) -> Result<Mutant, super::CliError> {
     Mutant::from_name(name).ok_or_else(|| {
         let names: Vec<&str> = selftest::ALL.iter().map(|mutant| mutant.name()).collect();
-        format!("no mutant `{name}` (fix: one of {})", names.join(", "))
+        super::CliError::UnknownMutant { name: name.to_owned(), names: names.join(", ") }
     })
 }
 

@@ -55,6 +55,35 @@ pub enum FrameError {
     Trailing(u64),
 }
 
+error_kinds! {
+    /// The kind of a [`FrameError`].
+    pub enum FrameErrorKind {
+        /// A frame over the size limit.
+        TooLarge = "too_large",
+        /// An unknown frame kind byte.
+        UnknownKind = "unknown_kind",
+        /// More parts than the limit.
+        TooManyParts = "too_many_parts",
+        /// A part runs past the frame's end.
+        Truncated = "truncated",
+        /// Bytes after the last part.
+        Trailing = "trailing",
+    }
+}
+
+impl FrameError {
+    /// The failure's kind (stable across rewording).
+    pub fn kind(&self) -> FrameErrorKind {
+        match self {
+            FrameError::TooLarge(_) => FrameErrorKind::TooLarge,
+            FrameError::UnknownKind(_) => FrameErrorKind::UnknownKind,
+            FrameError::TooManyParts(_) => FrameErrorKind::TooManyParts,
+            FrameError::Truncated { .. } => FrameErrorKind::Truncated,
+            FrameError::Trailing(_) => FrameErrorKind::Trailing,
+        }
+    }
+}
+
 impl ControlFrame {
     pub fn new(kind: FrameKind, from: NodeId, to: NodeId, parts: Vec<Vec<u8>>) -> ControlFrame {
         ControlFrame { kind, from, to, parts }

@@ -21,7 +21,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use frame::{ControlFrame, FrameError, FrameKind};
+pub use frame::{ControlFrame, FrameError, FrameErrorKind, FrameKind};
 
 use crate::engine::live::{Control, Received};
 use crate::engine::Envelope;
@@ -44,17 +44,59 @@ pub enum ControlError {
     #[error("the bootstrap hub at {addr} did not start the run within {seconds} s (fix: start every rank, or raise --connect-timeout)")]
     NoStart { addr: String, seconds: u64 },
     #[error("the bootstrap hub closed the connection before the run started: {0}")]
-    Closed(String),
+    Closed(#[source] Box<ControlError>),
+    #[error("connection closed: {0}")]
+    Disconnected(#[source] std::io::Error),
+    #[error("connection closed mid-frame: {0}")]
+    MidFrame(#[source] std::io::Error),
+    #[error("the connection's reader stopped")]
+    ReaderEnded,
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+}
+
+error_kinds! {
+    /// The kind of a [`ControlError`].
+    pub enum ControlErrorKind {
+        /// The hub cannot listen on its address.
+        Bind = "bind",
+        /// The hub cannot be reached before the deadline.
+        Connect = "connect",
+        /// The hub did not start the run before the deadline.
+        NoStart = "no_start",
+        /// The connection ended before the run started.
+        Closed = "closed",
+        /// The connection ended, between frames or inside one.
+        Disconnected = "disconnected",
+        /// Bytes that are not a control frame.
+        BadFrame = "bad_frame",
+    }
+}
+
+impl ControlError {
+    /// The failure's kind (stable across rewording).
+    pub fn kind(&self) -> ControlErrorKind {
+        match self {
+            ControlError::Bind { .. } => ControlErrorKind::Bind,
+            ControlError::Connect { .. } => ControlErrorKind::Connect,
+            ControlError::NoStart { .. } => ControlErrorKind::NoStart,
+            ControlError::Closed(_) => ControlErrorKind::Closed,
+            ControlError::Disconnected(_) | ControlError::MidFrame(_) | ControlError::ReaderEnded => {
+                ControlErrorKind::Disconnected
+            }
+            ControlError::Frame(_) => ControlErrorKind::BadFrame,
+        }
+    }
 }
 
 /// Reads one control frame from `stream`: the length prefix, then the body (checked against the limit first).
-pub fn read_frame(stream: &mut impl Read) -> Result<ControlFrame, String> {
+pub fn read_frame(stream: &mut impl Read) -> Result<ControlFrame, ControlError> {
     let mut prefix = [0u8; 4];
-    stream.read_exact(&mut prefix).map_err(|error| format!("connection closed: {error}"))?;
-    let len = frame::body_len(prefix).map_err(|error| error.to_string())?;
+    stream.read_exact(&mut prefix).map_err(ControlError::Disconnected)?;
+    let len = frame::body_len(prefix)?;
     let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).map_err(|error| format!("connection closed mid-frame: {error}"))?;
-    frame::decode(&body).map_err(|error| error.to_string())
+    stream.read_exact(&mut body).map_err(ControlError::MidFrame)?;
+    Ok(frame::decode(&body)?)
 }
 
 /// Who the hub expects, and its deadlines.
@@ -155,7 +197,7 @@ fn spawn_acceptor(listener: TcpListener, events: Sender<Event>, stop: Arc<Atomic
                                 }
                             }
                             Err(reason) => {
-                                let _ = events.send(Event::Closed(conn, reason));
+                                let _ = events.send(Event::Closed(conn, reason.to_string()));
                                 return;
                             }
                         }
@@ -317,7 +359,7 @@ impl<'a> HubState<'a> {
 pub struct Client {
     addr: String,
     writer: TcpStream,
-    inbox: Receiver<Result<ControlFrame, String>>,
+    inbox: Receiver<Result<ControlFrame, ControlError>>,
     stopped: bool,
 }
 
@@ -346,7 +388,8 @@ impl Client {
             }
         };
         let _ = stream.set_nodelay(true);
-        let mut reader = stream.try_clone().map_err(|error| ControlError::Closed(error.to_string()))?;
+        let mut reader =
+            stream.try_clone().map_err(|error| ControlError::Closed(Box::new(ControlError::Disconnected(error))))?;
         let (frames, inbox) = mpsc::channel();
         std::thread::spawn(move || loop {
             let frame = read_frame(&mut reader);
@@ -369,9 +412,11 @@ impl Client {
             match self.inbox.recv_timeout(left) {
                 Ok(Ok(frame)) if frame.kind == FrameKind::Start => return Ok(frame.parts),
                 Ok(Ok(_)) => {}
-                Ok(Err(reason)) => return Err(ControlError::Closed(reason)),
+                Ok(Err(reason)) => return Err(ControlError::Closed(Box::new(reason))),
                 Err(RecvTimeoutError::Timeout) => return Err(no_start()),
-                Err(RecvTimeoutError::Disconnected) => return Err(ControlError::Closed("reader ended".to_owned())),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(ControlError::Closed(Box::new(ControlError::ReaderEnded)));
+                }
             }
         }
     }

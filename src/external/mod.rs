@@ -31,12 +31,76 @@ pub const MAX_LINE_BYTES: u64 = 1 << 28;
 /// How long a planner may take to start and say hello.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Why an external planner failed as a program (its verdict on a room is not an error).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExternalError {
+    #[error("cannot start `{command}`: {reason}")]
+    Start { command: String, reason: String },
+    #[error("no pipes to the planner")]
+    NoPipes,
+    #[error("the planner is not running")]
+    NotRunning,
+    #[error("the planner closed its input")]
+    InputClosed,
+    #[error("no answer within {:.1} s", .timeout.as_secs_f64())]
+    Timeout { timeout: Duration },
+    #[error("the planner's output ended")]
+    OutputEnded,
+    #[error("the planner exited (its output closed)")]
+    Exited,
+    #[error("a line longer than {MAX_LINE_BYTES} bytes")]
+    LineTooLong,
+    #[error("a line that is not UTF-8")]
+    NotUtf8,
+    #[error("reading the planner's output failed: {reason}")]
+    Read { reason: String },
+    #[error("a {query} answer {problem}")]
+    WrongShape { query: &'static str, problem: &'static str },
+    #[error(transparent)]
+    Protocol(#[from] protocol::ProtocolError),
+}
+
+error_kinds! {
+    /// The kind of an [`ExternalError`].
+    pub enum ExternalErrorKind {
+        /// The planner process cannot be started or has no pipes.
+        Start = "start",
+        /// The planner stopped reading, stopped writing or exited.
+        Exited = "exited",
+        /// No answer before the case's deadline.
+        Timeout = "timeout",
+        /// A line that is too long, not UTF-8, or could not be read.
+        BadLine = "bad_line",
+        /// An answer that breaks the plan protocol.
+        Protocol = "protocol",
+    }
+}
+
+impl ExternalError {
+    /// The failure's kind (stable across rewording).
+    pub fn kind(&self) -> ExternalErrorKind {
+        use ExternalError as E;
+        match self {
+            E::Start { .. } | E::NoPipes => ExternalErrorKind::Start,
+            E::NotRunning | E::InputClosed | E::OutputEnded | E::Exited => ExternalErrorKind::Exited,
+            E::Timeout { .. } => ExternalErrorKind::Timeout,
+            E::LineTooLong | E::NotUtf8 | E::Read { .. } => ExternalErrorKind::BadLine,
+            E::WrongShape { .. } | E::Protocol(_) => ExternalErrorKind::Protocol,
+        }
+    }
+
+    /// The failure as the engines report it for a room: prefixed [`PROTOCOL_ERROR`].
+    pub fn reason(&self) -> String {
+        format!("{PROTOCOL_ERROR}: {self}")
+    }
+}
+
 /// A running planner process: its stdin (fed by a writer thread, so a planner that stops reading cannot block
 /// kvrelay) and its stdout lines (read by a reader thread).
 struct Running {
     child: Child,
     lines_out: Sender<String>,
-    lines_in: Receiver<Result<String, String>>,
+    lines_in: Receiver<Result<String, ExternalError>>,
 }
 
 /// An external planner: `sh -c COMMAND`, started on first use and again after a failure.
@@ -50,7 +114,7 @@ pub struct ProcessPlanner {
     case_started: Instant,
     next_id: u64,
     /// The first protocol failure of the current case (later queries of the case fail at once).
-    failure: Option<String>,
+    failure: Option<ExternalError>,
 }
 
 impl ProcessPlanner {
@@ -76,11 +140,11 @@ impl ProcessPlanner {
     }
 
     /// The protocol failure of the current case, if any.
-    pub fn failure(&self) -> Option<&str> {
-        self.failure.as_deref()
+    pub fn failure(&self) -> Option<&ExternalError> {
+        self.failure.as_ref()
     }
 
-    fn ensure_running(&mut self) -> Result<(), String> {
+    fn ensure_running(&mut self) -> Result<(), ExternalError> {
         if self.running.is_some() {
             return Ok(());
         }
@@ -94,10 +158,10 @@ impl ProcessPlanner {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|error| format!("cannot start `{}`: {error}", self.command))?;
+            .map_err(|error| ExternalError::Start { command: self.command.clone(), reason: error.to_string() })?;
         let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
         let (Some(mut stdin), Some(stdout), Some(stderr)) = (stdin, stdout, stderr) else {
-            return Err("no pipes to the planner".into());
+            return Err(ExternalError::NoPipes);
         };
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
@@ -122,41 +186,41 @@ impl ProcessPlanner {
     }
 
     /// Sends `line` and waits up to `timeout` for the planner's next line.
-    fn exchange(&mut self, line: String, timeout: Duration) -> Result<String, String> {
-        let running = self.running.as_mut().ok_or("the planner is not running")?;
-        running.lines_out.send(line).map_err(|_| "the planner closed its input".to_owned())?;
+    fn exchange(&mut self, line: String, timeout: Duration) -> Result<String, ExternalError> {
+        let running = self.running.as_mut().ok_or(ExternalError::NotRunning)?;
+        running.lines_out.send(line).map_err(|_| ExternalError::InputClosed)?;
         match running.lines_in.recv_timeout(timeout) {
             Ok(Ok(line)) => Ok(line),
             Ok(Err(reason)) => Err(reason),
-            Err(RecvTimeoutError::Timeout) => Err(format!("no answer within {:.1} s", timeout.as_secs_f64())),
-            Err(RecvTimeoutError::Disconnected) => Err("the planner's output ended".to_owned()),
+            Err(RecvTimeoutError::Timeout) => Err(ExternalError::Timeout { timeout }),
+            Err(RecvTimeoutError::Disconnected) => Err(ExternalError::OutputEnded),
         }
     }
 
-    /// Fails the case with `reason` and stops the process (the next case starts a fresh one).
-    fn broken(&mut self, reason: String) -> String {
+    /// Fails the case with `reason` (its first failure is kept) and stops the process (the next case starts a
+    /// fresh one); the case's first failure.
+    fn broken(&mut self, reason: ExternalError) -> ExternalError {
         if let Some(running) = self.running.take() {
             stop(running.child);
         }
-        let reason = self.failure.get_or_insert(reason).clone();
-        format!("{PROTOCOL_ERROR}: {reason}")
+        self.failure.get_or_insert(reason).clone()
     }
 
     /// Sends the query `render(id)` and parses the answer with `parse(line, id)`, within the case's deadline.
     fn ask(
         &mut self,
         render: impl FnOnce(u64, &str) -> serde_json::Value,
-        parse: impl FnOnce(&str, u64) -> Result<Answer, String>,
-    ) -> Result<Answer, String> {
+        parse: impl FnOnce(&str, u64) -> Result<Answer, protocol::ProtocolError>,
+    ) -> Result<Answer, ExternalError> {
         if let Some(reason) = &self.failure {
-            return Err(format!("{PROTOCOL_ERROR}: {reason}"));
+            return Err(reason.clone());
         }
         let answer = self.ensure_running().and_then(|()| {
             let id = self.next_id;
             self.next_id += 1;
             let line = render(id, &self.case).to_string();
             let left = self.case_timeout.saturating_sub(self.case_started.elapsed());
-            parse(&self.exchange(line, left)?, id)
+            Ok(parse(&self.exchange(line, left)?, id)?)
         });
         answer.map_err(|reason| self.broken(reason))
     }
@@ -164,21 +228,25 @@ impl ProcessPlanner {
 
 impl Planner for ProcessPlanner {
     fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), String> {
-        let answer = self.ask(|id, case| protocol::link_query(id, case, query), protocol::parse_link_answer)?;
-        match answer {
+        let answer = self.ask(|id, case| protocol::link_query(id, case, query), protocol::parse_link_answer);
+        match answer.map_err(|error| error.reason())? {
             Answer::Linked => Ok(()),
             Answer::Rejected(text) => Err(text),
-            Answer::Copies(_) => Err(self.broken("a link answer with copies".to_owned())),
+            Answer::Copies(_) => {
+                Err(self.broken(ExternalError::WrongShape { query: "link", problem: "with copies" }).reason())
+            }
         }
     }
 
     fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
         let chunks = query.request.chunks.len();
         let parse = |line: &str, id| protocol::parse_answer(line, id, chunks);
-        match self.ask(|id, case| protocol::query(id, case, query), parse)? {
+        match self.ask(|id, case| protocol::query(id, case, query), parse).map_err(|error| error.reason())? {
             Answer::Copies(copies) => Ok(copies),
             Answer::Rejected(text) => Err(text),
-            Answer::Linked => Err(self.broken("a plan answer without copies".to_owned())),
+            Answer::Linked => {
+                Err(self.broken(ExternalError::WrongShape { query: "plan", problem: "without copies" }).reason())
+            }
         }
     }
 }
@@ -200,20 +268,20 @@ fn stop(mut child: Child) {
 }
 
 /// Forwards each line of `reader` (at most [`MAX_LINE_BYTES`]) to `sender`, then why it stopped.
-fn read_lines(mut reader: impl BufRead, sender: &Sender<Result<String, String>>) {
+fn read_lines(mut reader: impl BufRead, sender: &Sender<Result<String, ExternalError>>) {
     loop {
         let mut line = Vec::new();
         let read = (&mut reader).take(MAX_LINE_BYTES).read_until(b'\n', &mut line);
         let message = match read {
-            Ok(0) => Err("the planner exited (its output closed)".to_owned()),
+            Ok(0) => Err(ExternalError::Exited),
             Ok(_) if line.last() != Some(&b'\n') && line.len() as u64 >= MAX_LINE_BYTES => {
-                Err(format!("a line longer than {MAX_LINE_BYTES} bytes"))
+                Err(ExternalError::LineTooLong)
             }
             Ok(_) => match String::from_utf8(line) {
                 Ok(text) => Ok(text.trim_end().to_owned()),
-                Err(_) => Err("a line that is not UTF-8".to_owned()),
+                Err(_) => Err(ExternalError::NotUtf8),
             },
-            Err(error) => Err(format!("reading the planner's output failed: {error}")),
+            Err(error) => Err(ExternalError::Read { reason: error.to_string() }),
         };
         let end = message.is_err();
         if sender.send(message).is_err() || end {

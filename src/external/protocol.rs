@@ -16,19 +16,81 @@ pub const NAME: &str = "kvrelay-plan";
 /// Most copies one answer may hold (the planner's whole room, every chunk).
 pub const MAX_COPIES: usize = 1 << 24;
 
+/// Why a planner's line is not a well-formed answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("the {what} is not JSON: {reason}")]
+    NotJson { what: &'static str, reason: String },
+    #[error("the first line is not a {NAME} hello: {line}")]
+    NotHello { line: String },
+    #[error("the planner speaks version {theirs}, kvrelay speaks {VERSION}")]
+    Version { theirs: String },
+    #[error("expected the answer to {kind} query {id}, got: {line}")]
+    WrongAnswer { kind: String, id: u64, line: String },
+    #[error("`error` is not a string")]
+    ErrorNotText,
+    #[error("the answer has neither `copies` nor `error`")]
+    NoCopies,
+    #[error("the answer holds {count} copies, more than the limit of {MAX_COPIES}")]
+    TooManyCopies { count: usize },
+    #[error("copy {index} is not six non-negative integers: {copy}")]
+    BadCopy { index: usize, copy: String },
+    #[error("copy {index} names region {region}")]
+    BadRegion { index: usize, region: u64 },
+    #[error("copy {index} is for chunk {chunk}, but the request has {chunks} chunks")]
+    BadChunk { index: usize, chunk: u64, chunks: usize },
+}
+
+error_kinds! {
+    /// The kind of a [`ProtocolError`].
+    pub enum ProtocolErrorKind {
+        /// A line that is not JSON.
+        NotJson = "not_json",
+        /// A first line that is not the protocol's hello.
+        NotHello = "not_hello",
+        /// A planner speaking another protocol version.
+        Version = "version",
+        /// An answer to another query (type or id).
+        WrongAnswer = "wrong_answer",
+        /// An answer whose fields are missing or malformed.
+        Malformed = "malformed",
+        /// An answer with more copies than the limit.
+        TooManyCopies = "too_many_copies",
+    }
+}
+
+impl ProtocolError {
+    /// The failure's kind (stable across rewording).
+    pub fn kind(&self) -> ProtocolErrorKind {
+        match self {
+            ProtocolError::NotJson { .. } => ProtocolErrorKind::NotJson,
+            ProtocolError::NotHello { .. } => ProtocolErrorKind::NotHello,
+            ProtocolError::Version { .. } => ProtocolErrorKind::Version,
+            ProtocolError::WrongAnswer { .. } => ProtocolErrorKind::WrongAnswer,
+            ProtocolError::TooManyCopies { .. } => ProtocolErrorKind::TooManyCopies,
+            ProtocolError::ErrorNotText
+            | ProtocolError::NoCopies
+            | ProtocolError::BadCopy { .. }
+            | ProtocolError::BadRegion { .. }
+            | ProtocolError::BadChunk { .. } => ProtocolErrorKind::Malformed,
+        }
+    }
+}
+
 /// kvrelay's hello: the first line a planner reads.
 pub fn hello() -> Value {
     json!({ "type": "hello", "protocol": NAME, "version": VERSION })
 }
 
 /// The planner's hello: its name and version, or why it is not one.
-pub fn parse_hello(line: &str) -> Result<String, String> {
-    let value: Value = serde_json::from_str(line).map_err(|error| format!("the hello is not JSON: {error}"))?;
+pub fn parse_hello(line: &str) -> Result<String, ProtocolError> {
+    let value: Value = serde_json::from_str(line)
+        .map_err(|error| ProtocolError::NotJson { what: "hello", reason: error.to_string() })?;
     if value["type"] != "hello" || value["protocol"] != NAME {
-        return Err(format!("the first line is not a {NAME} hello: {}", clip(line)));
+        return Err(ProtocolError::NotHello { line: clip(line) });
     }
     if value["version"] != VERSION {
-        return Err(format!("the planner speaks version {}, kvrelay speaks {VERSION}", value["version"]));
+        return Err(ProtocolError::Version { theirs: value["version"].to_string() });
     }
     Ok(value["planner"].as_str().unwrap_or("unnamed planner").to_owned())
 }
@@ -201,50 +263,49 @@ pub enum Answer {
 }
 
 /// Parses the answer to link query `id` strictly: `{"type":"link","id":N}` or with `"error":"..."`.
-pub fn parse_link_answer(line: &str, id: u64) -> Result<Answer, String> {
+pub fn parse_link_answer(line: &str, id: u64) -> Result<Answer, ProtocolError> {
     let value = answer_to(line, "link", id)?;
     Ok(rejection(&value)?.unwrap_or(Answer::Linked))
 }
 
 /// The answer `line` to query `id` of `kind`, as JSON.
-fn answer_to(line: &str, kind: &str, id: u64) -> Result<Value, String> {
-    let value: Value = serde_json::from_str(line).map_err(|error| format!("the answer is not JSON: {error}"))?;
+fn answer_to(line: &str, kind: &str, id: u64) -> Result<Value, ProtocolError> {
+    let value: Value = serde_json::from_str(line)
+        .map_err(|error| ProtocolError::NotJson { what: "answer", reason: error.to_string() })?;
     if value["type"] != kind || value["id"] != id {
-        return Err(format!("expected the answer to {kind} query {id}, got: {}", clip(line)));
+        return Err(ProtocolError::WrongAnswer { kind: kind.to_owned(), id, line: clip(line) });
     }
     Ok(value)
 }
 
 /// The answer's `error`, if it has one.
-fn rejection(value: &Value) -> Result<Option<Answer>, String> {
+fn rejection(value: &Value) -> Result<Option<Answer>, ProtocolError> {
     match value.get("error") {
         None => Ok(None),
-        Some(error) => Ok(Some(Answer::Rejected(error.as_str().ok_or("`error` is not a string")?.to_owned()))),
+        Some(error) => Ok(Some(Answer::Rejected(error.as_str().ok_or(ProtocolError::ErrorNotText)?.to_owned()))),
     }
 }
 
 /// Parses the answer to plan query `id` strictly: `{"type":"plan","id":N,"copies":[[chunk, source_region,
 /// source_offset, target_region, target_offset, length], ...]}` or `{"type":"plan","id":N,"error":"..."}`.
-pub fn parse_answer(line: &str, id: u64, chunks: usize) -> Result<Answer, String> {
+pub fn parse_answer(line: &str, id: u64, chunks: usize) -> Result<Answer, ProtocolError> {
     let value = answer_to(line, "plan", id)?;
     if let Some(rejected) = rejection(&value)? {
         return Ok(rejected);
     }
-    let copies = value.get("copies").and_then(Value::as_array).ok_or("the answer has neither `copies` nor `error`")?;
+    let copies = value.get("copies").and_then(Value::as_array).ok_or(ProtocolError::NoCopies)?;
     if copies.len() > MAX_COPIES {
-        return Err(format!("the answer holds {} copies, more than the limit of {MAX_COPIES}", copies.len()));
+        return Err(ProtocolError::TooManyCopies { count: copies.len() });
     }
     let mut planned = vec![Vec::new(); chunks];
     for (index, copy) in copies.iter().enumerate() {
         let fields: Option<Vec<u64>> = copy.as_array().and_then(|items| items.iter().map(Value::as_u64).collect());
         let Some([chunk, source_region, source_offset, target_region, target_offset, length]) = fields.as_deref()
         else {
-            return Err(format!("copy {index} is not six non-negative integers: {}", clip(&copy.to_string())));
+            return Err(ProtocolError::BadCopy { index, copy: clip(&copy.to_string()) });
         };
-        let region = |value: u64| u32::try_from(value).map_err(|_| format!("copy {index} names region {value}"));
-        let list = planned
-            .get_mut(*chunk as usize)
-            .ok_or_else(|| format!("copy {index} is for chunk {chunk}, but the request has {chunks} chunks"))?;
+        let region = |region: u64| u32::try_from(region).map_err(|_| ProtocolError::BadRegion { index, region });
+        let list = planned.get_mut(*chunk as usize).ok_or(ProtocolError::BadChunk { index, chunk: *chunk, chunks })?;
         list.push(SeatCopy {
             source_region: region(*source_region)?,
             source_offset: *source_offset,

@@ -97,6 +97,73 @@ pub enum PlanError {
     StateComponents { prefill: Vec<StateKind>, decode: Vec<StateKind> },
 }
 
+error_kinds! {
+    /// The family of a [`PlanError`]: what scenarios (`expect: {error: KIND}`) and tests match on.
+    pub enum PlanErrorKind {
+        /// A decode peer's registration contradicts itself.
+        InvalidRegistration = "invalid_registration",
+        /// TP/PP/DCP sizes or ranks that cannot be mapped onto each other.
+        RankMapping = "rank_mapping",
+        /// A DCP setup the transfer does not support (topology, non-MLA pool, paged state).
+        DcpUnsupported = "dcp_unsupported",
+        /// Prefill and decode page sizes differ where they must agree.
+        PageSizeMismatch = "page_size_mismatch",
+        /// `decode_prefix_len` is not aligned to the (virtual) page size.
+        UnalignedPrefix = "unaligned_prefix",
+        /// The decode side provided fewer destination pages than a chunk needs.
+        TooFewPages = "too_few_pages",
+        /// The decode peer registers no entry for a model layer.
+        MissingLayer = "missing_layer",
+        /// Layer id metadata that is one-sided, of the wrong length, or missing where pairing needs it.
+        LayerMetadata = "layer_metadata",
+        /// KV or aux item geometry differs between the peers.
+        GeometryMismatch = "geometry_mismatch",
+        /// Different TP sizes for a hybrid model that needs them equal.
+        TpMismatch = "tp_mismatch",
+        /// A head slice larger than the destination token capacity.
+        SliceTooLarge = "slice_too_large",
+        /// State components, slots or items whose layouts differ between the peers.
+        StateLayout = "state_layout",
+        /// Per-entry state metadata out of range or inconsistent.
+        StateMetadata = "state_metadata",
+        /// State index lists that do not overlap or differ in length.
+        StateIndices = "state_indices",
+    }
+}
+
+impl PlanError {
+    /// The rejection's family (stable across rewording).
+    pub fn kind(&self) -> PlanErrorKind {
+        use PlanErrorKind as K;
+        match self {
+            PlanError::Registration { .. } => K::InvalidRegistration,
+            PlanError::UnsupportedTopology { .. } | PlanError::MismatchedDcpRanks { .. } => K::RankMapping,
+            PlanError::UnsupportedDcpTopology { .. }
+            | PlanError::DcpNeedsMla
+            | PlanError::PagedStateUnderDcp { .. } => K::DcpUnsupported,
+            PlanError::PageSizeMismatch { .. } => K::PageSizeMismatch,
+            PlanError::UnalignedDecodePrefix { .. } => K::UnalignedPrefix,
+            PlanError::InsufficientDcpPages { .. } | PlanError::InsufficientPages { .. } => K::TooFewPages,
+            PlanError::MissingLayer { .. } => K::MissingLayer,
+            PlanError::OneSidedLayerMetadata
+            | PlanError::LayerMetadataLength { .. }
+            | PlanError::PositionalPairing { .. } => K::LayerMetadata,
+            PlanError::DcpGeometry { .. }
+            | PlanError::DcpGeometryAt { .. }
+            | PlanError::ItemLength { .. }
+            | PlanError::AuxGeometry { .. } => K::GeometryMismatch,
+            PlanError::SwaTpMismatch | PlanError::ReplicatedMambaTp => K::TpMismatch,
+            PlanError::SliceTooLarge { .. } => K::SliceTooLarge,
+            PlanError::MambaSlotSize { .. }
+            | PlanError::MambaLayouts { .. }
+            | PlanError::StateItemLength { .. }
+            | PlanError::StateComponents { .. } => K::StateLayout,
+            PlanError::StateMetadata { .. } => K::StateMetadata,
+            PlanError::NoOverlappingState { .. } | PlanError::StateIndexLength { .. } => K::StateIndices,
+        }
+    }
+}
+
 /// Renders `[576, 576, 256]` as `576 x2, 256` like domain.md's geometry message.
 struct RunLengths<'a>(&'a [u64]);
 
@@ -127,6 +194,15 @@ mod tests {
     use super::*;
 
     /// domain.md §2.6: the K3 DSPARK failure message, run-length encoded as upstream prints it.
+    #[test]
+    fn kind_names_round_trip() {
+        for kind in PlanErrorKind::ALL {
+            assert_eq!(PlanErrorKind::parse(kind.name()), Some(*kind));
+        }
+        assert_eq!(PlanErrorKind::parse("no_such_kind"), None);
+        assert!(PlanErrorKind::names().contains("geometry_mismatch"));
+    }
+
     #[test]
     fn geometry_message_run_length_encodes_item_lengths() {
         let error =

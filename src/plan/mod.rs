@@ -16,7 +16,7 @@ mod rows;
 mod state;
 
 pub use descriptor::Descriptor;
-pub use error::PlanError;
+pub use error::{PlanError, PlanErrorKind};
 pub use lowering::{lower, packed_work_request_count, Limits, Lowering, Shape, WorkRequest, WrRun};
 pub use rows::RowRun;
 

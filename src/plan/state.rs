@@ -200,8 +200,10 @@ mod tests {
     #[test]
     fn groups_that_miss_the_full_dim_are_a_clear_error() {
         let res = mamba_blocks(1, 4, &meta(96, 24, Some(vec![8, 8, 16]), 1), &meta(12, 3, None, 1), shard(1, 8, 0, 3));
+        let error = res.unwrap_err();
+        assert_eq!(error.kind(), crate::plan::PlanErrorKind::StateMetadata);
         assert_eq!(
-            res.unwrap_err().to_string(),
+            error.to_string(),
             "invalid state metadata for component 1 entry 4: conv shard groups [8, 8, 16] sum to 32, not the full dim 24"
         );
     }
@@ -209,7 +211,9 @@ mod tests {
     #[test]
     fn same_tp_slot_sizes_must_match() {
         let res = mamba_blocks(0, 0, &meta(96, 24, None, 1), &meta(100, 24, None, 1), shard(2, 2, 1, 1));
-        assert_eq!(res.unwrap_err().to_string(), "Prefill/Decode Mamba slot size mismatch (src=96, dst=100)");
+        let error = res.unwrap_err();
+        assert_eq!(error.kind(), crate::plan::PlanErrorKind::StateLayout);
+        assert_eq!(error, PlanError::MambaSlotSize { prefill: 96, decode: 100 });
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 
 use super::raw::{RawComponent, RawExpect, RawModel, RawRequest, RawScenario, RawSide};
-use super::{Diagnostic, Expectation};
+use super::{Diagnostic, Expectation, ExpectedError, ScenarioErrorKind};
 use crate::limits::{
     MAX_AUX_BUFFERS, MAX_CHUNKS, MAX_COMPONENTS, MAX_DIAGNOSTICS, MAX_DRAFT_ENTRIES, MAX_DTYPE_BYTES, MAX_GROUPS,
     MAX_ITEM_BYTES, MAX_KV_HEADS, MAX_LAYERS, MAX_PAGE_SIZE, MAX_POOL_ITEMS, MAX_PP, MAX_RANKS, MAX_REGIONS,
@@ -13,6 +13,7 @@ use crate::model::{
     build_side_layout, stage_layers, Advertise, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem,
     Request, Side, SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
 };
+use crate::plan::PlanErrorKind;
 use crate::seed::Seed;
 use rand::seq::SliceRandom as _;
 
@@ -24,9 +25,20 @@ struct Diagnostics {
 }
 
 impl Diagnostics {
+    /// A value the loader refuses.
     fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.push_kind(ScenarioErrorKind::InvalidValue, path, message);
+    }
+
+    /// A count or size past a limit of `src/limits.rs`.
+    fn push_limit(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.push_kind(ScenarioErrorKind::TooLarge, path, message);
+    }
+
+    fn push_kind(&mut self, kind: ScenarioErrorKind, path: impl Into<String>, message: impl Into<String>) {
         if self.kept.len() < MAX_DIAGNOSTICS {
-            self.kept.push(Diagnostic { line: None, column: None, path: path.into(), message: message.into() });
+            let (path, message) = (path.into(), message.into());
+            self.kept.push(Diagnostic { line: None, column: None, path, message, kind });
         } else {
             self.omitted += 1;
         }
@@ -41,6 +53,32 @@ impl Diagnostics {
     }
 }
 
+/// The `expect` section: `ok`, or a rejection whose kind must be one of [`PlanErrorKind`]'s names.
+fn lower_expect(raw: RawExpect, diagnostics: &mut Diagnostics) -> Expectation {
+    let (error, text, ranks, requests) = match raw {
+        RawExpect::Word(word) if word == "ok" => return Expectation::Ok,
+        RawExpect::Word(word) => {
+            let fix = "fix: write `ok` or `{error: KIND}`, optionally with `text: \"message\"`";
+            diagnostics.push("expect", format!("unknown verdict `{word}` ({fix})"));
+            return Expectation::Ok;
+        }
+        RawExpect::Error { error, text, ranks, requests } => (error, text, ranks, requests),
+    };
+    let Some(kind) = PlanErrorKind::parse(&error) else {
+        let hint = if error.contains(' ') { "; the exact message goes in `text:`" } else { "" };
+        // Each name in backticks, so that clipping long echoed text never cuts the list.
+        let kinds: Vec<String> = PlanErrorKind::ALL.iter().map(|kind| format!("`{kind}`")).collect();
+        let message = format!("unknown error kind `{error}` (fix: one of {}{hint})", kinds.join(", "));
+        diagnostics.push_kind(ScenarioErrorKind::UnknownErrorKind, "expect.error", message);
+        return Expectation::Ok;
+    };
+    let error = ExpectedError { kind, text };
+    match (ranks, requests) {
+        (None, None) => Expectation::Error(error),
+        (ranks, requests) => Expectation::Partial { error, ranks, requests },
+    }
+}
+
 /// Why lowering failed: the kept diagnostics and how many more there were.
 pub(super) type Failure = (Vec<Diagnostic>, usize);
 
@@ -49,130 +87,35 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     let model = lower_model(&raw.model, &mut diagnostics);
     let prefill = lower_topology("prefill", &raw.prefill, &mut diagnostics);
     let decode = lower_topology("decode", &raw.decode, &mut diagnostics);
-    let expect = match raw.expect {
-        RawExpect::Word(word) if word == "ok" => Expectation::Ok,
-        RawExpect::Word(word) => {
-            diagnostics
-                .push("expect", format!("unknown verdict `{word}` (fix: write `ok` or `{{error: \"message\"}}`)"));
-            Expectation::Ok
-        }
-        RawExpect::Error { error, ranks: None, requests: None } => Expectation::Error(error),
-        RawExpect::Error { error, ranks, requests } => Expectation::Partial { error, ranks, requests },
-    };
-    if raw.requests.is_empty() {
-        diagnostics.push("requests", "no requests (fix: add at least one request)");
-    }
-    if raw.requests.len() > MAX_REQUESTS {
-        diagnostics.push(
-            "requests",
-            format!("{} requests, more than the limit of {MAX_REQUESTS} (fix: fewer requests)", raw.requests.len()),
-        );
+    let expect = lower_expect(raw.expect, &mut diagnostics);
+    if !check_request_count(&raw.requests, &mut diagnostics) {
         return Err(diagnostics.into_error());
     }
     let (Some(model), Some(prefill), Some(decode)) = (model, prefill, decode) else {
         return Err(diagnostics.into_error());
     };
-    for (side, raw_side) in [("prefill", &raw.prefill), ("decode", &raw.decode)] {
-        for (index, layer) in raw_side.missing_layers.iter().enumerate() {
-            if !model.kv_layers.contains(layer) {
-                diagnostics.push(
-                    format!("{side}.missing_layers[{index}]"),
-                    format!("layer {layer} has no KV entry in this model (fix: name one of model.kv_layers)"),
-                );
-            }
-        }
-    }
+    check_missing_layers(&raw.prefill, &raw.decode, &model, &mut diagnostics);
     check_divisibility(&model, &prefill, &decode, &mut diagnostics);
-    let mut regions = 0u64;
-    for (side, raw_side, topology) in [("prefill", &raw.prefill, &prefill), ("decode", &raw.decode, &decode)] {
-        check_side_sizes(side, raw_side, &model, topology, &mut diagnostics);
-        regions += region_count(&model, topology);
-    }
-    if regions > MAX_REGIONS {
-        diagnostics.push(
-            "model",
-            format!("both sides register {regions} regions (one per rank, layer and tensor), more than the limit of {MAX_REGIONS} (fix: fewer ranks or layers)"),
-        );
+    if !check_regions(&raw.prefill, &raw.decode, &model, (&prefill, &decode), &mut diagnostics) {
         return Err(diagnostics.into_error());
     }
     for (side, raw_side) in [("prefill", &raw.prefill), ("decode", &raw.decode)] {
-        // Overrides must name an existing component and an entry or tensor it can have; otherwise they would be
-        // silently ignored.
-        for (index, item) in raw_side.metadata_overrides.iter().enumerate() {
-            let path = format!("{side}.metadata_overrides[{index}]");
-            let Some(component) = state_component(&model, item.component, &path, &mut diagnostics) else { continue };
-            let most = component.tensors.len() * component.layers.len();
-            if item.entry as usize >= most {
-                diagnostics.push(
-                    format!("{path}.entry"),
-                    format!(
-                        "entry {} does not exist: component {} has at most {most} entries on a rank",
-                        item.entry, item.component
-                    ),
-                );
-            }
-        }
-        for (index, item) in raw_side.state_item_lens.iter().enumerate() {
-            let path = format!("{side}.state_item_lens[{index}]");
-            let Some(component) = state_component(&model, item.component, &path, &mut diagnostics) else { continue };
-            if item.tensor as usize >= component.tensors.len() {
-                diagnostics.push(
-                    format!("{path}.tensor"),
-                    format!(
-                        "tensor {} does not exist: component {} has {} tensors",
-                        item.tensor,
-                        item.component,
-                        component.tensors.len()
-                    ),
-                );
-            }
-            // The length itself is checked with every other item length (`check_side_sizes`).
-        }
+        check_side_references(side, raw_side, &model, &mut diagnostics);
     }
     let mut requests = lower_requests(&raw.requests, &model, &prefill, &decode, &mut diagnostics);
     if !diagnostics.is_empty() {
         return Err(diagnostics.into_error());
     }
     let seed = Seed(raw.seed.unwrap_or(1));
-    let mut sides = Vec::new();
-    for (side, raw_side, topology) in [(Side::Prefill, &raw.prefill, prefill), (Side::Decode, &raw.decode, decode)] {
-        let page_count = allocate(side, raw_side, &raw.requests, &mut requests, seed, &mut diagnostics);
-        let slot_count = raw_side.slots.unwrap_or(requests.len() as u32 + 1);
-        allocate_slots(side, slot_count, &mut requests, seed, &mut diagnostics);
-        let state_page_counts = allocate_state_pages(side, &model, &mut requests, seed, &mut diagnostics);
-        let overrides = raw_side
-            .metadata_overrides
-            .iter()
-            .map(|item| MetadataOverride {
-                component: item.component,
-                entry: item.entry,
-                conv_groups: item.groups.clone().map(Some),
-                dim: item.dim,
-            })
-            .collect();
-        let options = SideOptions {
-            advertise_layer_ids: raw_side.layer_ids,
-            missing_layers: raw_side.missing_layers.clone(),
-            page_count,
-            slot_count,
-            state_page_counts,
-            metadata_components: raw_side.metadata_components,
-            overrides,
-            item_len_overrides: raw_side
-                .state_item_lens
-                .iter()
-                .map(|item| (item.component, item.tensor, item.item_len))
-                .collect(),
-            draft_paged_physically: raw_side.draft_paged_physically,
-            kv_token_len: raw_side.kv_token_len,
-        };
-        sides.push(build_side_layout(side, topology, &model, &options));
-    }
+    let mut build = |side, raw_side: &RawSide, topology| {
+        let options = side_options(side, raw_side, &model, &raw.requests, &mut requests, seed, &mut diagnostics);
+        build_side_layout(side, topology, &model, &options)
+    };
+    let prefill_layout = build(Side::Prefill, &raw.prefill, prefill);
+    let decode_layout = build(Side::Decode, &raw.decode, decode);
     if !diagnostics.is_empty() {
         return Err(diagnostics.into_error());
     }
-    let decode_layout = sides.pop().expect("two sides");
-    let prefill_layout = sides.pop().expect("two sides");
     let advertise = lower_advertise(&raw.prefill, &raw.decode, &mut diagnostics);
     if !diagnostics.is_empty() {
         return Err(diagnostics.into_error());
@@ -189,6 +132,136 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     Ok((problem, expect))
 }
 
+/// At least one request, and at most [`MAX_REQUESTS`]; `false` when there are too many to look at further.
+fn check_request_count(requests: &[RawRequest], diagnostics: &mut Diagnostics) -> bool {
+    if requests.is_empty() {
+        diagnostics.push("requests", "no requests (fix: add at least one request)");
+    }
+    if requests.len() > MAX_REQUESTS {
+        diagnostics.push_limit(
+            "requests",
+            format!("{} requests, more than the limit of {MAX_REQUESTS} (fix: fewer requests)", requests.len()),
+        );
+        return false;
+    }
+    true
+}
+
+/// Every `missing_layers` entry names a KV layer of the model.
+fn check_missing_layers(prefill: &RawSide, decode: &RawSide, model: &ModelGeometry, diagnostics: &mut Diagnostics) {
+    for (side, raw_side) in [("prefill", prefill), ("decode", decode)] {
+        for (index, layer) in raw_side.missing_layers.iter().enumerate() {
+            if !model.kv_layers.contains(layer) {
+                diagnostics.push(
+                    format!("{side}.missing_layers[{index}]"),
+                    format!("layer {layer} has no KV entry in this model (fix: name one of model.kv_layers)"),
+                );
+            }
+        }
+    }
+}
+
+/// Both sides' sizes, and their region count within [`MAX_REGIONS`]; `false` when the count is over it.
+fn check_regions(
+    prefill: &RawSide,
+    decode: &RawSide,
+    model: &ModelGeometry,
+    topologies: (&Topology, &Topology),
+    diagnostics: &mut Diagnostics,
+) -> bool {
+    let mut regions = 0u64;
+    for (side, raw_side, topology) in [("prefill", prefill, topologies.0), ("decode", decode, topologies.1)] {
+        check_side_sizes(side, raw_side, model, topology, diagnostics);
+        regions += region_count(model, topology);
+    }
+    if regions > MAX_REGIONS {
+        diagnostics.push_limit(
+            "model",
+            format!("both sides register {regions} regions (one per rank, layer and tensor), more than the limit of {MAX_REGIONS} (fix: fewer ranks or layers)"),
+        );
+        return false;
+    }
+    true
+}
+
+/// Overrides must name an existing component and an entry or tensor it can have; otherwise they would be silently
+/// ignored.
+fn check_side_references(side: &str, raw_side: &RawSide, model: &ModelGeometry, diagnostics: &mut Diagnostics) {
+    for (index, item) in raw_side.metadata_overrides.iter().enumerate() {
+        let path = format!("{side}.metadata_overrides[{index}]");
+        let Some(component) = state_component(model, item.component, &path, diagnostics) else { continue };
+        let most = component.tensors.len() * component.layers.len();
+        if item.entry as usize >= most {
+            diagnostics.push(
+                format!("{path}.entry"),
+                format!(
+                    "entry {} does not exist: component {} has at most {most} entries on a rank",
+                    item.entry, item.component
+                ),
+            );
+        }
+    }
+    for (index, item) in raw_side.state_item_lens.iter().enumerate() {
+        let path = format!("{side}.state_item_lens[{index}]");
+        let Some(component) = state_component(model, item.component, &path, diagnostics) else { continue };
+        if item.tensor as usize >= component.tensors.len() {
+            diagnostics.push(
+                format!("{path}.tensor"),
+                format!(
+                    "tensor {} does not exist: component {} has {} tensors",
+                    item.tensor,
+                    item.component,
+                    component.tensors.len()
+                ),
+            );
+        }
+        // The length itself is checked with every other item length (`check_side_sizes`).
+    }
+}
+
+/// One side's layout options: runs its page, slot and state page allocators over `requests`, and carries the
+/// file's advertising and override fields.
+fn side_options(
+    side: Side,
+    raw_side: &RawSide,
+    model: &ModelGeometry,
+    raw_requests: &[RawRequest],
+    requests: &mut [Request],
+    seed: Seed,
+    diagnostics: &mut Diagnostics,
+) -> SideOptions {
+    let page_count = allocate(side, raw_side, raw_requests, requests, seed, diagnostics);
+    let slot_count = raw_side.slots.unwrap_or(requests.len() as u32 + 1);
+    allocate_slots(side, slot_count, requests, seed, diagnostics);
+    let state_page_counts = allocate_state_pages(side, model, requests, seed, diagnostics);
+    let overrides = raw_side
+        .metadata_overrides
+        .iter()
+        .map(|item| MetadataOverride {
+            component: item.component,
+            entry: item.entry,
+            conv_groups: item.groups.clone().map(Some),
+            dim: item.dim,
+        })
+        .collect();
+    SideOptions {
+        advertise_layer_ids: raw_side.layer_ids,
+        missing_layers: raw_side.missing_layers.clone(),
+        page_count,
+        slot_count,
+        state_page_counts,
+        metadata_components: raw_side.metadata_components,
+        overrides,
+        item_len_overrides: raw_side
+            .state_item_lens
+            .iter()
+            .map(|item| (item.component, item.tensor, item.item_len))
+            .collect(),
+        draft_paged_physically: raw_side.draft_paged_physically,
+        kv_token_len: raw_side.kv_token_len,
+    }
+}
+
 /// Byte sizes one side registers: every KV, draft and state item within [`MAX_ITEM_BYTES`], `kv_token_len` able
 /// to hold the model's token row (domain.md §1.1; a narrower row cannot hold a token), override widths bounded.
 fn check_side_sizes(
@@ -201,7 +274,7 @@ fn check_side_sizes(
     let own_row = model.token_len(topology.tp);
     let token_len = match raw.kv_token_len {
         Some(len) if len > MAX_ITEM_BYTES => {
-            diagnostics.push(
+            diagnostics.push_limit(
                 format!("{side}.kv_token_len"),
                 format!("{len} B is more than the limit of {MAX_ITEM_BYTES} B per item (fix: the real size of one row or item)"),
             );
@@ -228,7 +301,7 @@ fn check_side_sizes(
     }
     for (field, bytes, what) in items {
         if bytes > MAX_ITEM_BYTES {
-            diagnostics.push(
+            diagnostics.push_limit(
                 format!("{side}.{field}"),
                 format!("a page of {bytes} B ({what}) is more than the limit of {MAX_ITEM_BYTES} B per item (fix: a smaller page_size or narrower rows)"),
             );
@@ -239,7 +312,7 @@ fn check_side_sizes(
     }
     for (index, item) in raw.metadata_overrides.iter().enumerate() {
         if item.groups.as_ref().is_some_and(|groups| groups.len() > MAX_GROUPS) {
-            diagnostics.push(
+            diagnostics.push_limit(
                 format!("{side}.metadata_overrides[{index}].groups"),
                 format!("more than the limit of {MAX_GROUPS} sub-blocks (fix: at most {MAX_GROUPS})"),
             );
@@ -291,8 +364,10 @@ fn lower_advertise(prefill: &RawSide, decode: &RawSide, diagnostics: &mut Diagno
         );
     }
     if raw.kv_item_len.is_some_and(|len| len > MAX_ITEM_BYTES) {
-        diagnostics
-            .push("decode.registration.kv_item_len", format!("more than the limit of {MAX_ITEM_BYTES} B per item"));
+        diagnostics.push_limit(
+            "decode.registration.kv_item_len",
+            format!("more than the limit of {MAX_ITEM_BYTES} B per item"),
+        );
     }
     Advertise { legacy: raw.legacy, entry0_item_len_only, kv_item_len: raw.kv_item_len, ranks: raw.ranks.clone() }
 }
@@ -434,19 +509,7 @@ fn preset(name: &str) -> Option<ModelGeometry> {
 }
 
 fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeometry> {
-    let base = match &raw.preset {
-        Some(name) => match preset(name) {
-            Some(model) => Some(model),
-            None => {
-                diagnostics.push(
-                    "model.preset",
-                    format!("unknown preset `{name}` (fix: use kimi-k3, kimi-linear, qwen3-next, deepseek-v3, deepseek-v3.2, deepseek-v2-lite, llama-3-8b or llama-3-70b, or give the dimensions)"),
-                );
-                return None;
-            }
-        },
-        None => None,
-    };
+    let base = lower_preset(raw, diagnostics)?;
     let layers =
         bounded("model.layers", raw.layers.or(base.as_ref().map(|model| model.layer_count)), MAX_LAYERS, diagnostics);
     let dtype_bytes = bounded(
@@ -455,50 +518,11 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         MAX_DTYPE_BYTES,
         diagnostics,
     );
-    for (field, value, most) in [
-        ("kv_heads", raw.kv_heads, MAX_KV_HEADS),
-        ("head_dim", raw.head_dim, MAX_WIDTH),
-        ("kv_lora_rank", raw.kv_lora_rank, MAX_WIDTH),
-        ("qk_rope_head_dim", raw.qk_rope_head_dim, MAX_WIDTH),
-    ] {
-        if value.is_some_and(|value| value > most) {
-            diagnostics.push(
-                format!("model.{field}"),
-                format!("{} is more than the limit of {most} (fix: at most {most})", value.unwrap_or(0)),
-            );
-            return None;
-        }
+    if !check_widths(raw, diagnostics) {
+        return None;
     }
     let (Some(layers), Some(dtype_bytes)) = (layers, dtype_bytes) else { return None };
-    let attention = match (
-        raw.kv_heads,
-        raw.head_dim,
-        raw.kv_lora_rank,
-        raw.qk_rope_head_dim,
-        base.as_ref().map(|model| model.attention),
-    ) {
-        (Some(kv_heads), Some(head_dim), None, None, _) => Attention::Mha { kv_heads, head_dim },
-        (None, None, Some(kv_lora_rank), Some(qk_rope_head_dim), _) => {
-            Attention::Mla { kv_lora_rank, qk_rope_head_dim }
-        }
-        (None, None, None, None, Some(attention)) => attention,
-        _ => {
-            diagnostics.push(
-                "model",
-                "give either kv_heads and head_dim (MHA) or kv_lora_rank and qk_rope_head_dim (MLA), or a preset",
-            );
-            return None;
-        }
-    };
-    match attention {
-        Attention::Mha { kv_heads: 0, .. } | Attention::Mha { head_dim: 0, .. } => {
-            diagnostics.push("model", "kv_heads and head_dim must be at least 1");
-        }
-        Attention::Mla { kv_lora_rank, qk_rope_head_dim } if kv_lora_rank + qk_rope_head_dim == 0 => {
-            diagnostics.push("model", "an MLA token row needs kv_lora_rank + qk_rope_head_dim > 0");
-        }
-        _ => {}
-    }
+    let attention = lower_attention(raw, base.as_ref(), diagnostics)?;
     let kv_layers = match (&raw.kv_layers, &base) {
         (Some(ids), _) => ids.clone(),
         (None, Some(base)) if raw.layers.is_none() => base.kv_layers.clone(),
@@ -513,32 +537,6 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         (None, Some(base)) if raw.layers.is_none() && raw.kv_layers.is_none() => base.state.clone(),
         (None, _) => Vec::new(),
     };
-    let draft = raw.draft.map(|draft| DraftGeometry { entries: draft.entries, token_len: draft.token_len });
-    if let Some(draft) = draft {
-        check_item_len("model.draft.token_len", draft.token_len, diagnostics);
-        if draft.entries > MAX_DRAFT_ENTRIES {
-            diagnostics.push(
-                "model.draft.entries",
-                format!(
-                    "{} is more than the limit of {MAX_DRAFT_ENTRIES} (fix: at most {MAX_DRAFT_ENTRIES})",
-                    draft.entries
-                ),
-            );
-        }
-    }
-    let aux_item_lens = raw.aux.clone().unwrap_or_default();
-    if aux_item_lens.len() > MAX_AUX_BUFFERS {
-        diagnostics.push(
-            "model.aux",
-            format!(
-                "{} aux buffers, more than the limit of {MAX_AUX_BUFFERS} (fix: at most {MAX_AUX_BUFFERS})",
-                aux_item_lens.len()
-            ),
-        );
-    }
-    for (index, len) in aux_item_lens.iter().enumerate().take(MAX_AUX_BUFFERS) {
-        check_item_len(&format!("model.aux[{index}]"), *len, diagnostics);
-    }
     let model = ModelGeometry {
         name: raw.preset.clone().unwrap_or_else(|| "custom".to_owned()),
         layer_count: layers,
@@ -546,8 +544,8 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         kv_layers,
         dtype_bytes,
         state,
-        aux_item_lens,
-        draft,
+        aux_item_lens: lower_aux(raw, diagnostics),
+        draft: lower_draft(raw, diagnostics),
     };
     if model.head_len() % 8 != 0 {
         diagnostics.push(
@@ -561,13 +559,109 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
     Some(model)
 }
 
+/// The preset the model names, if any (`Some(None)`: none named); `None` after a diagnostic for an unknown one.
+fn lower_preset(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<Option<ModelGeometry>> {
+    let Some(name) = &raw.preset else { return Some(None) };
+    let found = preset(name);
+    if found.is_none() {
+        diagnostics.push(
+            "model.preset",
+            format!("unknown preset `{name}` (fix: use kimi-k3, kimi-linear, qwen3-next, deepseek-v3, deepseek-v3.2, deepseek-v2-lite, llama-3-8b or llama-3-70b, or give the dimensions)"),
+        );
+        return None;
+    }
+    Some(found)
+}
+
+/// The attention widths within their limits; `false` after the first one over.
+fn check_widths(raw: &RawModel, diagnostics: &mut Diagnostics) -> bool {
+    for (field, value, most) in [
+        ("kv_heads", raw.kv_heads, MAX_KV_HEADS),
+        ("head_dim", raw.head_dim, MAX_WIDTH),
+        ("kv_lora_rank", raw.kv_lora_rank, MAX_WIDTH),
+        ("qk_rope_head_dim", raw.qk_rope_head_dim, MAX_WIDTH),
+    ] {
+        if value.is_some_and(|value| value > most) {
+            diagnostics.push_limit(
+                format!("model.{field}"),
+                format!("{} is more than the limit of {most} (fix: at most {most})", value.unwrap_or(0)),
+            );
+            return false;
+        }
+    }
+    true
+}
+
+/// MHA or MLA from the widths given (or the preset's); `None` after a diagnostic when they mix or are missing.
+fn lower_attention(raw: &RawModel, base: Option<&ModelGeometry>, diagnostics: &mut Diagnostics) -> Option<Attention> {
+    let attention =
+        match (raw.kv_heads, raw.head_dim, raw.kv_lora_rank, raw.qk_rope_head_dim, base.map(|model| model.attention)) {
+            (Some(kv_heads), Some(head_dim), None, None, _) => Attention::Mha { kv_heads, head_dim },
+            (None, None, Some(kv_lora_rank), Some(qk_rope_head_dim), _) => {
+                Attention::Mla { kv_lora_rank, qk_rope_head_dim }
+            }
+            (None, None, None, None, Some(attention)) => attention,
+            _ => {
+                diagnostics.push(
+                    "model",
+                    "give either kv_heads and head_dim (MHA) or kv_lora_rank and qk_rope_head_dim (MLA), or a preset",
+                );
+                return None;
+            }
+        };
+    match attention {
+        Attention::Mha { kv_heads: 0, .. } | Attention::Mha { head_dim: 0, .. } => {
+            diagnostics.push("model", "kv_heads and head_dim must be at least 1");
+        }
+        Attention::Mla { kv_lora_rank, qk_rope_head_dim } if kv_lora_rank + qk_rope_head_dim == 0 => {
+            diagnostics.push("model", "an MLA token row needs kv_lora_rank + qk_rope_head_dim > 0");
+        }
+        _ => {}
+    }
+    Some(attention)
+}
+
+/// The draft geometry, checked against its limits.
+fn lower_draft(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<DraftGeometry> {
+    let draft = raw.draft.map(|draft| DraftGeometry { entries: draft.entries, token_len: draft.token_len })?;
+    check_item_len("model.draft.token_len", draft.token_len, diagnostics);
+    if draft.entries > MAX_DRAFT_ENTRIES {
+        diagnostics.push_limit(
+            "model.draft.entries",
+            format!(
+                "{} is more than the limit of {MAX_DRAFT_ENTRIES} (fix: at most {MAX_DRAFT_ENTRIES})",
+                draft.entries
+            ),
+        );
+    }
+    Some(draft)
+}
+
+/// The aux buffers' row lengths, checked against their limits.
+fn lower_aux(raw: &RawModel, diagnostics: &mut Diagnostics) -> Vec<u64> {
+    let aux_item_lens = raw.aux.clone().unwrap_or_default();
+    if aux_item_lens.len() > MAX_AUX_BUFFERS {
+        diagnostics.push_limit(
+            "model.aux",
+            format!(
+                "{} aux buffers, more than the limit of {MAX_AUX_BUFFERS} (fix: at most {MAX_AUX_BUFFERS})",
+                aux_item_lens.len()
+            ),
+        );
+    }
+    for (index, len) in aux_item_lens.iter().enumerate().take(MAX_AUX_BUFFERS) {
+        check_item_len(&format!("model.aux[{index}]"), *len, diagnostics);
+    }
+    aux_item_lens
+}
+
 /// `value` when it is given and within `1..=most`; `None` after a diagnostic.
 fn bounded(path: &str, value: Option<u32>, most: u32, diagnostics: &mut Diagnostics) -> Option<u32> {
     match value {
         None => diagnostics.push(path, "missing (fix: give it or use a model.preset)"),
         Some(0) => diagnostics.push(path, "must be at least 1"),
         Some(value) if value > most => {
-            diagnostics.push(path, format!("{value} is more than the limit of {most} (fix: at most {most})"))
+            diagnostics.push_limit(path, format!("{value} is more than the limit of {most} (fix: at most {most})"))
         }
         Some(value) => return Some(value),
     }
@@ -576,14 +670,18 @@ fn bounded(path: &str, value: Option<u32>, most: u32, diagnostics: &mut Diagnost
 
 /// An item or row length: a positive multiple of 8 (the pattern's word) and at most [`MAX_ITEM_BYTES`].
 fn check_item_len(path: &str, len: u64, diagnostics: &mut Diagnostics) -> bool {
-    let problem = if len == 0 || len % 8 != 0 {
-        format!("{len} B is not a positive multiple of 8")
+    if len == 0 || len % 8 != 0 {
+        diagnostics.push(path, format!("{len} B is not a positive multiple of 8"));
     } else if len > MAX_ITEM_BYTES {
-        format!("{len} B is more than the limit of {MAX_ITEM_BYTES} B per item (fix: the real size of one row or item)")
+        diagnostics.push_limit(
+            path,
+            format!(
+                "{len} B is more than the limit of {MAX_ITEM_BYTES} B per item (fix: the real size of one row or item)"
+            ),
+        );
     } else {
         return true;
-    };
-    diagnostics.push(path, problem);
+    }
     false
 }
 
@@ -605,7 +703,7 @@ fn lower_state(
 ) -> Vec<StateComponent> {
     let mut res = Vec::new();
     if components.len() > MAX_COMPONENTS {
-        diagnostics.push(
+        diagnostics.push_limit(
             "model.state",
             format!(
                 "{} state components, more than the limit of {MAX_COMPONENTS} (fix: at most {MAX_COMPONENTS})",
@@ -617,7 +715,7 @@ fn lower_state(
     for (index, raw) in components.iter().enumerate() {
         let path = format!("model.state[{index}]");
         if raw.tensors.len() > MAX_TENSORS {
-            diagnostics.push(
+            diagnostics.push_limit(
                 format!("{path}.tensors"),
                 format!(
                     "{} tensors, more than the limit of {MAX_TENSORS} (fix: at most {MAX_TENSORS})",
@@ -690,7 +788,7 @@ fn check_sliced(path: &str, groups: Option<&[u32]>, shape: (u32, u64, u32), diag
     }
     let item = u64::from(outer_count).checked_mul(u64::from(full_dim)).and_then(|units| units.checked_mul(unit_bytes));
     if full_dim > MAX_WIDTH || outer_count > MAX_WIDTH || item.is_none_or(|item| item > MAX_ITEM_BYTES) {
-        diagnostics.push(
+        diagnostics.push_limit(
             path,
             format!(
                 "outer {outer_count} x dim {full_dim} x unit_bytes {unit_bytes} is more than the limit of {MAX_ITEM_BYTES} B per item (fix: the real shape of one request's state)"
@@ -700,7 +798,7 @@ fn check_sliced(path: &str, groups: Option<&[u32]>, shape: (u32, u64, u32), diag
     }
     let Some(groups) = groups else { return true };
     if groups.len() > MAX_GROUPS {
-        diagnostics.push(
+        diagnostics.push_limit(
             format!("{path}.groups"),
             format!("{} sub-blocks, more than the limit of {MAX_GROUPS} (fix: at most {MAX_GROUPS})", groups.len()),
         );
@@ -729,7 +827,7 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
         if value == 0 {
             diagnostics.push(format!("{side}.{field}"), "must be at least 1");
         } else if value > most {
-            diagnostics.push(
+            diagnostics.push_limit(
                 format!("{side}.{field}"),
                 format!("{value} is more than the limit of {most} (fix: at most {most})"),
             );
@@ -746,7 +844,7 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
     }
     let ranks = u64::from(raw.tp) * u64::from(raw.pp);
     if raw.tp <= MAX_TP && raw.pp <= MAX_PP && ranks > u64::from(MAX_RANKS) {
-        diagnostics.push(
+        diagnostics.push_limit(
             format!("{side}.pp"),
             format!(
                 "tp {} x pp {} = {ranks} ranks, more than the limit of {MAX_RANKS} (fix: fewer stages or a smaller tp)",
@@ -769,46 +867,13 @@ fn lower_requests(
     let mut requests = Vec::new();
     let mut totals = Totals(vec![0; 3 + 2 * model.state.len()]);
     for (index, request) in raw.iter().enumerate() {
-        let path = |field: &str| format!("requests[{index}].{field}");
-        if request.tokens == 0 {
-            diagnostics.push(path("tokens"), "must be at least 1");
-            continue;
-        }
-        if request.decode_prefix >= request.tokens {
-            diagnostics.push(
-                path("decode_prefix"),
-                format!(
-                    "{} leaves nothing to send of {} tokens (fix: make it smaller than tokens)",
-                    request.decode_prefix, request.tokens
-                ),
-            );
-            continue;
-        }
-        let send_len = request.tokens - request.decode_prefix;
-        let chunks = request.chunks.clone().unwrap_or_else(|| vec![send_len]);
-        let total: u64 = chunks.iter().map(|it| u64::from(*it)).sum();
-        if total != u64::from(send_len) {
-            diagnostics.push(
-                path("chunks"),
-                format!(
-                    "chunks sum to {total} but the send range holds {send_len} tokens (fix: tokens - decode_prefix)"
-                ),
-            );
-        }
-        if chunks.contains(&0) {
-            diagnostics.push(path("chunks"), "empty chunk (fix: drop chunks of 0 tokens)");
-        }
-        if let Some(chunk) = chunks[..chunks.len().saturating_sub(1)].iter().find(|it| **it % chunk_page != 0) {
-            diagnostics.push(
-                path("chunks"),
-                format!("non-last chunk of {chunk} tokens is not a multiple of the prefill allocator page V = page_size x dcp = {chunk_page} tokens (domain.md §2.3)"),
-            );
-        }
+        let Some(send_len) = send_length(index, request, diagnostics) else { continue };
+        let chunks = lower_chunks(index, request, send_len, chunk_page, diagnostics);
         let prefill_count = request.tokens.div_ceil(chunk_page) as usize;
         if let Some(pages) = &request.prefill_pages {
             if pages.len() != prefill_count {
                 diagnostics.push(
-                    path("prefill_pages"),
+                    format!("requests[{index}].prefill_pages"),
                     format!("{} pages given, the {} tokens need {prefill_count} (fix: list one page per {chunk_page} tokens)", pages.len(), request.tokens),
                 );
             }
@@ -819,33 +884,7 @@ fn lower_requests(
             .map(Vec::len)
             .or(request.decode_page_count.map(|count| count as usize))
             .unwrap_or(send_len.div_ceil(decode.virtual_page_size()) as usize);
-        // Paged state keeps every page of the request, or only its window (domain.md §8); scenarios may skew it.
-        let all_pages = request.tokens.div_ceil(prefill.page_size);
-        let mut counts: Vec<(u32, u32)> = model
-            .state
-            .iter()
-            .map(|component| match component.kind {
-                StateKind::Mamba => (0, 0),
-                _ => {
-                    let kept = component.window_pages.map_or(all_pages, |window| window.min(all_pages));
-                    (kept, kept)
-                }
-            })
-            .collect();
-        for (position, item) in request.state_pages.iter().enumerate() {
-            match model.state.get(item.component as usize) {
-                Some(component) if component.kind != StateKind::Mamba => {
-                    counts[item.component as usize] = (item.prefill, item.decode)
-                }
-                _ => diagnostics.push(
-                    format!("requests[{index}].state_pages[{position}].component"),
-                    format!(
-                        "{} is not a paged state component (fix: name a swa, dsa or swa_ring component)",
-                        item.component
-                    ),
-                ),
-            }
-        }
+        let counts = state_page_counts(index, request, model, prefill, diagnostics);
         // Bound every list over all requests before allocating any (a typo must not allocate gigabytes).
         let mut wanted = vec![prefill_count as u64, decode_count as u64, chunks.len() as u64];
         wanted.extend(counts.iter().flat_map(|count| [u64::from(count.0), u64::from(count.1)]));
@@ -872,6 +911,93 @@ fn lower_requests(
     requests
 }
 
+/// The tokens request `index` sends (after its decode prefix); `None` after a diagnostic when there are none.
+fn send_length(index: usize, request: &RawRequest, diagnostics: &mut Diagnostics) -> Option<u32> {
+    if request.tokens == 0 {
+        diagnostics.push(format!("requests[{index}].tokens"), "must be at least 1");
+        return None;
+    }
+    if request.decode_prefix >= request.tokens {
+        diagnostics.push(
+            format!("requests[{index}].decode_prefix"),
+            format!(
+                "{} leaves nothing to send of {} tokens (fix: make it smaller than tokens)",
+                request.decode_prefix, request.tokens
+            ),
+        );
+        return None;
+    }
+    Some(request.tokens - request.decode_prefix)
+}
+
+/// The request's chunks (one of the whole send range by default): they cover the send range, none is empty, and
+/// every one but the last is a whole number of prefill allocator pages.
+fn lower_chunks(
+    index: usize,
+    request: &RawRequest,
+    send_len: u32,
+    chunk_page: u32,
+    diagnostics: &mut Diagnostics,
+) -> Vec<u32> {
+    let path = format!("requests[{index}].chunks");
+    let chunks = request.chunks.clone().unwrap_or_else(|| vec![send_len]);
+    let total: u64 = chunks.iter().map(|it| u64::from(*it)).sum();
+    if total != u64::from(send_len) {
+        diagnostics.push(
+            path.clone(),
+            format!("chunks sum to {total} but the send range holds {send_len} tokens (fix: tokens - decode_prefix)"),
+        );
+    }
+    if chunks.contains(&0) {
+        diagnostics.push(path.clone(), "empty chunk (fix: drop chunks of 0 tokens)");
+    }
+    if let Some(chunk) = chunks[..chunks.len().saturating_sub(1)].iter().find(|it| **it % chunk_page != 0) {
+        diagnostics.push(
+            path,
+            format!("non-last chunk of {chunk} tokens is not a multiple of the prefill allocator page V = page_size x dcp = {chunk_page} tokens (domain.md §2.3)"),
+        );
+    }
+    chunks
+}
+
+/// Per state component, the (prefill, decode) page counts of request `index`: every page of the request, or only
+/// its window (domain.md §8), unless the file skews them; Mamba keeps none.
+fn state_page_counts(
+    index: usize,
+    request: &RawRequest,
+    model: &ModelGeometry,
+    prefill: &Topology,
+    diagnostics: &mut Diagnostics,
+) -> Vec<(u32, u32)> {
+    let all_pages = request.tokens.div_ceil(prefill.page_size);
+    let mut counts: Vec<(u32, u32)> = model
+        .state
+        .iter()
+        .map(|component| match component.kind {
+            StateKind::Mamba => (0, 0),
+            _ => {
+                let kept = component.window_pages.map_or(all_pages, |window| window.min(all_pages));
+                (kept, kept)
+            }
+        })
+        .collect();
+    for (position, item) in request.state_pages.iter().enumerate() {
+        match model.state.get(item.component as usize) {
+            Some(component) if component.kind != StateKind::Mamba => {
+                counts[item.component as usize] = (item.prefill, item.decode)
+            }
+            _ => diagnostics.push(
+                format!("requests[{index}].state_pages[{position}].component"),
+                format!(
+                    "{} is not a paged state component (fix: name a swa, dsa or swa_ring component)",
+                    item.component
+                ),
+            ),
+        }
+    }
+    counts
+}
+
 /// Running totals over requests of: prefill pages, decode pages, chunks, then prefill and decode pages of each state
 /// component.
 struct Totals(Vec<u64>);
@@ -893,7 +1019,7 @@ impl Totals {
                     1 => "with the request before it needs".to_owned(),
                     _ => format!("with the {request} requests before it needs"),
                 };
-                diagnostics.push(
+                diagnostics.push_limit(
                     format!("requests[{request}].{field}"),
                     format!(
                         "{who} {sum} {what}, more than the limit of {most} (fix: fewer or shorter requests, or a larger page_size)"
@@ -961,7 +1087,7 @@ fn allocate(
         None => (2 * needed + 1).max(u64::from(highest) + 1),
     };
     if capacity > MAX_POOL_ITEMS {
-        diagnostics.push(
+        diagnostics.push_limit(
             format!("{side}.pool_pages"),
             format!("a pool of {capacity} pages exceeds the in-memory fabric's limit of {MAX_POOL_ITEMS} (fix: fewer or shorter requests, or a smaller pool_pages)"),
         );
@@ -1008,7 +1134,8 @@ fn allocate_slots(side: Side, slot_count: u32, requests: &mut [Request], seed: S
         return;
     }
     if u64::from(slot_count) > MAX_POOL_ITEMS {
-        diagnostics.push(format!("{side}.slots"), format!("{slot_count} slots exceed the limit of {MAX_POOL_ITEMS}"));
+        diagnostics
+            .push_limit(format!("{side}.slots"), format!("{slot_count} slots exceed the limit of {MAX_POOL_ITEMS}"));
         return;
     }
     for (stream, pick) in [("slots", 0), ("aux", 1)] {
@@ -1047,7 +1174,7 @@ fn allocate_state_pages(
         }
         let needed: u64 = requests.iter_mut().map(|request| pages_of(side, component, request).len() as u64).sum();
         if 2 * needed + 1 > MAX_POOL_ITEMS {
-            diagnostics.push(
+            diagnostics.push_limit(
                 format!("model.state[{component}]"),
                 format!("the requests need {needed} {side} state pages, more than the limit of {MAX_POOL_ITEMS} (fix: fewer or smaller state_pages)"),
             );

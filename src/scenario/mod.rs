@@ -18,25 +18,70 @@ use std::path::Path;
 use crate::limits::MAX_DIAGNOSTICS;
 use crate::limits::MAX_SCENARIO_BYTES;
 use crate::model::Problem;
+use crate::plan::{Plan, PlanError, PlanErrorKind};
 
 /// What the scenario promises.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Expectation {
     /// The plan succeeds and the oracle finds no violation.
     Ok,
-    /// The planner rejects the problem with exactly this message, and no byte is written.
-    Error(String),
+    /// The planner rejects the problem with this error, and no byte is written.
+    Error(ExpectedError),
     /// The composed plan rejects with `error`; on the decode ranks the engines fail only the listed rooms (decode
     /// rank indices, stage-major; request ids; `None` = all) and every other room succeeds byte-exact.
-    Partial { error: String, ranks: Option<Vec<u32>>, requests: Option<Vec<u32>> },
+    Partial { error: ExpectedError, ranks: Option<Vec<u32>>, requests: Option<Vec<u32>> },
 }
 
 impl Expectation {
-    /// The planner message the composed plan must reject with, if any.
-    pub fn error(&self) -> Option<&str> {
+    /// The rejection the composed plan must give, if any.
+    pub fn error(&self) -> Option<&ExpectedError> {
         match self {
             Expectation::Ok => None,
             Expectation::Error(error) | Expectation::Partial { error, .. } => Some(error),
+        }
+    }
+
+    /// This expectation with its text pinned to `plan`'s rejection when it names the expected kind and the
+    /// scenario gave no text: the rooms must then fail in the planner's own words.
+    pub fn pinned(&self, plan: &Result<Plan, PlanError>) -> Expectation {
+        let mut pinned = self.clone();
+        if let (Expectation::Error(expected) | Expectation::Partial { error: expected, .. }, Err(error)) =
+            (&mut pinned, plan)
+        {
+            if expected.text.is_none() && expected.kind == error.kind() {
+                expected.text = Some(error.to_string());
+            }
+        }
+        pinned
+    }
+}
+
+/// A rejection a scenario expects: its kind, and optionally its exact text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpectedError {
+    pub kind: PlanErrorKind,
+    /// When present, the rejection's message must equal it (domain.md's wording where it documents one).
+    pub text: Option<String>,
+}
+
+impl ExpectedError {
+    /// Whether the planner's `error` is this one: its kind, and its text when one is expected.
+    pub fn matches(&self, error: &PlanError) -> bool {
+        error.kind() == self.kind && self.text.as_ref().is_none_or(|text| *text == error.to_string())
+    }
+
+    /// Whether a room's failure `reason` (the planner's text, as the engines report it) fits: any reason when no
+    /// text is expected.
+    pub fn matches_reason(&self, reason: &str) -> bool {
+        self.text.as_ref().is_none_or(|text| text == reason)
+    }
+}
+
+impl fmt::Display for ExpectedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.text {
+            Some(text) => write!(f, "{}: {text}", self.kind),
+            None => write!(f, "{}", self.kind),
         }
     }
 }
@@ -67,6 +112,28 @@ pub struct Diagnostic {
     /// Field path such as `requests[1].chunks`.
     pub path: String,
     pub message: String,
+    /// What kind of problem it is.
+    pub kind: ScenarioErrorKind,
+}
+
+error_kinds! {
+    /// The kind of a scenario [`Diagnostic`] (and of a [`ScenarioError`]: its first diagnostic's).
+    pub enum ScenarioErrorKind {
+        /// The file cannot be opened or read.
+        Unreadable = "unreadable",
+        /// The bytes are not UTF-8 text, or hold control characters.
+        NotText = "not_text",
+        /// A size, nesting depth, alias expansion or count past a limit of `src/limits.rs`.
+        TooLarge = "too_large",
+        /// Not YAML: a syntax error or a key given twice.
+        Syntax = "syntax",
+        /// YAML that does not fit the schema: an unknown or missing field, a value of the wrong type.
+        Schema = "schema",
+        /// A value the loader refuses: out of range, or contradicting another.
+        InvalidValue = "invalid_value",
+        /// `expect.error` names no planner error kind.
+        UnknownErrorKind = "unknown_error_kind",
+    }
 }
 
 /// The first [`MAX_DIAGNOSTICS`] diagnostics of one file, or why it could not be read, and how many more there were.
@@ -79,6 +146,11 @@ pub struct ScenarioError {
 }
 
 impl ScenarioError {
+    /// The kind of the first diagnostic (what stopped the file first).
+    pub fn kind(&self) -> ScenarioErrorKind {
+        self.diagnostics.first().map_or(ScenarioErrorKind::InvalidValue, |diagnostic| diagnostic.kind)
+    }
+
     fn one(file: &str, diagnostic: Diagnostic) -> ScenarioError {
         ScenarioError { file: file.to_owned(), diagnostics: vec![diagnostic], omitted: 0 }
     }
@@ -144,7 +216,8 @@ fn read_capped(path: &Path) -> Result<Vec<u8>, ScenarioError> {
     let file = path.display().to_string();
     let unreadable = |error: std::io::Error| {
         let message = format!("cannot read: {error}");
-        ScenarioError::one(&file, Diagnostic { line: None, column: None, path: String::new(), message })
+        let kind = ScenarioErrorKind::Unreadable;
+        ScenarioError::one(&file, Diagnostic { line: None, column: None, path: String::new(), message, kind })
     };
     let handle = std::fs::File::open(path).map_err(unreadable)?;
     let len = handle.metadata().map_err(unreadable)?.len();
@@ -192,11 +265,13 @@ pub fn faults(raw: &[raw::RawFault], seed: u64) -> Result<FaultPlan, Diagnostic>
         let Some(kind) = FaultKind::parse(&fault.kind) else {
             let kinds: Vec<&str> = FaultKind::ALL.iter().map(|kind| kind.name()).collect();
             let message = format!("unknown fault kind `{}` (fix: one of {})", fault.kind, kinds.join(", "));
-            return Err(Diagnostic { line: None, column: None, path: format!("{path}.kind"), message });
+            let (path, kind) = (format!("{path}.kind"), ScenarioErrorKind::InvalidValue);
+            return Err(Diagnostic { line: None, column: None, path, message, kind });
         };
         if !(0.0..=1.0).contains(&fault.probability) {
             let message = format!("probability {} is not in 0..=1 (fix: e.g. 0.01)", fault.probability);
-            return Err(Diagnostic { line: None, column: None, path: format!("{path}.probability"), message });
+            let (path, kind) = (format!("{path}.probability"), ScenarioErrorKind::InvalidValue);
+            return Err(Diagnostic { line: None, column: None, path, message, kind });
         }
         rules.push(FaultRule { kind, probability: fault.probability });
     }

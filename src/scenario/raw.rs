@@ -45,7 +45,8 @@
 //! | `requests[].state_pages[]` | list | window / all pages | `{component, prefill, decode}`: state page counts of a paged component |
 //! | `events` | bool | false | the golden file also records the engines' events: messages by kind, and how each request ended on each decode rank |
 //! | `faults` | list | none | seeded faults (`fabric::faults`): `{kind: torn_write, probability: 0.01}`; kinds `wr_error_remote_access`, `wr_error_retry_exceeded`, `torn_write`, `corrupt`, `drop_completion`, `duplicate_completion`, `drop_message`, `duplicate_message`, `crash_prefill` (a prefill rank dies before a work request, no restart), `notify_before_data` (a write completes before its bytes land); drawn from the scenario's seed; the run is then judged by the guarantee (each request Success byte-exact or Failed with a reason) |
-//! | `expect` | `ok` or `{error: msg}` | required | the verdict: a clean transfer, or this exact planner error |
+//! | `expect` | `ok` or `{error: kind}` | required | the verdict: a clean transfer, or a planner rejection of this kind (`plan::PlanErrorKind`: `geometry_mismatch`, `too_few_pages`, ...) |
+//! | `expect.text` | string | any | the rejection's exact message (domain.md's wording where it documents one) |
 //! | `expect.ranks`, `expect.requests` | [u32] | all | only these decode ranks (stage-major) and requests fail, with `error`; every other request succeeds byte-exact |
 
 use serde::Deserialize;
@@ -234,21 +235,26 @@ pub struct RawStatePages {
     pub decode: u32,
 }
 
-/// The verdict: `ok` or `{error: "message"}`.
+/// The verdict: `ok` or `{error: kind, text: "message"}`.
 #[derive(Debug)]
 pub enum RawExpect {
     /// `expect: ok` (any other word is reported by the loader).
     Word(String),
-    /// `expect: {error: "...", ranks: [..], requests: [..]}` (the lists narrow which rooms fail).
-    Error { error: String, ranks: Option<Vec<u32>>, requests: Option<Vec<u32>> },
+    /// `expect: {error: kind, text: "...", ranks: [..], requests: [..]}` (the kind is checked by the loader; the
+    /// text is optional; the lists narrow which rooms fail).
+    Error { error: String, text: Option<String>, ranks: Option<Vec<u32>>, requests: Option<Vec<u32>> },
 }
 
 impl<'de> Deserialize<'de> for RawExpect {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<RawExpect, D::Error> {
-        let expecting = "`ok` or {error: \"the planner's message\"}";
+        let expecting = "`ok` or {error: kind} such as {error: geometry_mismatch, text: \"the planner's message\"}";
         let word = |word: &str| Some(RawExpect::Word(word.to_owned()));
-        let map =
-            |error: RawError| RawExpect::Error { error: error.error, ranks: error.ranks, requests: error.requests };
+        let map = |error: RawError| RawExpect::Error {
+            error: error.error,
+            text: error.text,
+            ranks: error.ranks,
+            requests: error.requests,
+        };
         word_or_map(deserializer, expecting, word, map)
     }
 }
@@ -292,9 +298,10 @@ where
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping {error: \"the planner's message\"}")]
+#[serde(deny_unknown_fields, expecting = "a mapping {error: kind, text: \"the planner's message\"}")]
 struct RawError {
     error: String,
+    text: Option<String>,
     ranks: Option<Vec<u32>>,
     requests: Option<Vec<u32>>,
 }

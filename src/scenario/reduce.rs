@@ -37,13 +37,42 @@ fn sequence(values: &[u64]) -> Value {
     Value::Sequence(values.iter().map(|value| Value::Number((*value).into())).collect())
 }
 
+/// Why a scenario's text is not a draft.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DraftError {
+    #[error("the scenario is not a YAML mapping")]
+    NotMapping,
+    #[error("the scenario is not YAML: {reason}")]
+    NotYaml { reason: String },
+}
+
+error_kinds! {
+    /// The kind of a [`DraftError`].
+    pub enum DraftErrorKind {
+        /// YAML whose root is not a mapping.
+        NotMapping = "not_mapping",
+        /// Text that does not parse as YAML.
+        NotYaml = "not_yaml",
+    }
+}
+
+impl DraftError {
+    /// The failure's kind (stable across rewording).
+    pub fn kind(&self) -> DraftErrorKind {
+        match self {
+            DraftError::NotMapping => DraftErrorKind::NotMapping,
+            DraftError::NotYaml { .. } => DraftErrorKind::NotYaml,
+        }
+    }
+}
+
 impl Draft {
     /// The document of `text` (already loaded once as a scenario, so bounded); it must be a mapping.
-    pub fn parse(text: &str) -> Result<Draft, String> {
+    pub fn parse(text: &str) -> Result<Draft, DraftError> {
         match serde_yaml_ng::from_str::<Value>(text) {
             Ok(Value::Mapping(root)) => Ok(Draft { root }),
-            Ok(_) => Err("the scenario is not a YAML mapping".to_owned()),
-            Err(error) => Err(format!("the scenario is not YAML: {error}")),
+            Ok(_) => Err(DraftError::NotMapping),
+            Err(error) => Err(DraftError::NotYaml { reason: error.to_string() }),
         }
     }
 

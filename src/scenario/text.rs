@@ -5,7 +5,7 @@
 //! indentation, `- ` markers and flow brackets (quoted scalars, comments and block scalars are skipped); scenarios
 //! nest about 6 deep, far below [`MAX_NESTING`].
 
-use super::Diagnostic;
+use super::{Diagnostic, ScenarioErrorKind};
 use crate::limits::{MAX_NESTING, MAX_SCENARIO_BYTES};
 
 /// Where a problem is, 1-based.
@@ -15,8 +15,8 @@ pub(super) struct Position {
     pub(super) column: usize,
 }
 
-fn at(position: Position, message: String) -> Diagnostic {
-    Diagnostic { line: Some(position.line), column: Some(position.column), path: String::new(), message }
+fn at(position: Position, message: String, kind: ScenarioErrorKind) -> Diagnostic {
+    Diagnostic { line: Some(position.line), column: Some(position.column), path: String::new(), message, kind }
 }
 
 /// Line and column of byte `offset` of `bytes` (columns count characters, not bytes).
@@ -35,7 +35,7 @@ pub(super) fn checked_text(bytes: &[u8]) -> Result<&str, Diagnostic> {
     }
     let text = std::str::from_utf8(bytes).map_err(|error| {
         let place = position(bytes, error.valid_up_to());
-        at(place, "the file is not UTF-8 text (fix: save it as UTF-8)".to_owned())
+        at(place, "the file is not UTF-8 text (fix: save it as UTF-8)".to_owned(), ScenarioErrorKind::NotText)
     })?;
     if let Some((offset, character)) = text.char_indices().find(|(_, character)| forbidden(*character)) {
         let place = position(bytes, offset);
@@ -45,6 +45,7 @@ pub(super) fn checked_text(bytes: &[u8]) -> Result<&str, Diagnostic> {
                 "control character U+{:04X} is not allowed in YAML (fix: remove it; only tab, CR and LF are allowed)",
                 u32::from(character)
             ),
+            ScenarioErrorKind::NotText,
         ));
     }
     if let Some(place) = too_deep(text) {
@@ -53,6 +54,7 @@ pub(super) fn checked_text(bytes: &[u8]) -> Result<&str, Diagnostic> {
             format!(
                 "collections nest deeper than {MAX_NESTING} levels here (fix: a scenario needs about 6; flatten it)"
             ),
+            ScenarioErrorKind::TooLarge,
         ));
     }
     Ok(text)
@@ -67,6 +69,7 @@ pub(super) fn too_large(len: u64) -> Diagnostic {
         message: format!(
             "the file has {len} bytes, more than the limit of {MAX_SCENARIO_BYTES} (fix: a scenario is a few KiB; let the allocator hand out pages instead of listing them)"
         ),
+        kind: ScenarioErrorKind::TooLarge,
     }
 }
 

@@ -9,7 +9,7 @@ use std::fmt;
 
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
-use super::Diagnostic;
+use super::{Diagnostic, ScenarioErrorKind};
 use crate::limits::{MAX_ECHO_CHARS, MAX_NESTING, MAX_YAML_VALUES};
 
 /// Marker of the counting pass's own error.
@@ -116,6 +116,7 @@ fn diagnostic(text: &str, path: String, error: &serde_yaml_ng::Error) -> Diagnos
     let raw = error.to_string();
     let location = error.location();
     let (mut line, mut column) = (location.as_ref().map(|it| it.line()), location.as_ref().map(|it| it.column()));
+    let mut kind = ScenarioErrorKind::TooLarge;
     let message = if raw.contains(EXPANSION) || raw.contains("repetition limit exceeded") {
         (line, column) = (None, None);
         format!(
@@ -126,6 +127,7 @@ fn diagnostic(text: &str, path: String, error: &serde_yaml_ng::Error) -> Diagnos
             "values nest deeper than {MAX_NESTING} levels, counting what aliases repeat (fix: flatten the scenario)"
         )
     } else if let Some(key) = duplicate_key(&raw) {
+        kind = ScenarioErrorKind::Syntax;
         if let Some(found) = line.and_then(|from| second_occurrence(text, from, &key)) {
             (line, column) = (Some(found), None);
         }
@@ -135,14 +137,16 @@ fn diagnostic(text: &str, path: String, error: &serde_yaml_ng::Error) -> Diagnos
         && !raw.contains("invalid type")
         && !raw.contains("missing field")
     {
+        kind = ScenarioErrorKind::Syntax;
         format!(
             "YAML syntax: {} (fix: check indentation, and quote values containing `: `, `#`, `[` or `{{`)",
             syntax(&raw)
         )
     } else {
+        kind = ScenarioErrorKind::Schema;
         in_scenario_terms(&strip_locations(&raw), &path)
     };
-    Diagnostic { line, column, path: clip_path(&path), message }
+    Diagnostic { line, column, path: clip_path(&path), message, kind }
 }
 
 /// Removes the ` at line L column C` (and ` at position N`) that libyaml and serde_yaml_ng append.

@@ -16,7 +16,7 @@ use std::rc::Rc;
 
 use crate::engine::seat::{kvrelay_link, LinkQuery, Planner, SeatCopy, SeatQuery, SharedPlanner};
 use crate::harness::{self, Budget, RunError};
-use crate::plan::{self, TransferGroup, TransferKind};
+use crate::plan::{self, PlanError, TransferGroup, TransferKind};
 use crate::scenario::Scenario;
 pub use mutants::{Mutant, ALL};
 
@@ -32,8 +32,8 @@ impl MutantPlanner {
         MutantPlanner { mutant, changed: BTreeSet::new() }
     }
 
-    fn chunk(&mut self, query: &SeatQuery<'_>, site: &mutants::Site<'_>) -> Result<Vec<SeatCopy>, String> {
-        let groups = site.link.chunk_groups(query.request, site.chunk).map_err(|error| error.to_string())?;
+    fn chunk(&mut self, query: &SeatQuery<'_>, site: &mutants::Site<'_>) -> Result<Vec<SeatCopy>, PlanError> {
+        let groups = site.link.chunk_groups(query.request, site.chunk)?;
         let Some(mutant) = self.mutant else { return Ok(copies(groups)) };
         let mutated = mutant.mutate(site, groups.clone())?;
         let relayout = site.link.requires_relayout();
@@ -68,7 +68,7 @@ impl Planner for MutantPlanner {
         let mut res = Vec::new();
         for chunk in 0..query.request.chunks.len() as u32 {
             let site = mutants::Site { query, peer: &peer, link: &link, chunk };
-            res.push(self.chunk(query, &site)?);
+            res.push(self.chunk(query, &site).map_err(|error| error.to_string())?);
         }
         Ok(res)
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use crate::engine::seat::SeatQuery;
 use crate::model::{Attention, ModelGeometry, Problem, RankLayout, RegionKind, Request, StateKind, StateMetadata};
-use crate::plan::{EntryPair, Link, Peer, RowRun, TransferGroup, TransferKind};
+use crate::plan::{EntryPair, Link, Peer, PlanError, RowRun, TransferGroup, TransferKind};
 
 /// One planted bug.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -147,7 +147,7 @@ impl Mutant {
     }
 
     /// The groups of one chunk as the bug plans them (a rejection when replanning under the bug fails).
-    pub fn mutate(self, site: &Site<'_>, groups: Vec<TransferGroup>) -> Result<Vec<TransferGroup>, String> {
+    pub fn mutate(self, site: &Site<'_>, groups: Vec<TransferGroup>) -> Result<Vec<TransferGroup>, PlanError> {
         Ok(match self {
             Mutant::LocalLayerOrdinal => local_layer_ordinal(site, groups),
             Mutant::DecodePagesPerChunk => decode_pages_per_chunk(site, groups)?,
@@ -270,14 +270,14 @@ fn restarted(request: &Request, index: usize, prefill_page: u32) -> Option<Reque
     })
 }
 
-fn decode_pages_per_chunk(site: &Site<'_>, groups: Vec<TransferGroup>) -> Result<Vec<TransferGroup>, String> {
+fn decode_pages_per_chunk(site: &Site<'_>, groups: Vec<TransferGroup>) -> Result<Vec<TransferGroup>, PlanError> {
     let request = site.query.request;
     let page = site.query.local.topology.virtual_page_size();
     let Some(view) = restarted(request, site.chunk as usize, page).filter(|_| site.chunk > 0) else {
         return Ok(groups);
     };
     let rows = |group: &TransferGroup| matches!(group.kind, TransferKind::Kv | TransferKind::Draft);
-    let replanned = site.link.chunk_groups(&view, 0).map_err(|error| error.to_string())?;
+    let replanned = site.link.chunk_groups(&view, 0)?;
     let mut res: Vec<TransferGroup> = groups.into_iter().filter(|group| !rows(group)).collect();
     res.extend(replanned.into_iter().filter(rows).map(|group| TransferGroup { chunk: site.chunk, ..group }));
     Ok(res)

@@ -7,7 +7,7 @@
 use std::fmt::Display;
 use std::ops::RangeInclusive;
 
-use super::error::{MessageKind, WireError, WireErrorKind};
+use super::error::{MessageKind, WireError, WireReason};
 use super::GUARD;
 use crate::limits::{
     MAX_FRAME_BYTES, MAX_INT_TEXT_BYTES, MAX_LIST_ITEMS, MAX_PACKED_LISTS, MAX_REASON_BYTES, MAX_TEXT_BYTES,
@@ -64,7 +64,7 @@ pub fn pack_int_list<T: WireInt>(values: &[T]) -> Vec<u8> {
 }
 
 /// The inverse of [`pack_int_list`]: the frame must hold whole values, at most [`MAX_LIST_ITEMS`] of them.
-pub fn unpack_int_list<T: WireInt>(bytes: &[u8]) -> Result<Vec<T>, WireErrorKind> {
+pub fn unpack_int_list<T: WireInt>(bytes: &[u8]) -> Result<Vec<T>, WireReason> {
     unpack_list(bytes, 0)
 }
 
@@ -78,7 +78,7 @@ pub fn pack_int_lists<T: WireInt>(lists: &[Vec<T>]) -> Vec<u8> {
 
 /// The inverse of [`pack_int_lists`]. Stricter than upstream, which ignores trailing bytes and silently shortens
 /// a list whose bytes run past the frame: both are errors here. `00000000` (zero lists) is accepted as `[]`.
-pub fn unpack_int_lists<T: WireInt>(bytes: &[u8]) -> Result<Vec<Vec<T>>, WireErrorKind> {
+pub fn unpack_int_lists<T: WireInt>(bytes: &[u8]) -> Result<Vec<Vec<T>>, WireReason> {
     let buffers = unpack_buffers(bytes)?;
     buffers.into_iter().enumerate().map(|(list, buffer)| unpack_list(buffer, list)).collect()
 }
@@ -107,18 +107,18 @@ fn length_u32(length: usize) -> u32 {
 
 /// The inverse of [`pack_buffers`]: the count is checked against [`MAX_PACKED_LISTS`] and the header against the
 /// bytes present before the table of slices is allocated.
-pub(crate) fn unpack_buffers(bytes: &[u8]) -> Result<Vec<&[u8]>, WireErrorKind> {
+pub(crate) fn unpack_buffers(bytes: &[u8]) -> Result<Vec<&[u8]>, WireReason> {
     if bytes.is_empty() {
         return Ok(Vec::new());
     }
     let mut header = Cursor::new(bytes);
     let count = header.u32()?;
     if u64::from(count) > MAX_PACKED_LISTS {
-        return Err(WireErrorKind::TooLarge { what: "list count", value: count.into(), limit: MAX_PACKED_LISTS });
+        return Err(WireReason::TooLarge { what: "list count", value: count.into(), limit: MAX_PACKED_LISTS });
     }
     let header_bytes = 4 + 4 * u64::from(count);
     if header_bytes > bytes.len() as u64 {
-        return Err(WireErrorKind::Truncated { needed: header_bytes, present: bytes.len() });
+        return Err(WireReason::Truncated { needed: header_bytes, present: bytes.len() });
     }
     let mut body = Cursor { bytes, at: 4 + 4 * count as usize };
     let mut out = Vec::with_capacity(count as usize);
@@ -131,34 +131,32 @@ pub(crate) fn unpack_buffers(bytes: &[u8]) -> Result<Vec<&[u8]>, WireErrorKind> 
 }
 
 /// Checks that `bytes` holds whole `width`-byte items, at most [`MAX_LIST_ITEMS`]; returns the item count.
-pub(crate) fn item_count(bytes: &[u8], width: usize, list: usize) -> Result<usize, WireErrorKind> {
+pub(crate) fn item_count(bytes: &[u8], width: usize, list: usize) -> Result<usize, WireReason> {
     if bytes.len() % width != 0 {
-        return Err(WireErrorKind::Misaligned { list, bytes: bytes.len() as u64, width });
+        return Err(WireReason::Misaligned { list, bytes: bytes.len() as u64, width });
     }
     let count = bytes.len() / width;
     if count as u64 > MAX_LIST_ITEMS {
-        return Err(WireErrorKind::TooLarge { what: "items in one list", value: count as u64, limit: MAX_LIST_ITEMS });
+        return Err(WireReason::TooLarge { what: "items in one list", value: count as u64, limit: MAX_LIST_ITEMS });
     }
     Ok(count)
 }
 
-fn unpack_list<T: WireInt>(bytes: &[u8], list: usize) -> Result<Vec<T>, WireErrorKind> {
+fn unpack_list<T: WireInt>(bytes: &[u8], list: usize) -> Result<Vec<T>, WireReason> {
     item_count(bytes, T::WIDTH, list)?;
     Ok(bytes.chunks_exact(T::WIDTH).map(T::get).collect())
 }
 
 /// int32 page or slot indices ("i") as `u32`s: every value must be at least 0.
-pub(crate) fn indices(lists: Vec<Vec<i32>>) -> Result<Vec<Vec<u32>>, WireErrorKind> {
+pub(crate) fn indices(lists: Vec<Vec<i32>>) -> Result<Vec<Vec<u32>>, WireReason> {
     lists.into_iter().enumerate().map(|(list, values)| index_list(&values, list)).collect()
 }
 
-pub(crate) fn index_list(values: &[i32], list: usize) -> Result<Vec<u32>, WireErrorKind> {
+pub(crate) fn index_list(values: &[i32], list: usize) -> Result<Vec<u32>, WireReason> {
     values
         .iter()
         .enumerate()
-        .map(|(item, value)| {
-            u32::try_from(*value).map_err(|_| WireErrorKind::NegativeIndex { list, item, value: *value })
-        })
+        .map(|(item, value)| u32::try_from(*value).map_err(|_| WireReason::NegativeIndex { list, item, value: *value }))
         .collect()
 }
 
@@ -174,26 +172,26 @@ impl<'a> Cursor<'a> {
     }
 
     /// The next `length` bytes, or `Truncated` when the frame ends first.
-    pub(crate) fn take(&mut self, length: usize) -> Result<&'a [u8], WireErrorKind> {
+    pub(crate) fn take(&mut self, length: usize) -> Result<&'a [u8], WireReason> {
         let end = self.at as u64 + length as u64;
         if end > self.bytes.len() as u64 {
-            return Err(WireErrorKind::Truncated { needed: end, present: self.bytes.len() });
+            return Err(WireReason::Truncated { needed: end, present: self.bytes.len() });
         }
         let out = &self.bytes[self.at..self.at + length];
         self.at += length;
         Ok(out)
     }
 
-    pub(crate) fn u16(&mut self) -> Result<u16, WireErrorKind> {
+    pub(crate) fn u16(&mut self) -> Result<u16, WireReason> {
         let bytes = self.take(2)?;
         Ok(u16::from_le_bytes([bytes[0], bytes[1]]))
     }
 
-    pub(crate) fn u32(&mut self) -> Result<u32, WireErrorKind> {
+    pub(crate) fn u32(&mut self) -> Result<u32, WireReason> {
         self.take(4).map(u32::get)
     }
 
-    pub(crate) fn u64(&mut self) -> Result<u64, WireErrorKind> {
+    pub(crate) fn u64(&mut self) -> Result<u64, WireReason> {
         self.take(8).map(u64::get)
     }
 
@@ -203,10 +201,10 @@ impl<'a> Cursor<'a> {
     }
 
     /// Ends the frame: every byte must have been read.
-    pub(crate) fn finish(self) -> Result<(), WireErrorKind> {
+    pub(crate) fn finish(self) -> Result<(), WireReason> {
         match self.bytes.len() - self.at {
             0 => Ok(()),
-            extra => Err(WireErrorKind::TrailingBytes { extra }),
+            extra => Err(WireReason::TrailingBytes { extra }),
         }
     }
 }
@@ -217,63 +215,63 @@ pub(crate) fn ascii(value: impl Display) -> Vec<u8> {
 }
 
 /// An ASCII decimal integer (`-?[0-9]+`, leading zeros allowed, at most [`MAX_INT_TEXT_BYTES`] bytes) in `range`.
-pub(crate) fn ascii_int(bytes: &[u8], range: &RangeInclusive<i128>) -> Result<i128, WireErrorKind> {
+pub(crate) fn ascii_int(bytes: &[u8], range: &RangeInclusive<i128>) -> Result<i128, WireReason> {
     if bytes.len() > MAX_INT_TEXT_BYTES {
         let value = bytes.len() as u64;
-        return Err(WireErrorKind::TooLarge { what: "integer text bytes", value, limit: MAX_INT_TEXT_BYTES as u64 });
+        return Err(WireReason::TooLarge { what: "integer text bytes", value, limit: MAX_INT_TEXT_BYTES as u64 });
     }
     if let Some(offset) = bytes.iter().position(|byte| !byte.is_ascii()) {
-        return Err(WireErrorKind::NotAscii { offset, byte: bytes[offset] });
+        return Err(WireReason::NotAscii { offset, byte: bytes[offset] });
     }
     let (negative, digits) = match bytes.strip_prefix(b"-") {
         Some(digits) => (true, digits),
         None => (false, bytes),
     };
     if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
-        return Err(WireErrorKind::NotInteger { text: bytes.iter().map(|byte| char::from(*byte)).collect() });
+        return Err(WireReason::NotInteger { text: bytes.iter().map(|byte| char::from(*byte)).collect() });
     }
     // At most 32 digits: far below i128::MAX (39 digits), so this cannot overflow.
     let magnitude = digits.iter().fold(0_i128, |value, digit| value * 10 + i128::from(digit - b'0'));
     let value = if negative { -magnitude } else { magnitude };
     if !range.contains(&value) {
-        return Err(WireErrorKind::OutOfRange { value, min: *range.start(), max: *range.end() });
+        return Err(WireReason::OutOfRange { value, min: *range.start(), max: *range.end() });
     }
     Ok(value)
 }
 
 /// A text field: 1 to [`MAX_TEXT_BYTES`] bytes of printable ASCII without spaces (an ip, a key, a dtype).
-pub(crate) fn text(bytes: &[u8]) -> Result<String, WireErrorKind> {
+pub(crate) fn text(bytes: &[u8]) -> Result<String, WireReason> {
     if bytes.is_empty() {
-        return Err(WireErrorKind::Empty);
+        return Err(WireReason::Empty);
     }
     if bytes.len() > MAX_TEXT_BYTES {
         let value = bytes.len() as u64;
-        return Err(WireErrorKind::TooLarge { what: "text bytes", value, limit: MAX_TEXT_BYTES as u64 });
+        return Err(WireReason::TooLarge { what: "text bytes", value, limit: MAX_TEXT_BYTES as u64 });
     }
     if let Some(offset) = bytes.iter().position(|byte| !byte.is_ascii_graphic()) {
-        return Err(WireErrorKind::NotAscii { offset, byte: bytes[offset] });
+        return Err(WireReason::NotAscii { offset, byte: bytes[offset] });
     }
     Ok(bytes.iter().map(|byte| char::from(*byte)).collect())
 }
 
 /// A UTF-8 field of at most [`MAX_REASON_BYTES`] bytes; may be empty.
-pub(crate) fn utf8(bytes: &[u8]) -> Result<String, WireErrorKind> {
+pub(crate) fn utf8(bytes: &[u8]) -> Result<String, WireReason> {
     if bytes.len() > MAX_REASON_BYTES {
         let value = bytes.len() as u64;
-        return Err(WireErrorKind::TooLarge { what: "reason bytes", value, limit: MAX_REASON_BYTES as u64 });
+        return Err(WireReason::TooLarge { what: "reason bytes", value, limit: MAX_REASON_BYTES as u64 });
     }
     match std::str::from_utf8(bytes) {
         Ok(text) => Ok(text.to_owned()),
-        Err(error) => Err(WireErrorKind::NotUtf8 { offset: error.valid_up_to() }),
+        Err(error) => Err(WireReason::NotUtf8 { offset: error.valid_up_to() }),
     }
 }
 
 /// A frame that must hold exactly `expected`.
-pub(crate) fn literal(bytes: &[u8], expected: &'static str) -> Result<(), WireErrorKind> {
+pub(crate) fn literal(bytes: &[u8], expected: &'static str) -> Result<(), WireReason> {
     if bytes == expected.as_bytes() {
         Ok(())
     } else {
-        Err(WireErrorKind::Unexpected { expected })
+        Err(WireReason::Unexpected { expected })
     }
 }
 
@@ -301,9 +299,9 @@ impl<'a> Reader<'a> {
     /// Checks the guard, then that there are at most `max_frames` frames (the guard included).
     pub(crate) fn new(message: MessageKind, frames: &'a [Vec<u8>], max_frames: usize) -> Result<Self, WireError> {
         let reader = Self { message, frames };
-        reader.read(GUARD_FIELD, |bytes| if bytes == GUARD { Ok(()) } else { Err(WireErrorKind::BadGuard) })?;
+        reader.read(GUARD_FIELD, |bytes| if bytes == GUARD { Ok(()) } else { Err(WireReason::BadGuard) })?;
         if frames.len() > max_frames {
-            let kind = WireErrorKind::TooManyFrames { frames: frames.len(), max: max_frames };
+            let kind = WireReason::TooManyFrames { frames: frames.len(), max: max_frames };
             return Err(reader.error(field(max_frames, "after the last field"), kind));
         }
         Ok(reader)
@@ -314,18 +312,17 @@ impl<'a> Reader<'a> {
         self.frames.len()
     }
 
-    pub(crate) fn error(&self, field: Field, kind: WireErrorKind) -> WireError {
-        WireError { message: self.message, frame: field.frame, field: field.name, kind }
+    pub(crate) fn error(&self, field: Field, kind: WireReason) -> WireError {
+        WireError { message: self.message, frame: field.frame, field: field.name, reason: kind }
     }
 
     /// The frame's bytes, or `Missing`; a frame over [`MAX_FRAME_BYTES`] is refused unread.
     fn frame(&self, field: Field) -> Result<&'a [u8], WireError> {
         let Some(bytes) = self.frames.get(field.frame) else {
-            return Err(self.error(field, WireErrorKind::Missing { frames: self.frames.len() }));
+            return Err(self.error(field, WireReason::Missing { frames: self.frames.len() }));
         };
         if bytes.len() as u64 > MAX_FRAME_BYTES {
-            let kind =
-                WireErrorKind::TooLarge { what: "frame bytes", value: bytes.len() as u64, limit: MAX_FRAME_BYTES };
+            let kind = WireReason::TooLarge { what: "frame bytes", value: bytes.len() as u64, limit: MAX_FRAME_BYTES };
             return Err(self.error(field, kind));
         }
         Ok(bytes)
@@ -340,7 +337,7 @@ impl<'a> Reader<'a> {
     pub(crate) fn read<T>(
         &self,
         field: Field,
-        parse: impl FnOnce(&'a [u8]) -> Result<T, WireErrorKind>,
+        parse: impl FnOnce(&'a [u8]) -> Result<T, WireReason>,
     ) -> Result<T, WireError> {
         parse(self.frame(field)?).map_err(|kind| self.error(field, kind))
     }
@@ -350,7 +347,7 @@ impl<'a> Reader<'a> {
         &self,
         field: Field,
         default: T,
-        parse: impl FnOnce(&'a [u8]) -> Result<T, WireErrorKind>,
+        parse: impl FnOnce(&'a [u8]) -> Result<T, WireReason>,
     ) -> Result<T, WireError> {
         match self.frames.get(field.frame) {
             None => Ok(default),
@@ -375,6 +372,6 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn to_int<T: TryFrom<i128>>(value: i128, range: &RangeInclusive<i128>) -> Result<T, WireErrorKind> {
-    T::try_from(value).map_err(|_| WireErrorKind::OutOfRange { value, min: *range.start(), max: *range.end() })
+fn to_int<T: TryFrom<i128>>(value: i128, range: &RangeInclusive<i128>) -> Result<T, WireReason> {
+    T::try_from(value).map_err(|_| WireReason::OutOfRange { value, min: *range.start(), max: *range.end() })
 }

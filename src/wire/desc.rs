@@ -6,7 +6,7 @@
 //! `src/wire/README.md`. A kvrelay engine talks to a kvrelay engine; it does not parse a real Mori peer's frames.
 
 use super::codec::{item_count, pack_buffers, text, unpack_buffers, Cursor};
-use super::error::WireErrorKind;
+use super::error::WireReason;
 use crate::limits::{MAX_GPU_ID, MAX_PEER_ADDRESS_BYTES};
 
 /// A peer's transfer engine: what a prefill rank needs to connect to it (Mori's `EngineDesc`: key, GPU, host, port).
@@ -44,15 +44,15 @@ impl EngineDesc {
     }
 
     /// The inverse of [`EngineDesc::pack`]; every byte must be used.
-    pub fn unpack(bytes: &[u8]) -> Result<Self, WireErrorKind> {
+    pub fn unpack(bytes: &[u8]) -> Result<Self, WireReason> {
         let mut cursor = Cursor::new(bytes);
         let gpu_id = cursor.u32()?;
         if gpu_id > MAX_GPU_ID {
-            return Err(WireErrorKind::OutOfRange { value: gpu_id.into(), min: 0, max: MAX_GPU_ID.into() });
+            return Err(WireReason::OutOfRange { value: gpu_id.into(), min: 0, max: MAX_GPU_ID.into() });
         }
         let port = cursor.u16()?;
         if port == 0 {
-            return Err(WireErrorKind::OutOfRange { value: 0, min: 1, max: u16::MAX.into() });
+            return Err(WireReason::OutOfRange { value: 0, min: 1, max: u16::MAX.into() });
         }
         let key = take_text(&mut cursor)?;
         let host = take_text(&mut cursor)?;
@@ -61,7 +61,7 @@ impl EngineDesc {
             let length = cursor.u32()?;
             if length == 0 || length as usize > MAX_PEER_ADDRESS_BYTES {
                 let max = MAX_PEER_ADDRESS_BYTES as i128;
-                return Err(WireErrorKind::OutOfRange { value: length.into(), min: 1, max });
+                return Err(WireReason::OutOfRange { value: length.into(), min: 1, max });
             }
             address = cursor.take(length as usize)?.to_vec();
         }
@@ -76,7 +76,7 @@ fn put_text(value: &str, out: &mut Vec<u8>) {
     out.extend_from_slice(value.as_bytes());
 }
 
-fn take_text(cursor: &mut Cursor<'_>) -> Result<String, WireErrorKind> {
+fn take_text(cursor: &mut Cursor<'_>) -> Result<String, WireReason> {
     let length = cursor.u16()?;
     text(cursor.take(length.into())?)
 }
@@ -105,14 +105,14 @@ pub(crate) fn pack_memory_descs(descs: &[MemoryDesc]) -> Vec<u8> {
 }
 
 /// The inverse of [`pack_memory_descs`]; `list` names the list in errors.
-pub(crate) fn unpack_memory_descs(bytes: &[u8], list: usize) -> Result<Vec<MemoryDesc>, WireErrorKind> {
+pub(crate) fn unpack_memory_descs(bytes: &[u8], list: usize) -> Result<Vec<MemoryDesc>, WireReason> {
     let count = item_count(bytes, MEMORY_DESC_BYTES, list)?;
     let mut cursor = Cursor::new(bytes);
     let mut out = Vec::with_capacity(count);
     for item in 0..count {
         let desc = MemoryDesc { address: cursor.u64()?, length_bytes: cursor.u64()?, rkey: cursor.u32()? };
         if desc.address.checked_add(desc.length_bytes).is_none() {
-            return Err(WireErrorKind::Wraps { list, item });
+            return Err(WireReason::Wraps { list, item });
         }
         out.push(desc);
     }
@@ -128,7 +128,7 @@ pub(crate) fn pack_memory_desc_lists(lists: &[Vec<MemoryDesc>]) -> Vec<u8> {
 }
 
 /// The inverse of [`pack_memory_desc_lists`].
-pub(crate) fn unpack_memory_desc_lists(bytes: &[u8]) -> Result<Vec<Vec<MemoryDesc>>, WireErrorKind> {
+pub(crate) fn unpack_memory_desc_lists(bytes: &[u8]) -> Result<Vec<Vec<MemoryDesc>>, WireReason> {
     let buffers = unpack_buffers(bytes)?;
     buffers.into_iter().enumerate().map(|(list, buffer)| unpack_memory_descs(buffer, list)).collect()
 }

@@ -29,20 +29,63 @@ impl fmt::Display for MessageKind {
 /// A frame list that is not a valid message: which message, which frame (its index in the multipart message, the
 /// guard being frame 0), which field, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message} frame {frame} ({field}): {kind}")]
+#[error("{message} frame {frame} ({field}): {reason}")]
 pub struct WireError {
     pub message: MessageKind,
     /// Index in the multipart message; the guard is frame 0, so §6.2's field `idx k` is frame `k + 1`.
     pub frame: usize,
     /// The field's name as `src/wire/README.md` spells it (the Rust field name).
     pub field: &'static str,
-    pub kind: WireErrorKind,
+    pub reason: WireReason,
+}
+
+impl WireError {
+    /// The reason's kind (stable across rewording).
+    pub fn kind(&self) -> WireErrorKind {
+        self.reason.kind()
+    }
+}
+
+error_kinds! {
+    /// The kind of a [`WireError`]: one per [`WireReason`] variant.
+    pub enum WireErrorKind {
+        /// The message ends before a frame it needs.
+        Missing = "missing",
+        /// More frames than the message's layout has.
+        TooManyFrames = "too_many_frames",
+        /// Frame 0 is not the guard.
+        BadGuard = "bad_guard",
+        /// A fixed-value frame holds another value.
+        Unexpected = "unexpected",
+        /// A frame ends before a length or count it declares.
+        Truncated = "truncated",
+        /// Bytes after the last declared item.
+        TrailingBytes = "trailing_bytes",
+        /// A list that is not a whole number of items.
+        Misaligned = "misaligned",
+        /// A length or count above a limit.
+        TooLarge = "too_large",
+        /// An empty text field that needs a value.
+        Empty = "empty",
+        /// A byte an ASCII field may not hold.
+        NotAscii = "not_ascii",
+        /// A UTF-8 field that is not UTF-8.
+        NotUtf8 = "not_utf8",
+        /// ASCII that is not a decimal integer.
+        NotInteger = "not_integer",
+        /// An integer outside the field's range.
+        OutOfRange = "out_of_range",
+        /// A negative page or slot index.
+        NegativeIndex = "negative_index",
+        /// A memory desc whose end wraps past 2^64.
+        Wraps = "wraps",
+    }
 }
 
 /// Why one frame (or the frame list) is malformed. Positions (`offset`, `list`, `item`) count from 0 inside the
 /// frame; `list` is 0 for a frame that holds a single list.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WireErrorKind {
+pub enum WireReason {
     /// The message ends before this frame.
     #[error("missing: the message has only {frames} frames")]
     Missing { frames: usize },
@@ -88,4 +131,28 @@ pub enum WireErrorKind {
     /// A memory desc whose address plus length passes 2^64.
     #[error("list {list} memory desc {item}: address + length wraps past 2^64")]
     Wraps { list: usize, item: usize },
+}
+
+impl WireReason {
+    /// This reason's [`WireErrorKind`].
+    pub fn kind(&self) -> WireErrorKind {
+        use WireErrorKind as K;
+        match self {
+            WireReason::Missing { .. } => K::Missing,
+            WireReason::TooManyFrames { .. } => K::TooManyFrames,
+            WireReason::BadGuard => K::BadGuard,
+            WireReason::Unexpected { .. } => K::Unexpected,
+            WireReason::Truncated { .. } => K::Truncated,
+            WireReason::TrailingBytes { .. } => K::TrailingBytes,
+            WireReason::Misaligned { .. } => K::Misaligned,
+            WireReason::TooLarge { .. } => K::TooLarge,
+            WireReason::Empty => K::Empty,
+            WireReason::NotAscii { .. } => K::NotAscii,
+            WireReason::NotUtf8 { .. } => K::NotUtf8,
+            WireReason::NotInteger { .. } => K::NotInteger,
+            WireReason::OutOfRange { .. } => K::OutOfRange,
+            WireReason::NegativeIndex { .. } => K::NegativeIndex,
+            WireReason::Wraps { .. } => K::Wraps,
+        }
+    }
 }

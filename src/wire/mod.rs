@@ -21,7 +21,7 @@ mod status;
 
 pub use codec::{pack_int_list, pack_int_lists, unpack_int_list, unpack_int_lists, WireInt};
 pub use desc::{EngineDesc, MemoryDesc, MEMORY_DESC_BYTES};
-pub use error::{MessageKind, WireError, WireErrorKind};
+pub use error::{MessageKind, WireError, WireErrorKind, WireReason};
 pub use prefill::{PrefillInfo, PREFILL_INFO_FRAMES, PREFILL_INFO_TAG};
 pub use registration::{
     DcpFields, Registration, LEGACY_REGISTRATION_FRAMES, REGISTRATION_FRAMES, REGISTRATION_FRAMES_WITH_ITEM_LENS,

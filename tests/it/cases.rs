@@ -5,7 +5,7 @@ use std::sync::Arc;
 use kvrelay::exec::{self, ExecError};
 use kvrelay::exec::{CompletionStatus, SimFabric, Transport as _};
 use kvrelay::model::{RankId, Side};
-use kvrelay::plan::{self, PlanError, RowRun};
+use kvrelay::plan::{self, PlanError, PlanErrorKind, RowRun};
 use kvrelay::verify::{self, RegionKey};
 use rstest::rstest;
 
@@ -39,7 +39,8 @@ expect: ok
 )]
 fn planner_rejects_before_any_write(#[case] sides: &str, #[case] expected: PlanError) {
     let yaml = format!(
-        "model: {{layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}}\n{sides}\nrequests: [{{tokens: 20}}]\nexpect: {{error: \"{expected}\"}}\n"
+        "model: {{layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}}\n{sides}\nrequests: [{{tokens: 20}}]\nexpect: {{error: {}}}\n",
+        expected.kind()
     );
     assert_eq!(plan::plan(&scenario(&yaml).problem), Err(expected));
     // Every decode rank fails its requests and no byte moves: every decode byte is still the sentinel.
@@ -53,7 +54,8 @@ fn planner_rejects_before_any_write(#[case] sides: &str, #[case] expected: PlanE
 fn mismatched_dcp_ranks_fail_only_their_peers() {
     let expected = PlanError::MismatchedDcpRanks { prefill: 0, decode: 1 };
     let yaml = format!(
-        "model: {{layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}}\nprefill: {{tp: 2, dcp: 2, page_size: 4}}\ndecode: {{tp: 4, dcp: 2, page_size: 4}}\nrequests: [{{tokens: 20}}]\nexpect: {{error: \"{expected}\", ranks: [1]}}\n"
+        "model: {{layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}}\nprefill: {{tp: 2, dcp: 2, page_size: 4}}\ndecode: {{tp: 4, dcp: 2, page_size: 4}}\nrequests: [{{tokens: 20}}]\nexpect: {{error: {}, ranks: [1]}}\n",
+        expected.kind()
     );
     assert_eq!(plan::plan(&scenario(&yaml).problem), Err(expected));
     let outcome = kvrelay::harness::run(&scenario(&yaml)).unwrap();
@@ -223,28 +225,36 @@ const HYBRID: &str = "model:\n  layers: 4\n  kv_layers: [1, 3]\n";
 #[rstest]
 #[case::non_mla_swa_cannot_change_tp(
     "  kv_heads: 4\n  head_dim: 64\n  dtype_bytes: 2\n  state: [{kind: swa, layers: [0, 2], tensors: [{name: k, item_len: 4096}]}]\nprefill: {tp: 2, page_size: 8}\ndecode: {tp: 4, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    PlanErrorKind::TpMismatch,
     "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models yet."
 )]
 #[case::replicated_mamba_needs_equal_tp(
     "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: mamba, tensors: [{name: gate, item_len: 64}]}]\nprefill: {tp: 1, page_size: 8}\ndecode: {tp: 2, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    PlanErrorKind::TpMismatch,
     "Replicated Mamba PD state transfer currently requires matching prefill/decode attention TP sizes"
 )]
 #[case::mamba_without_dims_and_other_item_lengths(
     "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: mamba, tensors: [{name: temporal, dim: 8, unit_bytes: 16}]}]\nprefill: {tp: 1, page_size: 8, metadata_components: 0}\ndecode: {tp: 2, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    PlanErrorKind::StateLayout,
     "Mamba state layouts differ between prefill and decode (src item 128, dst item 64) and no slice dims were advertised"
 )]
 #[case::paged_state_with_nothing_to_overlap(
     "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: swa, layers: [0, 2], tensors: [{name: k, item_len: 64}]}]\nprefill: {page_size: 8}\ndecode: {page_size: 8}\nrequests: [{tokens: 30, state_pages: [{component: 0, prefill: 2, decode: 0}]}]\n",
+    PlanErrorKind::StateIndices,
     "No overlapping state indices for state_type=swa"
 )]
 #[case::paged_state_into_a_dcp_decode(
     "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: dsa, layers: [0, 2], tensors: [{name: index_k, item_len: 64}]}]\nprefill: {page_size: 8}\ndecode: {tp: 2, dcp: 2, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    PlanErrorKind::DcpUnsupported,
     "PD DCP relayout does not support paged state component dsa"
 )]
-fn state_rejections_name_the_rule(#[case] rest: &str, #[case] message: &str) {
-    let yaml = format!("{HYBRID}{rest}expect: {{error: \"{message}\"}}\n");
+fn state_rejections_name_the_rule(#[case] rest: &str, #[case] kind: PlanErrorKind, #[case] message: &str) {
+    let yaml = format!("{HYBRID}{rest}expect: {{error: {kind}, text: \"{message}\"}}\n");
     let outcome = check_run(&yaml);
-    assert_eq!(outcome.plan.as_ref().unwrap_err().to_string(), message);
+    let error = outcome.plan.as_ref().unwrap_err();
+    assert_eq!(error.kind(), kind);
+    // The wording is the claim here: each names the rule of domain.md §3.4 / §8 it enforces.
+    assert_eq!(error.to_string(), message);
     assert_all_sentinel(&outcome);
 }
 
@@ -254,9 +264,11 @@ fn inconsistent_state_dims_are_a_clear_error() {
     let yaml = format!(
         "{HYBRID}  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{{kind: mamba, tensors: [{{name: temporal, dim: 8, unit_bytes: 16}}]}}]\nprefill: {{tp: 1, page_size: 8, metadata_overrides: [{{component: 0, entry: 1, dim: 5}}]}}\ndecode: {{tp: 2, page_size: 8}}\nrequests: [{{tokens: 30}}]\nexpect: ok\n"
     );
-    let res = plan::plan(&scenario(&yaml).problem);
+    let error = plan::plan(&scenario(&yaml).problem).unwrap_err();
+    assert_eq!(error.kind(), PlanErrorKind::StateMetadata);
+    // The claim is the clarity of the message: it names the component, the entry and both sides' dims.
     assert_eq!(
-        res.unwrap_err().to_string(),
+        error.to_string(),
         "invalid state metadata for component 0 entry 1: dims disagree: prefill 5 x tp 1 != decode 4 x tp 2"
     );
 }
@@ -282,7 +294,7 @@ fn replicated_state_without_dims_is_written_once_when_aggregating() {
 /// domain.md §2.7: under DCP relayout one-sided layer ids are an error even with prefill PP1 (found in review).
 #[test]
 fn dcp_relayout_rejects_one_sided_layer_ids() {
-    let yaml = "model: {layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}\nprefill: {page_size: 4}\ndecode: {tp: 2, dcp: 2, page_size: 4, layer_ids: false}\nrequests: [{tokens: 20}]\nexpect: {error: \"Layer metadata must be provided by both PD peers or neither\"}\n";
+    let yaml = "model: {layers: 3, kv_lora_rank: 12, qk_rope_head_dim: 4, dtype_bytes: 2}\nprefill: {page_size: 4}\ndecode: {tp: 2, dcp: 2, page_size: 4, layer_ids: false}\nrequests: [{tokens: 20}]\nexpect: {error: layer_metadata}\n";
     let outcome = check_run(yaml);
     assert_eq!(outcome.plan.unwrap_err(), PlanError::OneSidedLayerMetadata);
 }

@@ -201,7 +201,8 @@ fn a_failure_prints_a_reproduce_line_with_the_seed() {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("wrong-expectation.yaml");
     // MLA TP2 -> TP4 is accepted; expecting a rejection makes every run fail its expectation.
-    let yaml = std::fs::read_to_string(path(SCENARIO)).unwrap().replace("expect: ok", "expect: {error: nope}");
+    let yaml =
+        std::fs::read_to_string(path(SCENARIO)).unwrap().replace("expect: ok", "expect: {error: dcp_unsupported}");
     std::fs::write(&file, yaml).unwrap();
     let output = kvrelay_with_env(&["run", file.to_str().unwrap()], &[("KVRELAY_SEED", "42")]);
     std::fs::remove_dir_all(&dir).unwrap();

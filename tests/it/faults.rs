@@ -142,7 +142,9 @@ fn a_short_swarm_over_the_fault_scenarios_has_no_harness_failure() {
 fn bad_fault_entries_are_errors_naming_the_field() {
     let text = std::fs::read_to_string(format!("{DIR}/torn-write.yaml")).unwrap();
     for (bad, field) in [("kind: torn_write", "kind: teleport"), ("probability: 0.02", "probability: 2")] {
-        let error = kvrelay::scenario::parse(&text.replace(bad, field), "f.yaml", "f").unwrap_err().to_string();
+        let error = kvrelay::scenario::parse(&text.replace(bad, field), "f.yaml", "f").unwrap_err();
+        assert_eq!(error.kind(), kvrelay::scenario::ScenarioErrorKind::InvalidValue, "{error}");
+        let error = error.to_string();
         assert!(error.contains("faults[0]"), "{error}");
     }
 }

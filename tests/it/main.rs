@@ -20,6 +20,7 @@ mod faults;
 mod golden;
 /// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.
 mod hostile;
+mod kinds;
 /// The live driver, `diff`, and the bootstrap hub of ranks as processes.
 mod live;
 /// Scenario loader diagnostics: unknown fields, file/line/field paths.

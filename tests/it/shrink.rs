@@ -76,7 +76,7 @@ fn the_written_file_loads_fails_again_and_is_byte_identical_run_to_run() {
 fn a_scenario_failing_its_own_run_shrinks_to_a_file_whose_run_fails() {
     let input = temp("own-input");
     // A wrong expectation: the transfer is clean but the file promises a rejection, so the run fails.
-    let failing = corpus_text(MULTI_REQUEST).replace("expect: ok", "expect: {error: \"not this\"}");
+    let failing = corpus_text(MULTI_REQUEST).replace("expect: ok", "expect: {error: missing_layer}");
     std::fs::write(&input, failing).unwrap();
     let out = temp("own-output");
     let output = kvrelay(&["shrink", input.to_str().unwrap(), "--seed", "5", "--out", out.to_str().unwrap()]);

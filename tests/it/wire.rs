@@ -5,7 +5,7 @@
 use kvrelay::limits::{MAX_FRAME_BYTES, MAX_LIST_ITEMS, MAX_PACKED_LISTS, MAX_RANKS, MAX_REASON_BYTES, MAX_TP};
 use kvrelay::wire::{
     golden, pack_int_list, pack_int_lists, unpack_int_list, unpack_int_lists, DcpFields, EngineDesc, KvPoll,
-    MemoryDesc, MessageKind, PrefillInfo, Registration, RequestMeta, Status, WireError, WireErrorKind, GUARD,
+    MemoryDesc, MessageKind, PrefillInfo, Registration, RequestMeta, Status, WireError, WireReason, GUARD,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -292,7 +292,7 @@ fn engine_bytes() -> Vec<u8> {
 }
 
 use MessageKind::{PrefillInfo as Info, Registration as Reg, RequestMeta as Meta, Status as Stat};
-use WireErrorKind::*;
+use WireReason::*;
 
 #[rstest]
 // The frame list.
@@ -354,9 +354,10 @@ fn malformed_input_names_the_frame(
     #[case] frames: Frames,
     #[case] frame: usize,
     #[case] field: &'static str,
-    #[case] kind: WireErrorKind,
+    #[case] kind: WireReason,
 ) {
-    let expected = WireError { message, frame, field, kind };
+    let expected = WireError { message, frame, field, reason: kind };
+    assert_eq!(expected.kind(), expected.reason.kind());
     assert_eq!(Message::decode(message, &frames).unwrap_err(), expected);
 }
 
