@@ -2,14 +2,9 @@
 //! decode rank, and the judgement against the scenario's expectation, or against the fault guarantee
 //! ([`guarantee()`]) for a faulted run.
 
-use crate::engine::live::{self, LiveOptions};
 use crate::engine::seat::SharedPlanner;
-use crate::engine::sim::{self, SimOptions, SimRun};
+use crate::engine::sim::{SimOptions, SimRun};
 use crate::exec::{self, SimFabric};
-use crate::fabric::seam::{NodeId, TransferEngine};
-use crate::fabric::verbs::Caps;
-use crate::fabric::verbs_engine::VerbsEngine;
-use crate::fabric::world::SimWorld;
 use crate::limits::{DEFAULT_MEMORY_SHARE, FALLBACK_MEMORY_BUDGET, MEMORY_BUDGET_ENV};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -20,7 +15,10 @@ use crate::verify::{self, Observation, Verdicts, Violation};
 use crate::wire::KvPoll;
 
 mod guarantee;
+mod pipeline;
+pub use crate::fabric::registry::{Fabric, RDMA_CAPS, RDMA_MISSING};
 pub use guarantee::{guarantee, premature_successes, Judgement};
+pub use pipeline::Run;
 
 /// Everything a run produced, for rendering and judging.
 #[derive(Debug)]
@@ -69,6 +67,11 @@ impl Budget {
     /// A fixed budget (tests, fuzzing).
     pub fn bytes(bytes: u64) -> Budget {
         Budget { bytes, source: "set by the caller".to_owned() }
+    }
+
+    /// No budget: for callers that bound memory their own way (`why`), e.g. by what runs actually materialise.
+    pub fn unbounded(why: &str) -> Budget {
+        Budget { bytes: u64::MAX, source: why.to_owned() }
     }
 
     /// `KVRELAY_MAX_FABRIC_BYTES` when set; otherwise half of the machine's available memory (`MemAvailable` of
@@ -120,7 +123,7 @@ pub fn simulated_bytes(problem: &Problem) -> Option<u64> {
 
 /// Runs `scenario` through the engines within the default budget ([`Budget::from_env`]).
 pub fn run(scenario: &Scenario) -> Result<Outcome, RunError> {
-    run_with(scenario, &Budget::from_env()?, &SimOptions::default())
+    Run::new(scenario, &Budget::from_env()?).execute()
 }
 
 /// Refuses a problem whose simulated memory does not fit `budget`, before anything is planned or allocated.
@@ -139,56 +142,24 @@ pub fn check_budget(problem: &Problem, budget: &Budget) -> Result<(), RunError> 
 /// A scenario with `faults:` runs them (unless `options` brings faults of its own) and is judged by the fault
 /// guarantee instead of its expectation ([`guarantee()`]).
 pub fn run_with(scenario: &Scenario, budget: &Budget, options: &SimOptions) -> Result<Outcome, RunError> {
-    check_budget(&scenario.problem, budget)?;
-    let faulted;
-    let options = if options.faults.is_empty() && !scenario.faults.is_empty() {
-        faulted = SimOptions { faults: scenario.faults.clone(), ..options.clone() };
-        &faulted
-    } else {
-        options
-    };
-    let engine = sim::run(&scenario.problem, options).map_err(|error| format!("the simulated fabric failed: {error}"));
-    let whose = if options.faults.is_empty() { Judge::OwnPlan } else { Judge::Guarantee };
-    Ok(judge(scenario, engine, whose))
+    Run::new(scenario, budget).sim_options(options).execute()
 }
 
 /// [`run_with`] on any [`Fabric`]: the same engines, plan and oracle.
 pub fn run_on(scenario: &Scenario, budget: &Budget, fabric: &Fabric, trace: bool) -> Result<Outcome, RunError> {
-    check_budget(&scenario.problem, budget)?;
-    if !scenario.faults.is_empty() {
-        let error =
-            format!("the scenario's faults are injected by the in-memory fabric only, not on {}", fabric.name());
-        return Ok(judge(scenario, Err(error), Judge::OwnPlan));
-    }
-    Ok(judge(scenario, engine_run(&scenario.problem, fabric, trace), Judge::OwnPlan))
-}
-
-/// [`run_with`] on the live driver over endpoints `open` gives per node (a transport under certification): the
-/// same engines, plan and oracle.
-pub fn run_live<N: TransferEngine>(
-    scenario: &Scenario,
-    budget: &Budget,
-    options: &LiveOptions,
-    open: impl FnMut(NodeId) -> Result<N, String>,
-) -> Result<Outcome, RunError> {
-    check_budget(&scenario.problem, budget)?;
-    let engine = live::run_local(&scenario.problem, options, open).map_err(|error| error.to_string());
-    Ok(judge(scenario, engine, Judge::OwnPlan))
+    Run::new(scenario, budget).on(fabric).trace(trace).execute()
 }
 
 /// Runs `scenario` through the engines on the in-memory fabric with `planner` in every prefill rank's seat, and
 /// judges the planner's work: the oracle per decode rank, and the rooms against the expectation (a rejection is
 /// the planner's own, in its words; kvrelay's plan is not consulted).
 pub fn run_with_planner(scenario: &Scenario, budget: &Budget, planner: SharedPlanner) -> Result<Outcome, RunError> {
-    check_budget(&scenario.problem, budget)?;
-    let options = SimOptions { planner: Some(planner), ..SimOptions::default() };
-    let engine = sim::run(&scenario.problem, &options).map_err(|error| format!("the simulated fabric failed: {error}"));
-    Ok(judge(scenario, engine, Judge::SeatOnly))
+    Run::new(scenario, budget).planner(Some(planner)).execute()
 }
 
 /// Whose plan the expectation is held against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Judge {
+pub(crate) enum Judge {
     /// kvrelay's composed plan and the rooms.
     OwnPlan,
     /// Only the rooms (another planner sat in the seat).
@@ -197,107 +168,8 @@ enum Judge {
     Guarantee,
 }
 
-/// Where the engines run.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fabric {
-    /// The in-memory fabric in simulated time (one tokio task per rank on a paused clock).
-    Sim,
-    /// The live driver (real clock, one thread) on the in-memory fabric delivering at once: the live driver's
-    /// cross-check where no NIC exists.
-    LiveSim,
-    /// The live driver on RDMA verbs (cargo feature `rdma`), one endpoint per rank on `device` (default: the
-    /// first device with an active port).
-    Rdma { device: Option<String> },
-    /// The live driver on a C ABI transport plug-in (`fabric::plugin`), one endpoint per rank.
-    Plugin { path: String },
-}
-
-impl Fabric {
-    /// The fabric called `name` (`sim`, `live-sim`, `rdma`), on `device` where that applies.
-    pub fn parse(name: &str, device: Option<String>) -> Result<Fabric, String> {
-        match name {
-            "sim" => Ok(Fabric::Sim),
-            "live-sim" => Ok(Fabric::LiveSim),
-            "rdma" => Ok(Fabric::Rdma { device }),
-            other => match other.strip_prefix("plugin:") {
-                Some(path) => Ok(Fabric::Plugin { path: path.to_owned() }),
-                None => Err(format!("unknown fabric `{other}` (fix: sim, live-sim, rdma or plugin:PATH)")),
-            },
-        }
-    }
-
-    /// The command-line flags that select this fabric.
-    pub fn flags(&self) -> Vec<String> {
-        let name = match self {
-            Fabric::Sim => "sim".to_owned(),
-            Fabric::LiveSim => "live-sim".to_owned(),
-            Fabric::Rdma { .. } => "rdma".to_owned(),
-            Fabric::Plugin { path } => format!("plugin:{path}"),
-        };
-        let mut flags = vec!["--fabric".to_owned(), name];
-        if let Fabric::Rdma { device: Some(device) } = self {
-            flags.extend(["--device".to_owned(), device.clone()]);
-        }
-        flags
-    }
-
-    pub fn name(&self) -> String {
-        match self {
-            Fabric::Sim => "sim".to_owned(),
-            Fabric::LiveSim => "live-sim".to_owned(),
-            Fabric::Rdma { device: Some(device) } => format!("rdma ({device})"),
-            Fabric::Rdma { device: None } => "rdma".to_owned(),
-            Fabric::Plugin { path } => format!("plugin:{path}"),
-        }
-    }
-}
-
-/// Runs the engines of `problem` on `fabric`; an error is the fabric's, in words.
-pub fn engine_run(problem: &Problem, fabric: &Fabric, trace: bool) -> Result<SimRun, String> {
-    let options = SimOptions { trace, ..SimOptions::default() };
-    let live = LiveOptions { trace, ..LiveOptions::default() };
-    match fabric {
-        Fabric::Sim => sim::run(problem, &options).map_err(|error| format!("the simulated fabric failed: {error}")),
-        Fabric::LiveSim => {
-            let world = SimWorld::new(options.caps);
-            live::run_local(problem, &live, |node| Ok(VerbsEngine::new(world.eager_endpoint(node))))
-                .map_err(|error| error.to_string())
-        }
-        Fabric::Rdma { device } => rdma_run(problem, &live, device.as_deref(), RDMA_CAPS),
-        Fabric::Plugin { path } => {
-            let plugin = crate::fabric::plugin::Plugin::load(path).map_err(|error| error.to_string())?;
-            let open = |node| plugin.open(node, RDMA_CAPS).map(VerbsEngine::new).map_err(|error| error.to_string());
-            live::run_local(problem, &live, open).map_err(|error| format!("the plug-in {path} failed: {error}"))
-        }
-    }
-}
-
-#[cfg(feature = "rdma")]
-fn rdma_run(problem: &Problem, live: &LiveOptions, device: Option<&str>, caps: Caps) -> Result<SimRun, String> {
-    use crate::fabric::rdma::RdmaEndpoint;
-    let run = live::run_local(problem, live, |node| {
-        RdmaEndpoint::open(node, device, caps).map(VerbsEngine::new).map_err(|error| error.to_string())
-    });
-    run.map_err(|error| format!("the RDMA fabric failed: {error}"))
-}
-
-#[cfg(not(feature = "rdma"))]
-fn rdma_run(_: &Problem, _: &LiveOptions, _: Option<&str>, _: Caps) -> Result<SimRun, String> {
-    Err(RDMA_MISSING.to_owned())
-}
-
-/// What kvrelay asks of an RDMA device per endpoint (clamped to the device's limits): gather lists of up to 30
-/// entries (a ConnectX send queue's; Soft-RoCE offers 32), as the engines gather; a send queue of 256 (four
-/// signalling intervals in flight), so that a prefill rank serving many decode ranks keeps its queue pairs'
-/// completion-queue reservation within a soft device's CQ (Soft-RoCE ran out at 16 queue pairs of depth 1024).
-pub const RDMA_CAPS: Caps = Caps { max_sge: 30, max_message: 1 << 30, sq_depth: 256 };
-
-/// Why `--fabric rdma` cannot run in a build without the feature.
-pub const RDMA_MISSING: &str =
-    "this kvrelay was built without RDMA (fix: cargo build --release --features rdma; needs libibverbs-dev, librdmacm-dev, libclang-dev, pkg-config)";
-
 /// Judges one engine run of `scenario`: the composed plan's verdict, the oracle per decode rank, the rooms.
-fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> Outcome {
+pub(crate) fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> Outcome {
     let problem = &scenario.problem;
     let plan = plan::plan(problem);
     let (observation, engine, run_error) = match engine {

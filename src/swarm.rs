@@ -7,16 +7,18 @@ use std::collections::BTreeMap;
 
 use rand::RngExt as _;
 
-use crate::engine::sim::{self, SimOptions, SimRun};
+use crate::engine::sim::SimRun;
 use crate::fabric::faults::{FaultKind, FaultPlan, FaultRule};
 pub use crate::harness::{guarantee, premature_successes, Judgement};
+use crate::harness::{Budget, Run};
 use crate::scenario::{Expectation, Scenario};
 use crate::seed::Seed;
 
 /// Runs `scenario` with `faults` through the engines on the in-memory fabric and judges it.
 pub fn run_faulted(scenario: &Scenario, faults: &FaultPlan) -> Result<(SimRun, Judgement), String> {
-    let options = SimOptions { faults: faults.clone(), ..SimOptions::default() };
-    let run = sim::run(&scenario.problem, &options).map_err(|error| format!("the simulated fabric failed: {error}"))?;
+    // The swarm runs the corpus, whose scenarios `check` already runs within its budget.
+    let budget = Budget::unbounded("the swarm runs scenarios the golden gate already ran");
+    let run = Run::new(scenario, &budget).faults(faults.clone()).engines().map_err(|error| error.to_string())??;
     let violations = crate::harness::oracle(scenario, &run, &run.observation);
     let judgement = guarantee(scenario, &run, &run.observation, &violations);
     Ok((run, judgement))

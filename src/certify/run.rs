@@ -18,7 +18,7 @@ use super::report::{CaseResult, Host, Report, Verdict};
 use super::throughput::{self, Throughput};
 use super::Transport;
 use crate::engine::live::LiveOptions;
-use crate::harness::{self, Budget, RunError, RDMA_CAPS};
+use crate::harness::{self, Budget, RunError};
 use crate::scenario::{self, Scenario};
 
 /// The version of the case set: bumped whenever a case is added, removed or changes its claim, so two reports with
@@ -312,7 +312,8 @@ fn judge_scenario(
     options: &Options,
 ) -> (Verdict, String) {
     transport.reset();
-    let outcome = harness::run_live(scenario, &options.budget, &options.live, |node| transport.engine(node, RDMA_CAPS));
+    let outcome =
+        harness::Run::new(scenario, &options.budget).live_options(&options.live).on_transport(transport).execute();
     match outcome {
         Ok(outcome) if outcome.passed() => (Verdict::Pass, String::new()),
         Ok(outcome) => {

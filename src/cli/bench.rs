@@ -187,7 +187,8 @@ pub(super) fn bench_memory_fabric(runs: u32) -> anyhow::Result<ExitCode> {
     let path = Path::new(K3_SCENARIO);
     let scenario = load(path, None)?;
     let problem = &scenario.problem;
-    harness::check_budget(problem, &Budget::from_env()?)?;
+    let budget = Budget::from_env()?;
+    harness::check_budget(problem, &budget)?;
     // Peak RSS of this figure alone: reset the high-water mark (Linux: "5" to clear_refs) before the first run.
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     outln!("bench: {} on the in-memory fabric (stage, execute, observe, verify), best of {runs}", path.display());
@@ -200,10 +201,9 @@ pub(super) fn bench_memory_fabric(runs: u32) -> anyhow::Result<ExitCode> {
     for _ in 0..runs.max(1) {
         let mut marks = vec![("start", Instant::now())];
         let options = SimOptions { sparse_images: true, chunk_pool: Some(pool.clone()), ..SimOptions::default() };
-        let run = crate::engine::sim::run_marked(problem, &options, &mut |phase| {
-            marks.push((phase, Instant::now()));
-        })
-        .map_err(|error| anyhow::anyhow!("the simulated fabric failed: {error}"))?;
+        let mut mark = |phase| marks.push((phase, Instant::now()));
+        let run = harness::Run::new(&scenario, &budget).sim_options(&options).marked(&mut mark).engines()?;
+        let run = run.map_err(anyhow::Error::msg)?;
         let violations = harness::oracle(&scenario, &run, &run.observation).len();
         marks.push(("verify", Instant::now()));
         let bytes: u64 = run.observation.writes.iter().map(|write| write.length).sum();
@@ -319,13 +319,14 @@ pub(super) fn bench_fabric(
     let scenario = load(wr_scenario, None)?;
     let mut best: Option<(u64, f64)> = None;
     for _ in 0..iterations.max(1) {
-        let run = harness::engine_run(&scenario.problem, fabric, false).map_err(anyhow::Error::msg)?;
+        let run =
+            harness::Run::new(&scenario, &Budget::from_env()?).on(fabric).engines()?.map_err(anyhow::Error::msg)?;
         let failed = run.failures();
         if let Some((rank, request, reason)) = failed.first() {
             anyhow::bail!("the work-request rate run failed: request {request} on decode {rank}: {reason}");
         }
         let seconds = run.run_ns as f64 / 1e9;
-        let work_requests = run.observation.writes.len() as u64;
+        let work_requests = run.operations;
         if best.is_none_or(|(_, best)| seconds < best) {
             best = Some((work_requests, seconds));
         }

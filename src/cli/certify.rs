@@ -140,29 +140,9 @@ fn print_case(result: &CaseResult) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The transport `--fabric` names.
+/// The transport `--fabric` names (the fabric registry's one parser).
 fn transport(args: &CertifyArgs) -> anyhow::Result<Box<dyn Transport>> {
-    let fabric = args.fabric.as_str();
-    if let Some(path) = fabric.strip_prefix("plugin:") {
-        return plugin(path);
-    }
-    match fabric {
-        "sim" => Ok(Box::new(certify::SimTransport::eager())),
-        "rdma" => rdma(args.device.as_deref()),
-        other => anyhow::bail!("unknown transport `{other}` (fix: sim, rdma or plugin:PATH)"),
-    }
-}
-
-fn plugin(path: &str) -> anyhow::Result<Box<dyn Transport>> {
-    Ok(Box::new(crate::fabric::plugin::PluginTransport::load(path)?))
-}
-
-#[cfg(feature = "rdma")]
-fn rdma(device: Option<&str>) -> anyhow::Result<Box<dyn Transport>> {
-    Ok(Box::new(certify::RdmaTransport::new(device)?))
-}
-
-#[cfg(not(feature = "rdma"))]
-fn rdma(_: Option<&str>) -> anyhow::Result<Box<dyn Transport>> {
-    anyhow::bail!(crate::harness::RDMA_MISSING)
+    let fabric =
+        crate::fabric::registry::Fabric::parse(&args.fabric, args.device.clone()).map_err(anyhow::Error::msg)?;
+    fabric.transport().map_err(anyhow::Error::msg)
 }

@@ -37,6 +37,9 @@ fn wave_text(count: u32, tokens: u32) -> String {
     )
 }
 
+/// Why a wave's run needs no budget of its own: waves are sized from what a probe wave materialises.
+const WAVES: &str = "replay sizes its waves from the probe wave's footprint";
+
 /// Requests per wave: `concurrency`, or as many as fit `budget` at the footprint a one-request probe wave (run
 /// and verified before the clock starts, not counted) materialises; its chunks go to `pool` for the first wave.
 fn wave_size(concurrency: u32, tokens: u32, budget: &Budget, pool: &ChunkPool) -> anyhow::Result<u32> {
@@ -45,8 +48,8 @@ fn wave_size(concurrency: u32, tokens: u32, budget: &Budget, pool: &ChunkPool) -
         anyhow::bail!("{tokens} tokens per request make the pools larger than 2^64 bytes (fix: fewer --tokens)");
     }
     let options = SimOptions { sparse_images: true, chunk_pool: Some(pool.clone()), ..SimOptions::default() };
-    let run = crate::engine::sim::run(&probe.problem, &options)
-        .map_err(|error| anyhow::anyhow!("the simulated fabric failed in the probe wave: {error}"))?;
+    let run = harness::Run::new(&probe, &Budget::unbounded(WAVES)).sim_options(&options).engines()?;
+    let run = run.map_err(|error| anyhow::anyhow!("{error}, in the probe wave"))?;
     let violations = harness::oracle(&probe, &run, &run.observation).len();
     if violations > 0 || !run.failures().is_empty() {
         anyhow::bail!("the one-request probe wave failed ({violations} violations): run `kvrelay replay --requests 1 --concurrency 1 --tokens {tokens}` to see it");
@@ -91,10 +94,9 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     while done < requests {
         let count = batch.min(requests - done);
         let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave + 1))?;
-        let problem = &scenario.problem;
         let options = SimOptions { sparse_images: true, chunk_pool: Some(pool.clone()), ..SimOptions::default() };
-        let run = crate::engine::sim::run(problem, &options)
-            .map_err(|error| anyhow::anyhow!("the simulated fabric failed in wave {wave}: {error}"))?;
+        let run = harness::Run::new(&scenario, &Budget::unbounded(WAVES)).sim_options(&options).engines()?;
+        let run = run.map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
         failed += run.failures().len();
         violations += harness::oracle(&scenario, &run, &run.observation).len();
         bytes += run.observation.writes.iter().map(|write| write.length).sum::<u64>();

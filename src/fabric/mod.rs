@@ -13,6 +13,7 @@ pub mod plugin;
 pub mod rdma;
 #[cfg(feature = "rdma")]
 pub mod rdma_transport;
+pub mod registry;
 pub mod seam;
 pub mod sim_transport;
 pub mod transport;

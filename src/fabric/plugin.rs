@@ -55,11 +55,11 @@ use std::ptr::NonNull;
 use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant};
 
+use super::transport::{Identity, Transport};
 use super::verbs::{
     Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, SendQueue, WcKind, WcStatus, WorkCompletion,
     WorkRequest,
 };
-use super::transport::{Identity, Transport};
 
 /// The ABI version this loader accepts (`KVRELAY_TRANSPORT_ABI_VERSION` of the header).
 pub const ABI_VERSION: u32 = 1;

@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::rdma::{RdmaEndpoint, RdmaError};
 use super::transport::{Identity, Transport};
-use super::verbs::{
-    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, WorkCompletion, WorkRequest,
-};
+use super::verbs::{Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, WorkCompletion, WorkRequest};
 
 /// `settle` returns once no endpoint awaits a certain completion and none has taken a new one for this long,
 /// counting each wait as at most two slices (a guest that was not scheduled for a while is not quiet)...

@@ -53,4 +53,3 @@ pub trait Transport {
     /// Forgets every endpoint opened so far (the next case starts from nothing).
     fn reset(&mut self);
 }
-

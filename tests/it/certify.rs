@@ -167,7 +167,7 @@ fn the_cli_lists_the_case_set_and_refuses_unknown_cases_and_transports() {
     assert!(text(&unknown.stderr).contains("no case `scenario/nothing-here`"), "{}", text(&unknown.stderr));
     let transport = kvrelay(&["certify", "--fabric", "carrier-pigeon", "--scenarios", "scenarios/engines"]);
     assert!(!transport.status.success());
-    assert!(text(&transport.stderr).contains("unknown transport `carrier-pigeon`"), "{}", text(&transport.stderr));
+    assert!(text(&transport.stderr).contains("unknown fabric `carrier-pigeon`"), "{}", text(&transport.stderr));
 }
 
 /// The sample C plug-in through the whole kit: clean, certified on every conformance case and scenario; with its
