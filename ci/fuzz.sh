@@ -4,11 +4,11 @@
 # - scenario: the scenario loader, planner and oracle, seeded with every scenario, every kept hostile file and one
 #   structure-aware seed per corpus scenario. Keep a crash as tests/hostile/fuzz-<name>.yaml (with a `#` comment
 #   saying what it found) and accept the snapshot it adds.
-# - wire: every wire message decoder (src/wire/README.md) with a round trip of each accepted message, seeded with
+# - wire: every wire message decoder (src/pure/wire/README.md) with a round trip of each accepted message, seeded with
 #   one structure-aware seed per golden message. Keep a crash's frame list in tests/it/wire.rs::FUZZ_CRASHES.
-# - control: the control-plane frame decoder of the bootstrap hub and rank processes (src/control/frame.rs), with a
+# - control: the control-plane frame decoder of the bootstrap hub and rank processes (src/running/control/frame.rs), with a
 #   round trip of each accepted frame.
-# - planner: the parser of an external planner's lines (src/external/protocol.rs), with a round trip of each
+# - planner: the parser of an external planner's lines (src/running/external/protocol.rs), with a round trip of each
 #   accepted plan answer.
 # - plugin_info: a C ABI transport plug-in's info text (src/fabric/plugin.rs, `PluginInfo::parse`).
 # A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120: 40 % each to scenario and wire, 10 % to

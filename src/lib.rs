@@ -1,68 +1,46 @@
 //! kvrelay: byte-exact simulation and conformance harness for prefill → decode KV-cache transfer.
 //!
-//! The pipeline is scenario → problem → per-rank engines over the wire and the verbs seam → observation → verdict
-//! per decode rank.
-//! ARCHITECTURE.md has the full map; the modules, in dependency order:
+//! The pipeline is scenario → problem → per-rank engines over the wire and the transfer-engine seam → observation →
+//! verdict per decode rank. ARCHITECTURE.md has the full map. The crate is built in layers, each a folder, each
+//! importing only from the layers before it (`tests/it/tidy.rs` enforces it):
 //!
-//! - [`model`]: pure vocabulary (ranks, topologies, model geometry, registered regions, requests).
-//!   Start at [`model::Problem`].
-//! - [`limits`]: every size, count and depth limit, in one place (README.md lists them).
-//! - [`seed`]: the seed and its named random streams ([`seed::SimRng`], ChaCha8 from the rand ecosystem, keyed by
-//!   the seed, one stream per name, so streams never alias across seeds nor shift each other's draws).
-//! - [`faults`]: seeded faults as data (fault kinds, rules, plans), as a scenario's `faults:` list names them; the
-//!   fabric injects them ([`fabric::faults`]).
-//! - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows YAML.
-//! - [`plan`]: the pure planner: `link(Local, &Peer)` per connection from a decoded registration, `Link::chunk_groups`
-//!   per chunk, and `plan(&Problem)` composing them (domain.md §2–§4, §6.3).
-//! - [`verify`]: the independent oracle; the source byte pattern, row decoding and `check`. Never calls `plan`.
-//! - [`wire`]: the Mori control messages as bytes (registration, request metadata, status; domain.md §6.2).
-//! - [`fabric`]: the verbs-shaped seam [`fabric::verbs::Endpoint`] and its in-memory, simulated-time
-//!   [`fabric::world::SimWorld`], and the injection of seeded faults ([`fabric::faults`]); nothing here knows plans, models
-//!   or the oracle.
-//! - [`engine`]: prefill and decode ranks as sans-IO engines (domain.md §6), the deterministic simulation that
-//!   drives them over [`fabric::world::SimWorld`], and the live driver ([`engine::live`]) that drives the same
-//!   engines on a real clock over a NIC.
-//! - [`external`]: other planners in the prefill ranks' seat over the plan protocol (JSON lines; the reference is
-//!   kvrelay's own planner).
-//! - [`control`]: the control plane between rank processes: the TCP bootstrap hub, its client and the frame codec.
-//! - [`process`]: ranks as processes: `serve` one rank, `launch` them all and gather the decode verdicts.
-//! - [`exec`]: the direct execution of a composed plan on one all-ranks [`exec::Transport`] (the benchmark's
-//!   baseline).
-//! - [`harness`]: one scenario end to end through the engines on a chosen fabric, its pass/fail judgement, the fault
-//!   guarantee (every request Success byte-exact or Failed with a reason, no hang) that judges a faulted run, and the
-//!   byte-for-byte `diff` of two fabrics.
-//! - [`certify`]: transport certification: the versioned case set run through a [`certify::Transport`], JUnit XML,
-//!   JSON report and manifest.
-//! - [`selftest`]: the oracle's mutation self-test: known layout bugs planted in kvrelay's own plans, in the planner's
-//!   seat, each required to be caught by the oracle (`kvrelay selftest`).
-//! - [`swarm`]: swarm runs drawing a random subset of seeded faults ([`faults`]) per seed, each judged by the fault
-//!   guarantee ([`harness::guarantee()`]).
-//! - [`shrink`]: a failing scenario (its own run, a self-test mutant, an external planner) reduced to a minimal one that
-//!   fails the same way, by greedy delta debugging over its YAML ([`scenario::reduce`]); `kvrelay shrink`.
-//! - [`render`]: stable text for golden files and the CLI.
-//! - [`cli`]: the `kvrelay` command line; the only module that prints or exits.
+//! 1. [`pure`] (`src/pure/`): the pure core: no IO, no clock, no randomness, no threads.
+//!    - [`model`]: vocabulary (ranks, topologies, model geometry, registered regions, requests); start at
+//!      [`model::Problem`].
+//!    - [`limits`]: every size, count and depth limit. [`seed`]: the seed and its named random streams.
+//!    - [`faults`]: seeded faults as data, as a scenario's `faults:` list names them.
+//!    - [`scenario`]: YAML scenario files → [`model::Problem`] plus the expected verdict; the only module that knows
+//!      YAML.
+//!    - [`plan`]: the planner (domain.md §2–§4, §6.3). [`verify`]: the independent oracle, never calling `plan`.
+//!    - [`wire`]: the Mori control messages as bytes (domain.md §6.2).
+//! 2. [`fabric`] (`src/fabric/`): the transfer-engine seam ([`fabric::seam::TransferEngine`]), the verbs seam below
+//!    it and its lowering ([`fabric::verbs_engine`]), every backend in its own file (the in-memory
+//!    [`fabric::world::SimWorld`], RDMA verbs, C plug-ins), the transports certification and runs open, and the one
+//!    fabric registry ([`fabric::registry`]). Nothing here knows plans, models or the oracle.
+//! 3. [`running`] (`src/running/`): running a scenario.
+//!    - [`engine`]: prefill and decode ranks as sans-IO engines over the seam, the simulation drivers and the live
+//!      driver.
+//!    - [`control`]: the control plane between rank processes. [`process`]: ranks as processes.
+//!    - [`external`]: other planners in the prefill ranks' seat over the plan protocol.
+//!    - [`exec`]: the direct execution of a composed plan (the benchmark's baseline).
+//!    - [`harness`]: the one run pipeline ([`harness::Run`]), the judgement and the fault guarantee, `diff`.
+//! 4. [`tools`] (`src/tools/`): what is built on running: [`certify`] (transport certification), [`selftest`] (the
+//!    oracle's mutation self-test), [`swarm`] (fault swarms), [`shrink`] (minimal failing scenarios), [`render`]
+//!    (stable text for golden files and the CLI).
+//! 5. [`cli`]: the `kvrelay` command line (with `bench` and `replay`); the only module that prints or exits.
+//!
+//! The modules of each layer are re-exported at the crate root (`kvrelay::plan`, `kvrelay::engine`, ...).
 
 #[macro_use]
-mod kinds;
+pub mod pure;
+pub use pure::{faults, limits, model, plan, scenario, seed, verify, wire};
 
-pub mod certify;
-pub mod cli;
-pub mod control;
-pub mod engine;
-pub mod exec;
-pub mod external;
 pub mod fabric;
-pub mod faults;
-pub mod harness;
-pub mod limits;
-pub mod model;
-pub mod plan;
-pub mod process;
-pub mod render;
-pub mod scenario;
-pub mod seed;
-pub mod selftest;
-pub mod shrink;
-pub mod swarm;
-pub mod verify;
-pub mod wire;
+
+pub mod running;
+pub use running::{control, engine, exec, external, harness, process};
+
+pub mod tools;
+pub use tools::{certify, render, selftest, shrink, swarm};
+
+pub mod cli;

@@ -132,7 +132,7 @@ pub enum Command {
         #[arg(long, default_value = "golden")]
         golden: PathBuf,
         /// Put this command in every prefill rank's planner seat (`sh -c CMD`, speaking the plan protocol of
-        /// src/external/README.md on stdin/stdout) and judge its plans with the oracle instead of the golden files.
+        /// src/running/external/README.md on stdin/stdout) and judge its plans with the oracle instead of the golden files.
         #[arg(long)]
         planner: Option<String>,
         /// Seconds the planner may spend on one scenario in all.

@@ -1,7 +1,7 @@
 //! The abort and its acknowledgement (domain.md §6.4, issue 11): a decode rank whose room fails aborts it on every
 //! prefill rank that may still write into it and releases the room's pages only once each acknowledged, after its
 //! writes drained, or after the waiting timeout when a rank never answers. No write lands after the release
-//! (src/swarm.rs judges it on every run; here the claim is shown on named cases).
+//! (src/tools/swarm.rs judges it on every run; here the claim is shown on named cases).
 
 use kvrelay::engine::sim::{run, run_stepped, SimOptions, SimRun};
 use kvrelay::engine::WAITING_TIMEOUT_NS;

@@ -1,6 +1,6 @@
 //! The fault kinds of src/fabric/faults.rs beyond drop, duplicate, error, tear, corrupt and crash: delayed and
 //! reordered control messages and completions, a hung queue pair (`timeout`) and a prefill page read after its
-//! release (issue 11). Each keeps the guarantee (src/swarm.rs), and both drivers see the same run.
+//! release (issue 11). Each keeps the guarantee (src/tools/swarm.rs), and both drivers see the same run.
 
 use kvrelay::engine::sim::{run, run_stepped, SimOptions, SimRun};
 use kvrelay::fabric::faults::{FaultKind, FaultPlan, FaultRule};
@@ -82,7 +82,7 @@ fn a_hung_queue_pair_ends_its_rooms_by_timeout() {
 }
 
 /// A read after release completes successfully over the reused page's bytes: the oracle finds exactly the planted
-/// bytes (detected, no harness failure); one more wrong byte would not be excused (src/swarm.rs undoes only them).
+/// bytes (detected, no harness failure); one more wrong byte would not be excused (src/tools/swarm.rs undoes only them).
 #[test]
 fn a_read_after_release_is_found_by_the_oracle_alone() {
     let scenario = load("read-after-release.yaml");

@@ -1,4 +1,4 @@
-//! Seeded faults and the guarantee (issue 11; src/fabric/faults.rs, src/swarm.rs): every request ends Success
+//! Seeded faults and the guarantee (issue 11; src/fabric/faults.rs, src/tools/swarm.rs): every request ends Success
 //! byte-exact or Failed with a reason, and a run that breaks that is a harness failure.
 
 use kvrelay::engine::sim::SimRun;

@@ -1,5 +1,5 @@
 //! External planners in the prefill ranks' seat (`kvrelay check --planner CMD`, the plan protocol of
-//! src/external/README.md): kvrelay's own planner behind the protocol passes the whole corpus; a planner that
+//! src/running/external/README.md): kvrelay's own planner behind the protocol passes the whole corpus; a planner that
 //! misplaces bytes is caught by the oracle in coordinates; one that crashes, hangs, answers garbage or speaks
 //! another version fails its cases with the reason and never stalls the run.
 
@@ -87,7 +87,7 @@ fn a_hanging_planner_fails_each_case_at_its_deadline_and_the_run_goes_on() {
 
 #[test]
 fn every_query_and_answer_keeps_the_json_schemas() {
-    // tests/planners/schema_proxy.py checks each line against src/external/schema/ and exits on a violation.
+    // tests/planners/schema_proxy.py checks each line against src/running/external/schema/ and exits on a violation.
     let proxied = format!("python3 tests/planners/schema_proxy.py {} planner", env!("CARGO_BIN_EXE_kvrelay"));
     for dir in ["scenarios/basic", "scenarios/state", "scenarios/draft", "scenarios/engines"] {
         let (passed, output) = check(dir, &proxied, "60");

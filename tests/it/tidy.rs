@@ -71,11 +71,11 @@ fn pure_modules_do_no_io_time_or_randomness() {
         "crate::seed",
         "chacha20",
     ];
-    let mut pure: Vec<PathBuf> = ["src/model", "src/plan", "src/verify", "src/wire"]
+    let mut pure: Vec<PathBuf> = ["src/pure/model", "src/pure/plan", "src/pure/verify", "src/pure/wire"]
         .iter()
         .flat_map(|dir| files(&root().join(dir), "rs"))
         .collect();
-    pure.extend(["src/render.rs", "src/limits.rs", "src/faults.rs"].map(|path| root().join(path)));
+    pure.extend(["src/tools/render.rs", "src/pure/limits.rs", "src/pure/faults.rs"].map(|path| root().join(path)));
     for path in pure {
         let text = read(&path);
         for word in forbidden {
@@ -91,7 +91,7 @@ fn pure_modules_do_no_io_time_or_randomness() {
 /// The oracle is written independently of the planner: verify/ never names plan code.
 #[test]
 fn oracle_never_calls_the_planner() {
-    for path in files(&root().join("src/verify"), "rs") {
+    for path in files(&root().join("src/pure/verify"), "rs") {
         let text = read(&path);
         assert!(
             !text.contains("crate::plan") && !text.contains("plan::"),
@@ -220,7 +220,7 @@ fn unsafe_keywords_are_found_in_code_only() {
 /// Engines see the decode side only through the wire and the planner, and never judge themselves: no oracle.
 #[test]
 fn engines_never_call_the_oracle() {
-    for path in files(&root().join("src/engine"), "rs") {
+    for path in files(&root().join("src/running/engine"), "rs") {
         if path.ends_with("sim.rs") || path.ends_with("tasks.rs") || path.ends_with("live.rs") {
             continue; // the drivers: they fill memory with the oracle's pattern and own the clock
         }
@@ -234,7 +234,7 @@ fn engines_never_call_the_oracle() {
 /// The wire codec is the bottom of the control plane: it may not depend on the planner or the oracle.
 #[test]
 fn wire_imports_nothing_from_plan_or_verify() {
-    for path in files(&root().join("src/wire"), "rs") {
+    for path in files(&root().join("src/pure/wire"), "rs") {
         let text = read(&path);
         for word in ["crate::plan", "crate::verify", "plan::", "verify::"] {
             assert!(
@@ -309,7 +309,23 @@ const ABOVE_THE_CORE: [&str; 12] = [
 /// The one import cycle left, being untied in issue 19 with the transport seam's rewrite: the plug-in fabric
 /// implements certification's `Transport`, and certification runs the engines over the harness, which run on the
 /// fabric. Every other cycle is an error, and this one may only shrink.
-const KNOWN_CYCLE: [&str; 4] = ["certify", "engine", "fabric", "harness"];
+/// The layers of lib.rs and ARCHITECTURE.md, bottom up, each a folder of `src/` (the CLI is its own): a module may
+/// import only from its own layer or one below.
+const LAYERS: [(&str, &[&str]); 5] = [
+    ("pure", &["kinds", "model", "limits", "seed", "faults", "scenario", "plan", "verify", "wire"]),
+    ("fabric", &["fabric"]),
+    ("running", &["engine", "control", "external", "exec", "harness", "process"]),
+    ("tools", &["certify", "selftest", "swarm", "shrink", "render"]),
+    ("cli", &["cli"]),
+];
+
+/// The layer number of top-level module `module` (0 = the pure core).
+fn layer_of(module: &str) -> usize {
+    LAYERS
+        .iter()
+        .position(|(_, modules)| modules.contains(&module))
+        .unwrap_or_else(|| panic!("module `{module}` is in no layer of LAYERS: add it where lib.rs puts it"))
+}
 
 /// `text` without its `//` comments (doc comments included: a doc link is no import).
 fn code(text: &str) -> String {
@@ -363,10 +379,18 @@ fn crate_refs_are_found_in_paths_and_groups() {
     assert!(crate_refs(&code("/// [`crate::fabric::faults`]\nlet a = 1; // crate::engine")).is_empty());
 }
 
-/// The top-level module of a source file (`src/plan/rows.rs` is `plan`); `None` for the crate root and the binary.
+/// The top-level module of a source file (`src/pure/plan/rows.rs` is `plan`, `src/running/harness.rs` is `harness`,
+/// `src/fabric/seam.rs` is `fabric`); `None` for the crate root, the binary and a layer folder's own `mod.rs`.
 fn top_module(path: &Path) -> Option<String> {
     let relative = path.strip_prefix(root().join("src")).unwrap();
-    let first = relative.components().next()?.as_os_str().to_string_lossy().into_owned();
+    let mut components = relative.components().map(|part| part.as_os_str().to_string_lossy().into_owned());
+    let mut first = components.next()?;
+    if ["pure", "running", "tools"].contains(&first.as_str()) {
+        first = components.next()?;
+        if first == "mod.rs" {
+            return None;
+        }
+    }
     match first.strip_suffix(".rs") {
         Some("lib" | "main") => None,
         Some(name) => Some(name.to_owned()),
@@ -420,7 +444,7 @@ fn cycle_through(graph: &BTreeMap<String, BTreeMap<String, String>>, start: &str
 fn no_import_cycle_through_the_pure_core() {
     let graph = import_graph();
     for module in PURE_CORE {
-        assert!(graph.contains_key(module), "src/{module} is gone: update PURE_CORE");
+        assert!(graph.contains_key(module), "src/pure/{module} is gone: update PURE_CORE");
         if let Some(cycle) = cycle_through(&graph, module) {
             panic!(
                 "{module} is on an import cycle: {cycle:?}; move the shared piece down so only one direction remains"
@@ -429,17 +453,40 @@ fn no_import_cycle_through_the_pure_core() {
     }
 }
 
-/// No import cycle between top-level modules beyond the one being untied ([`KNOWN_CYCLE`]): tools built on running
-/// (swarm, shrink, selftest, process, cli) import the harness, never the reverse.
+/// No import cycle between top-level modules at all: tools built on running (swarm, shrink, selftest, certify)
+/// import the harness, never the reverse, and a fabric never imports what runs on it.
 #[test]
-fn no_import_cycles_but_the_known_one() {
+fn no_import_cycles() {
     let graph = import_graph();
     for module in graph.keys() {
         if let Some(cycle) = cycle_through(&graph, module) {
-            assert!(
-                KNOWN_CYCLE.contains(&module.as_str()),
+            panic!(
                 "{module} is on an import cycle: {cycle:?}; move the shared piece down so only one direction remains"
             );
+        }
+    }
+}
+
+/// ARCHITECTURE.md, "Layers": every import points down the layers of [`LAYERS`] or stays in its layer (every file of
+/// `fabric/` included: no backend imports certification, the engines or the harness), and each layer's modules
+/// live in its folder.
+#[test]
+fn no_arrow_points_up_the_layers() {
+    let graph = import_graph();
+    for (module, targets) in &graph {
+        for (target, file) in targets {
+            assert!(
+                layer_of(target) <= layer_of(module),
+                "{file}: {module} (layer {}) imports {target} (layer {}), which is above it: move the shared piece down",
+                LAYERS[layer_of(module)].0,
+                LAYERS[layer_of(target)].0
+            );
+        }
+    }
+    for (layer, modules) in LAYERS.iter().filter(|(layer, _)| ["pure", "running", "tools"].contains(layer)) {
+        for module in *modules {
+            let (dir, file) = (root().join("src").join(layer).join(module), format!("src/{layer}/{module}.rs"));
+            assert!(dir.is_dir() || root().join(&file).is_file(), "{module} is not in src/{layer}/: move it there");
         }
     }
 }
@@ -448,8 +495,8 @@ fn no_import_cycles_but_the_known_one() {
 #[test]
 fn pure_core_imports_nothing_above_it() {
     for module in PURE_CORE {
-        let dir = root().join("src").join(module);
-        let paths = if dir.is_dir() { files(&dir, "rs") } else { vec![root().join(format!("src/{module}.rs"))] };
+        let dir = root().join("src/pure").join(module);
+        let paths = if dir.is_dir() { files(&dir, "rs") } else { vec![root().join(format!("src/pure/{module}.rs"))] };
         for path in paths {
             let refs = crate_refs(&code(&read(&path)));
             let above: Vec<&String> = refs.iter().filter(|target| ABOVE_THE_CORE.contains(&target.as_str())).collect();

@@ -1,4 +1,4 @@
-//! The wire messages (domain.md §6.2, `src/wire/README.md`): golden byte vectors, legacy defaults, the KvPoll
+//! The wire messages (domain.md §6.2, `src/pure/wire/README.md`): golden byte vectors, legacy defaults, the KvPoll
 //! rule, one named case per class of malformed input, round trips of arbitrary valid messages, and arbitrary or
 //! damaged frame lists that must never panic.
 
@@ -36,7 +36,7 @@ fn dump_frame(index: usize, frame: &[u8]) -> String {
 }
 
 fn spec() -> &'static str {
-    include_str!("../../src/wire/README.md")
+    include_str!("../../src/pure/wire/README.md")
 }
 
 /// A value of any message type, so one test body covers all four.
@@ -152,7 +152,7 @@ fn golden_vectors_match_the_spec() {
         let dump = hex_dump(&frames);
         assert!(
             spec().contains(&format!("```text\n{dump}```")),
-            "src/wire/README.md lacks the golden vector of the {name}; the encoder writes\n```text\n{dump}```"
+            "src/pure/wire/README.md lacks the golden vector of the {name}; the encoder writes\n```text\n{dump}```"
         );
         assert_eq!(Message::decode(message.kind(), &frames), Ok(message), "{name}");
     }

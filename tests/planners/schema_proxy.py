@@ -1,4 +1,4 @@
-"""A plan-protocol proxy that holds every line to the JSON Schemas in src/external/schema/.
+"""A plan-protocol proxy that holds every line to the JSON Schemas in src/running/external/schema/.
 
 Usage: python3 tests/planners/schema_proxy.py PLANNER-COMMAND...
 Forwards kvrelay's lines to the planner (e.g. `kvrelay planner`) and its answers back, after checking each line
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCHEMA = os.path.join(HERE, "..", "..", "src", "external", "schema")
+SCHEMA = os.path.join(HERE, "..", "..", "src", "running", "external", "schema")
 
 
 def load(name):

@@ -1,4 +1,4 @@
-//! Fuzz target: any bytes as one control-plane frame body (`src/control/frame.rs`), as a hub or a rank process
+//! Fuzz target: any bytes as one control-plane frame body (`src/running/control/frame.rs`), as a hub or a rank process
 //! reads it from a TCP peer. Panics, aborts and out-of-memory are the findings; so is a decoded frame that does
 //! not survive `decode(encode(x)) == x`, or an encoding whose length prefix does not match its body.
 

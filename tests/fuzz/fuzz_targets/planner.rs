@@ -1,4 +1,4 @@
-//! Fuzz target: any bytes as a line an external planner wrote (`src/external/protocol.rs`): its hello, a link
+//! Fuzz target: any bytes as a line an external planner wrote (`src/running/external/protocol.rs`): its hello, a link
 //! answer and a plan answer. Panics, aborts and out-of-memory are the findings; so is an accepted plan answer that
 //! does not survive `parse(answer_line(x)) == x`.
 

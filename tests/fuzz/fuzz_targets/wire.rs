@@ -1,5 +1,5 @@
 //! Fuzz target: any bytes as a multipart frame list, decoded as every wire message (domain.md §6.2,
-//! `src/wire/README.md`). Panics, aborts, hangs and out-of-memory are the findings; so is a decoded message that
+//! `src/pure/wire/README.md`). Panics, aborts, hangs and out-of-memory are the findings; so is a decoded message that
 //! does not survive `decode(encode(x)) == x`, or an error that names a frame past the end. Every crash found is
 //! kept, as its frame list, in `tests/it/wire.rs::FUZZ_CRASHES`.
 //!

@@ -1,4 +1,4 @@
-"""SGLang's own disaggregation helpers in kvrelay's planner seat (plan protocol v1, src/external/README.md).
+"""SGLang's own disaggregation helpers in kvrelay's planner seat (plan protocol v1, src/running/external/README.md).
 
 One long-lived process: JSON lines in on stdin, exactly one JSON line out per line in, diagnostics on stderr.
 Every copy is computed by calling SGLang's helpers, loaded from the wheel by load_helpers.py (no torch, no

@@ -61,7 +61,7 @@ pub const FALLBACK_MEMORY_BUDGET: u64 = 4 << 30;
 /// Environment variable that overrides the simulated-memory budget (bytes).
 pub const MEMORY_BUDGET_ENV: &str = "KVRELAY_MAX_FABRIC_BYTES";
 
-/// Bytes of one wire frame (domain.md §6.2, `src/wire/README.md`); a larger frame is refused before it is parsed.
+/// Bytes of one wire frame (domain.md §6.2, `src/pure/wire/README.md`); a larger frame is refused before it is parsed.
 pub const MAX_FRAME_BYTES: u64 = 1 << 26;
 /// Items of one list inside a frame (page or slot indices, layer ids, memory descs): as many as a pool has items.
 pub const MAX_LIST_ITEMS: u64 = MAX_POOL_ITEMS;

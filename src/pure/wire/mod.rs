@@ -1,9 +1,9 @@
 //! The Mori control-plane messages as bytes (domain.md §6): registration, per-request metadata, status and
 //! prefill info, each a ZMQ-style multipart message (`Vec<Vec<u8>>`) whose frame 0 is the guard `MoriMsgGuard`.
 //!
-//! `src/wire/README.md` is the spec: every frame, its encoding, defaults, limits and golden byte vectors.
+//! `src/pure/wire/README.md` is the spec: every frame, its encoding, defaults, limits and golden byte vectors.
 //! Every message has `encode(&self) -> Vec<Vec<u8>>` and `decode(&[Vec<u8>]) -> Result<Self, WireError>`.
-//! Decoding never panics and allocates nothing a frame's own bytes and `src/limits.rs` do not bound; every
+//! Decoding never panics and allocates nothing a frame's own bytes and `src/pure/limits.rs` do not bound; every
 //! [`WireError`] names the message, the frame index and the field. For every value inside the documented domain
 //! (text fields printable ASCII, numbers in range, lists within the limits) `decode(&x.encode()) == Ok(x)`;
 //! `encode` never panics outside it either, it writes frames that `decode` refuses.

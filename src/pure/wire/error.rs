@@ -34,7 +34,7 @@ pub struct WireError {
     pub message: MessageKind,
     /// Index in the multipart message; the guard is frame 0, so §6.2's field `idx k` is frame `k + 1`.
     pub frame: usize,
-    /// The field's name as `src/wire/README.md` spells it (the Rust field name).
+    /// The field's name as `src/pure/wire/README.md` spells it (the Rust field name).
     pub field: &'static str,
     pub reason: WireReason,
 }
@@ -107,7 +107,7 @@ pub enum WireReason {
     /// A list whose byte length is not a whole number of items.
     #[error("list {list} has {bytes} bytes, not a multiple of the {width}-byte item")]
     Misaligned { list: usize, bytes: u64, width: usize },
-    /// A length or count above a limit of `src/limits.rs`.
+    /// A length or count above a limit of `src/pure/limits.rs`.
     #[error("{what} {value} is more than the limit of {limit}")]
     TooLarge { what: &'static str, value: u64, limit: u64 },
     /// A text field that must not be empty.

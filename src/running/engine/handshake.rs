@@ -1,4 +1,4 @@
-//! kvrelay's own control messages beside Mori's (documented in `src/wire/README.md` terms): the prefill rank's
+//! kvrelay's own control messages beside Mori's (documented in `src/pure/wire/README.md` terms): the prefill rank's
 //! answer to a registration, carrying its transfer engine's peer address for this connection (a verbs connection
 //! needs both ends) and the link's verdict.
 //!

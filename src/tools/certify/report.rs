@@ -178,7 +178,7 @@ impl Report {
         text
     }
 
-    /// The JSON report (schema: `report.schema` in src/certify/README.md).
+    /// The JSON report (schema: `report.schema` in src/tools/certify/README.md).
     pub fn json(&self) -> String {
         let cases: Vec<JsonCase<'_>> = self.results.iter().map(JsonCase::from).collect();
         let throughput = self.throughput.map(|figure| JsonThroughput {

@@ -3,7 +3,7 @@
 //!
 //! Mori's own bytes are library-internal (C++ `MSGPACK_DEFINE` structs inside a msgpack list) and kvrelay takes no
 //! msgpack dependency, so these frames carry the same information in a fixed little-endian layout documented in
-//! `src/wire/README.md`. A kvrelay engine talks to a kvrelay engine; it does not parse a real Mori peer's frames.
+//! `src/pure/wire/README.md`. A kvrelay engine talks to a kvrelay engine; it does not parse a real Mori peer's frames.
 
 use super::codec::{item_count, pack_buffers, text, unpack_buffers, Cursor};
 use super::error::WireReason;

@@ -1,7 +1,7 @@
 //! Frame encodings every message shares (domain.md §6.2): ASCII integers and text, UTF-8 text, little-endian
 //! integer lists, `pack_int_lists`, and the [`Reader`] that names the frame of every error.
 //!
-//! Every length or count read from a frame is checked against the bytes present and `src/limits.rs` before
+//! Every length or count read from a frame is checked against the bytes present and `src/pure/limits.rs` before
 //! anything is allocated for it, so no input can make a decoder allocate more than a few times its own size.
 
 use std::fmt::Display;

@@ -1,5 +1,5 @@
-//! The plan protocol's messages (version [`VERSION`], spec in `src/external/README.md`, JSON Schemas in
-//! `src/external/schema/`): the query rendered from a [`SeatQuery`] and the planner's answer parsed strictly. Pure:
+//! The plan protocol's messages (version [`VERSION`], spec in `src/running/external/README.md`, JSON Schemas in
+//! `src/running/external/schema/`): the query rendered from a [`SeatQuery`] and the planner's answer parsed strictly. Pure:
 //! no IO. Keys are sorted (serde_json's map), so a query's text is a deterministic function of the query.
 
 use serde_json::{json, Value};

@@ -123,7 +123,7 @@ error_kinds! {
         Unreadable = "unreadable",
         /// The bytes are not UTF-8 text, or hold control characters.
         NotText = "not_text",
-        /// A size, nesting depth, alias expansion or count past a limit of `src/limits.rs`.
+        /// A size, nesting depth, alias expansion or count past a limit of `src/pure/limits.rs`.
         TooLarge = "too_large",
         /// Not YAML: a syntax error or a key given twice.
         Syntax = "syntax",

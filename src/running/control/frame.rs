@@ -1,4 +1,4 @@
-//! The control plane's frames on a TCP stream (kvrelay's own; documented in `src/wire/README.md`): a length prefix,
+//! The control plane's frames on a TCP stream (kvrelay's own; documented in `src/pure/wire/README.md`): a length prefix,
 //! a kind, the sending and receiving node, and a list of byte frames (an engine's ZMQ-style message, or bootstrap
 //! data). Pure: [`ControlFrame::encode`] and [`decode`] read no socket.
 //!

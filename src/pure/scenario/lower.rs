@@ -30,7 +30,7 @@ impl Diagnostics {
         self.push_kind(ScenarioErrorKind::InvalidValue, path, message);
     }
 
-    /// A count or size past a limit of `src/limits.rs`.
+    /// A count or size past a limit of `src/pure/limits.rs`.
     fn push_limit(&mut self, path: impl Into<String>, message: impl Into<String>) {
         self.push_kind(ScenarioErrorKind::TooLarge, path, message);
     }

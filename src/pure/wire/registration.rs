@@ -42,7 +42,7 @@ pub const REGISTRATION_FRAMES_WITH_ITEM_LENS: usize = 19;
 
 /// A decode rank's registration with one prefill rank (domain.md §6.2, PR #37358 layout).
 ///
-/// Field `idx k` of the §6.2 table is frame `k + 1` (frame 0 is the guard); `src/wire/README.md` has the table.
+/// Field `idx k` of the §6.2 table is frame `k + 1` (frame 0 is the guard); `src/pure/wire/README.md` has the table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Registration {
     /// Frame 2: the decode rank's ip (text).

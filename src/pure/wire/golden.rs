@@ -1,4 +1,4 @@
-//! The example messages whose encodings `src/wire/README.md` lists as golden vectors. The tests pin those bytes
+//! The example messages whose encodings `src/pure/wire/README.md` lists as golden vectors. The tests pin those bytes
 //! and the fuzz target starts from them; keep them small and internally consistent.
 
 use super::{DcpFields, EngineDesc, KvPoll, MemoryDesc, PrefillInfo, Registration, RequestMeta, Status};
