@@ -12,6 +12,7 @@ pub mod plugin;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod seam;
+mod shell;
 pub mod verbs;
 pub mod verbs_engine;
 pub mod world;
