@@ -14,9 +14,11 @@
 //!   and its `info` text must name the transport and its version. Each refusal is a [`PluginError`] naming the
 //!   path and the fix.
 //! - **Posting.** [`Endpoint::post_send`] checks everything the contract refuses in software first (unknown or
-//!   unconnected QP, SGE count, message size, and the send-queue credits with the same [`SendQueue`] accounting
+//!   unconnected QP, SGE count, message size, and the send-queue credits with the same `SendQueue` accounting
 //!   as every fabric), so the plug-in never sees a refused batch. The plug-in sees each work request's position
-//!   on its QP as `wr_id`; the caller's `wr_id` and message length wait in a table indexed by position.
+//!   on its QP as `wr_id`; the caller's `wr_id` and message length wait in a ring of slots indexed by position.
+//!   That bookkeeping, the ready completions and the `poll_cq` loop are `super::shell`'s, shared with the RDMA
+//!   fabric; this module makes the plug-in's calls and checks its answers.
 //! - **Completions.** Every completion the plug-in returns is checked: an unknown status or kind, a position that
 //!   is not outstanding or comes out of post order, or a successful `byte_len` other than the work request's
 //!   length makes the loader speak for the QP from then on: the offending work request (or the first unreported

@@ -8,15 +8,18 @@
 //! One endpoint owns one device context, one protection domain, one completion channel with one CQ (the send and
 //! receive completions of all its QPs), one MR per registration and its RC QPs. How the contract is kept:
 //!
+//! The QP bookkeeping every real fabric shares (send-queue slots and credits, the ready completions, the software
+//! flush of a failed QP, the `poll_cq` loop) is `super::shell`'s; this module makes the verbs calls.
+//!
 //! - **Posting.** [`Endpoint::post_send`] checks everything the contract refuses in software first (unknown or
-//!   unconnected QP, SGE count, message size, and the send-queue credits with the same [`SendQueue`] accounting
+//!   unconnected QP, SGE count, message size, and the send-queue credits with the same `SendQueue` accounting
 //!   as the in-memory fabric), so a refused batch never reaches the device; then it makes one `ibv_post_send` of a
 //!   linked list (RDMA_WRITE or RDMA_WRITE_WITH_IMM, `IBV_SEND_SIGNALED` per work request), built in reused
 //!   buffers without allocating.
 //! - **Completions.** The device sees each work request's position on its QP as `wr_id`; the caller's `wr_id` and
-//!   message length wait in a ring of `sq_depth` slots indexed by position, so duplicate `wr_id`s are harmless and a
-//!   completion frees exactly the slots the contract says when it is handed out by [`Endpoint::poll_cq`].
-//!   Statuses map to the closest kind of failure:
+//!   message length wait in the shell's ring of `sq_depth` slots indexed by position, so duplicate `wr_id`s are
+//!   harmless and a completion frees exactly the slots the contract says when it is handed out by
+//!   [`Endpoint::poll_cq`]. Statuses map to the closest kind of failure:
 //!
 //!   | `ibv_wc_status` | [`WcStatus`] |
 //!   | --- | --- |
