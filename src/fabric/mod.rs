@@ -1,6 +1,7 @@
 //! The fabric seam, shaped like RDMA verbs ([`verbs`]), the in-memory fabric behind it ([`world`]), C ABI transport
 //! plug-ins loaded as shared objects ([`plugin`], header `kvrelay_transport.h`) and, with the cargo feature `rdma`,
 //! the RDMA verbs fabric (`rdma`). `plugin` and `rdma` are the crate's only `unsafe` code.
+//! `shell` is the QP bookkeeping the two real fabrics share, in safe code.
 //!
 //! Nothing here knows plans, models or the oracle: a fabric moves bytes between addresses it was given keys for.
 //! The RDMA fabric (feature `rdma`) implements the same [`verbs::Endpoint`] and passes the same conformance suite.
@@ -15,6 +16,7 @@ pub mod rdma;
 pub mod rdma_transport;
 pub mod registry;
 pub mod seam;
+mod shell;
 pub mod sim_transport;
 pub mod transport;
 pub mod verbs;

@@ -14,9 +14,11 @@
 //!   and its `info` text must name the transport and its version. Each refusal is a [`PluginError`] naming the
 //!   path and the fix.
 //! - **Posting.** [`Endpoint::post_send`] checks everything the contract refuses in software first (unknown or
-//!   unconnected QP, SGE count, message size, and the send-queue credits with the same [`SendQueue`] accounting
+//!   unconnected QP, SGE count, message size, and the send-queue credits with the same `SendQueue` accounting
 //!   as every fabric), so the plug-in never sees a refused batch. The plug-in sees each work request's position
-//!   on its QP as `wr_id`; the caller's `wr_id` and message length wait in a table indexed by position.
+//!   on its QP as `wr_id`; the caller's `wr_id` and message length wait in a ring of slots indexed by position.
+//!   That bookkeeping, the ready completions and the `poll_cq` loop are `super::shell`'s, shared with the RDMA
+//!   fabric; this module makes the plug-in's calls and checks its answers.
 //! - **Completions.** Every completion the plug-in returns is checked: an unknown status or kind, a position that
 //!   is not outstanding or comes out of post order, or a successful `byte_len` other than the work request's
 //!   length makes the loader speak for the QP from then on: the offending work request (or the first unreported
@@ -46,7 +48,7 @@
 )]
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt;
 use std::mem::ManuallyDrop;
@@ -55,10 +57,10 @@ use std::ptr::NonNull;
 use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant};
 
+use super::shell::{self, Backend, Shell};
 use super::transport::{Identity, Transport};
 use super::verbs::{
-    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, SendQueue, WcKind, WcStatus, WorkCompletion,
-    WorkRequest,
+    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, WcKind, WcStatus, WorkCompletion, WorkRequest,
 };
 
 /// The ABI version this loader accepts (`KVRELAY_TRANSPORT_ABI_VERSION` of the header).
@@ -437,8 +439,7 @@ impl Plugin {
             max_registered_bytes: granted.max_registered_bytes,
             registered_bytes: 0,
             regions: BTreeMap::new(),
-            qps: BTreeMap::new(),
-            ready: VecDeque::new(),
+            shell: Shell::default(),
             faults: Vec::new(),
             sges: Vec::new(),
             wrs: Vec::new(),
@@ -587,34 +588,6 @@ struct Registered {
     capacity: usize,
 }
 
-/// What the caller posted at one position of a QP.
-#[derive(Debug, Clone, Copy)]
-struct Slot {
-    wr_id: u64,
-    byte_len: u64,
-    signaled: bool,
-}
-
-#[derive(Debug, Default)]
-struct Qp {
-    connected: bool,
-    queue: SendQueue,
-    /// By position: the outstanding work requests.
-    slots: BTreeMap<u64, Slot>,
-    /// One past the last position the plug-in completed (its completions come in post order).
-    completed_end: u64,
-    /// The plug-in broke the contract on this QP: the loader completes every work request itself from now on.
-    taken_over: bool,
-    /// Whether the loader has already completed one work request of a taken-over QP in error.
-    error_given: bool,
-}
-
-/// A completion ready to hand out; handing it out frees its QP's slots before position `.1`.
-struct Ready {
-    wc: WorkCompletion,
-    frees: Option<u64>,
-}
-
 struct EndpointState {
     loaded: Rc<Loaded>,
     /// `None` once closed.
@@ -625,8 +598,9 @@ struct EndpointState {
     registered_bytes: u64,
     /// By address.
     regions: BTreeMap<u64, Registered>,
-    qps: BTreeMap<QpNum, Qp>,
-    ready: VecDeque<Ready>,
+    /// The QPs' send queues and the completions not handed out yet; a QP that failed there is one the plug-in
+    /// broke the contract on, whose work requests the loader completes itself from then on.
+    shell: Shell,
     faults: Vec<String>,
     /// Reused buffers of one post and one fetch.
     sges: Vec<RawSge>,
@@ -729,19 +703,16 @@ impl EndpointState {
             return Err(self.error("create_qp", code));
         }
         let qpn = QpNum(out.qpn);
-        if self.qps.contains_key(&qpn) || out.node != self.node.0 {
+        if self.shell.qp(qpn).is_some() || out.node != self.node.0 {
             let message = format!("create_qp returned {qpn} of node {} (in use, or not this {})", out.node, self.node);
             return Err(self.fault("create_qp", message));
         }
-        self.qps.insert(qpn, Qp::default());
+        self.shell.add_qp(qpn, self.caps.sq_depth);
         Ok(QpInfo { node: self.node, qpn, lid: out.lid, gid: out.gid })
     }
 
     fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
-        let qp = self.qps.get(&local).ok_or(FabricError::UnknownQp(local))?;
-        if qp.connected {
-            return Err(FabricError::AlreadyConnected(local));
-        }
+        self.shell.check_connect(local)?;
         let raw = self.handle("connect_qp")?;
         let info =
             RawQpInfo { node: remote.node.0, qpn: remote.qpn.0, lid: remote.lid, gid: remote.gid, reserved: [0; 2] };
@@ -750,23 +721,19 @@ impl EndpointState {
         if code != 0 {
             return Err(self.error("connect_qp", code));
         }
-        self.qps.get_mut(&local).expect("checked above").connected = true;
+        self.shell.connect(local);
         Ok(())
     }
 
     fn post_send(&mut self, qpn: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
-        let qp = self.qps.get(&qpn).ok_or(FabricError::UnknownQp(qpn))?;
-        if !qp.connected {
-            return Err(FabricError::NotConnected(qpn));
-        }
-        qp.queue.check_post(qpn, self.caps, wrs)?;
+        self.shell.check_post(qpn, self.caps, wrs)?;
         if wrs.is_empty() {
             return Ok(());
         }
         let raw = self.handle("post")?;
-        let first = qp.queue.posted();
-        if !qp.taken_over {
-            self.build(wrs, first);
+        let book = self.shell.qp(qpn).expect("checked by check_post");
+        if !book.failed() {
+            self.build(wrs, book.queue().posted());
             // SAFETY: a live endpoint and one of its connected QPs; `self.wrs` holds `wrs.len()` work requests whose
             // SGE pointers point into `self.sges`, neither modified until the call returns; every SGE and remote
             // address is the caller's, checked by the plug-in against its registrations (the header).
@@ -776,16 +743,8 @@ impl EndpointState {
                 return Err(self.error("post", code));
             }
         }
-        let qp = self.qps.get_mut(&qpn).expect("checked above");
-        for wr in wrs {
-            let byte_len = wr.byte_len().expect("checked by check_post");
-            let position = qp.queue.push(wr.signaled);
-            qp.slots.insert(position, Slot { wr_id: wr.wr_id, byte_len, signaled: wr.signaled });
-        }
-        if qp.taken_over {
-            let end = qp.queue.posted();
-            self.complete_in_error(qpn, first, end);
-        }
+        // On a QP the loader took over, completed here: in error if none was yet, else flushed.
+        self.shell.record(qpn, wrs);
         Ok(())
     }
 
@@ -817,39 +776,22 @@ impl EndpointState {
         }
     }
 
-    /// Completes positions `from..end` of a taken-over QP: the first ever in error, the rest flushed.
-    fn complete_in_error(&mut self, qpn: QpNum, from: u64, end: u64) {
-        let qp = self.qps.get_mut(&qpn).expect("a QP of this endpoint");
-        for position in from..end {
-            let Some(slot) = qp.slots.get(&position) else { continue };
-            let status = if qp.error_given { WcStatus::Flushed } else { WcStatus::LocalProtection };
-            qp.error_given = true;
-            let wc = WorkCompletion { wr_id: slot.wr_id, qp: qpn, status, kind: WcKind::Write, imm: None, byte_len: 0 };
-            self.ready.push_back(Ready { wc, frees: Some(position + 1) });
-        }
-        qp.completed_end = qp.completed_end.max(end);
-    }
-
     /// The plug-in broke the contract on `qpn` at `position` (or, if `None`, at its first unreported position):
     /// the loader completes everything outstanding from there in error and speaks for the QP from now on.
     fn take_over(&mut self, qpn: QpNum, position: Option<u64>, message: String) {
         self.faults
             .push(format!("poll: {qpn}: {message}; the loader completes its work requests in error from now on"));
-        let qp = self.qps.get_mut(&qpn).expect("a QP of this endpoint");
-        qp.taken_over = true;
-        let from = position.unwrap_or(qp.completed_end).max(qp.completed_end);
-        let end = qp.queue.posted();
-        self.complete_in_error(qpn, from, end);
+        self.shell.take_over(qpn, position);
     }
 
     /// The plug-in's CQ is corrupt: whichever work request a bad completion was is lost, so every QP with work
     /// still outstanding completes it in error rather than waiting for it forever.
     fn take_over_all(&mut self, message: String) {
         let waiting: Vec<QpNum> = self
-            .qps
-            .iter()
-            .filter(|(_, qp)| !qp.taken_over && qp.completed_end < qp.queue.posted())
-            .map(|(qpn, _)| *qpn)
+            .shell
+            .qps()
+            .filter(|(_, qp)| !qp.failed() && qp.completed_end() < qp.queue().posted())
+            .map(|(qpn, _)| qpn)
             .collect();
         if waiting.is_empty() {
             self.faults.push(format!("poll: {message}; no QP awaits a completion, so it was dropped"));
@@ -859,45 +801,52 @@ impl EndpointState {
         }
     }
 
-    /// Takes up to about `want` completions off the plug-in's CQ into `ready`, checking each.
+    /// Takes up to about `want` completions off the plug-in's CQ into the shell, checking each.
     fn fetch(&mut self, want: usize) {
-        let Some(raw) = self.raw else { return };
         let mut fetched = 0;
         while fetched < want {
             let batch = FETCH_BATCH.min(want - fetched);
-            self.fetched.clear();
-            self.fetched.resize(batch, RawCompletion::default());
-            let mut polled = 0usize;
-            // SAFETY: a live endpoint; `self.fetched` holds `batch` initialised, writable completions and `polled`
-            // is writable, both for the call only.
-            let code = unsafe { (self.loaded.ops.poll)(raw.as_ptr(), self.fetched.as_mut_ptr(), batch, &mut polled) };
-            if code != 0 {
-                let error = self.error("poll", code);
-                return self.take_over_all(format!("poll failed: {error}"));
-            }
-            if polled > batch {
-                self.faults.push(format!("poll: the plug-in returned {polled} completions into room for {batch}"));
-            }
-            let taken = polled.min(batch);
-            for index in 0..taken {
-                let raw = self.fetched[index];
-                self.accept(raw);
-            }
-            fetched += taken;
-            if taken < batch {
+            if !self.fetch_batch(batch) {
                 return;
             }
+            fetched += batch;
         }
+    }
+
+    /// Takes up to `batch` completions off the plug-in's CQ into the shell, checking each; whether it gave all
+    /// `batch` (a closed endpoint or a failed `poll` gives none).
+    fn fetch_batch(&mut self, batch: usize) -> bool {
+        let Some(raw) = self.raw else { return false };
+        self.fetched.clear();
+        self.fetched.resize(batch, RawCompletion::default());
+        let mut polled = 0usize;
+        // SAFETY: a live endpoint; `self.fetched` holds `batch` initialised, writable completions and `polled` is
+        // writable, both for the call only.
+        let code = unsafe { (self.loaded.ops.poll)(raw.as_ptr(), self.fetched.as_mut_ptr(), batch, &mut polled) };
+        if code != 0 {
+            let error = self.error("poll", code);
+            self.take_over_all(format!("poll failed: {error}"));
+            return false;
+        }
+        if polled > batch {
+            self.faults.push(format!("poll: the plug-in returned {polled} completions into room for {batch}"));
+        }
+        let taken = polled.min(batch);
+        for index in 0..taken {
+            let raw = self.fetched[index];
+            self.accept(raw);
+        }
+        taken == batch
     }
 
     /// Checks one completion from the plug-in and queues what it means.
     fn accept(&mut self, raw: RawCompletion) {
         let qpn = QpNum(raw.qpn);
-        let Some(qp) = self.qps.get(&qpn) else {
+        let Some(qp) = self.shell.qp(qpn) else {
             return self.take_over_all(format!("a completion for {qpn}, which this endpoint never created"));
         };
-        if qp.taken_over {
-            return;
+        if qp.failed() {
+            return; // taken over: the loader speaks for the QP
         }
         let status = match raw.status {
             0 => Some(WcStatus::Success),
@@ -911,11 +860,11 @@ impl EndpointState {
             1 => self.accept_notification(qpn, status, raw),
             0 => {
                 let position = raw.wr_id;
-                if position < qp.completed_end || position >= qp.queue.posted() {
+                if position < qp.completed_end() || position >= qp.queue().posted() {
                     let message = format!("a completion for position {position}, which is not outstanding");
                     return self.take_over(qpn, None, message);
                 }
-                let Some(&slot) = qp.slots.get(&position) else {
+                let Some(slot) = qp.slot(position) else {
                     return self.take_over(qpn, None, format!("a completion for position {position}, already freed"));
                 };
                 let Some(status) = status else {
@@ -925,15 +874,8 @@ impl EndpointState {
                     let message = format!("byte_len {} for a work request of {} bytes", raw.byte_len, slot.byte_len);
                     return self.take_over(qpn, Some(position), message);
                 }
-                let qp = self.qps.get_mut(&qpn).expect("checked above");
-                qp.completed_end = position + 1;
-                if status == WcStatus::Success && !slot.signaled {
-                    return; // a success of an unsignalled work request: no completion (the contract)
-                }
-                let byte_len = if status == WcStatus::Success { slot.byte_len } else { 0 };
-                let wc =
-                    WorkCompletion { wr_id: slot.wr_id, qp: qpn, status, kind: WcKind::Write, imm: None, byte_len };
-                self.ready.push_back(Ready { wc, frees: Some(position + 1) });
+                // A success of an unsignalled work request gives no completion (the contract).
+                self.shell.complete(qpn, position, status);
             }
             kind => self.take_over(qpn, None, format!("unknown completion kind {kind}")),
         }
@@ -952,7 +894,7 @@ impl EndpointState {
                     imm: Some(raw.imm),
                     byte_len: raw.byte_len,
                 };
-                self.ready.push_back(Ready { wc, frees: None });
+                self.shell.push_notification(wc);
             }
             Some(WcStatus::Success) => self.faults.push(format!(
                 "poll: a notification on {qpn} of {} bytes, over max_message, was dropped",
@@ -964,22 +906,11 @@ impl EndpointState {
     }
 
     fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-        if self.ready.len() < max {
-            self.fetch(max - self.ready.len());
-        }
-        let count = max.min(self.ready.len());
-        for ready in self.ready.drain(..count) {
-            if let (Some(end), Some(qp)) = (ready.frees, self.qps.get_mut(&ready.wc.qp)) {
-                qp.queue.free_through(end);
-                qp.slots = qp.slots.split_off(&end);
-            }
-            out.push(ready.wc);
-        }
-        count
+        shell::poll_cq(self, out, max)
     }
 
     fn wait(&mut self, timeout: Duration) -> bool {
-        if !self.ready.is_empty() {
+        if self.shell.ready() > 0 {
             return true;
         }
         let Some(raw) = self.raw else { return false };
@@ -991,7 +922,7 @@ impl EndpointState {
         let deadline = Deadline::after(timeout);
         loop {
             self.fetch(FETCH_BATCH);
-            if !self.ready.is_empty() {
+            if self.shell.ready() > 0 {
                 return true;
             }
             match deadline.left() {
@@ -1003,7 +934,7 @@ impl EndpointState {
 
     /// Whether every signalled work request posted so far has been completed by the plug-in.
     fn settled(&self) -> bool {
-        self.qps.values().all(|qp| qp.taken_over || qp.completed_end >= qp.queue.signaled_end())
+        !self.shell.awaits_completions()
     }
 
     /// Closes the plug-in's endpoint (its registrations with it); the memory stays owned here.
@@ -1012,6 +943,16 @@ impl EndpointState {
             // SAFETY: a live endpoint, closed once (`raw` is taken) and never used again.
             unsafe { (self.loaded.ops.close)(raw.as_ptr()) };
         }
+    }
+}
+
+impl Backend for EndpointState {
+    fn shell(&mut self) -> &mut Shell {
+        &mut self.shell
+    }
+
+    fn fetch(&mut self, want: usize) -> bool {
+        self.fetch_batch(FETCH_BATCH.min(want))
     }
 }
 

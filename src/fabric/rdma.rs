@@ -8,15 +8,18 @@
 //! One endpoint owns one device context, one protection domain, one completion channel with one CQ (the send and
 //! receive completions of all its QPs), one MR per registration and its RC QPs. How the contract is kept:
 //!
+//! The QP bookkeeping every real fabric shares (send-queue slots and credits, the ready completions, the software
+//! flush of a failed QP, the `poll_cq` loop) is `super::shell`'s; this module makes the verbs calls.
+//!
 //! - **Posting.** [`Endpoint::post_send`] checks everything the contract refuses in software first (unknown or
-//!   unconnected QP, SGE count, message size, and the send-queue credits with the same [`SendQueue`] accounting
+//!   unconnected QP, SGE count, message size, and the send-queue credits with the same `SendQueue` accounting
 //!   as the in-memory fabric), so a refused batch never reaches the device; then it makes one `ibv_post_send` of a
 //!   linked list (RDMA_WRITE or RDMA_WRITE_WITH_IMM, `IBV_SEND_SIGNALED` per work request), built in reused
 //!   buffers without allocating.
 //! - **Completions.** The device sees each work request's position on its QP as `wr_id`; the caller's `wr_id` and
-//!   message length wait in a ring of `sq_depth` slots indexed by position, so duplicate `wr_id`s are harmless and a
-//!   completion frees exactly the slots the contract says when it is handed out by [`Endpoint::poll_cq`].
-//!   Statuses map to the closest kind of failure:
+//!   message length wait in the shell's ring of `sq_depth` slots indexed by position, so duplicate `wr_id`s are
+//!   harmless and a completion frees exactly the slots the contract says when it is handed out by
+//!   [`Endpoint::poll_cq`]. Statuses map to the closest kind of failure:
 //!
 //!   | `ibv_wc_status` | [`WcStatus`] |
 //!   | --- | --- |
@@ -54,7 +57,7 @@
 #![allow(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::ffi::CStr;
 use std::io;
 use std::mem::ManuallyDrop;
@@ -72,8 +75,9 @@ use rdma_sys::{
     ibv_wc_opcode, ibv_wc_status, ibv_wr_opcode, rdma_t,
 };
 
+use super::shell::{self, Backend, Shell};
 use super::verbs::{
-    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, SendQueue, Sge, WcKind, WcStatus,
+    Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcKind, WcStatus,
     WorkCompletion, WorkRequest,
 };
 
@@ -213,8 +217,8 @@ pub struct RdmaEndpoint {
     max_qp_wr: usize,
     /// CQ entries the QPs may occupy at once (the sum of their send and receive depths).
     cq_reserved: usize,
-    /// Completions taken off the CQ (or made here for a failed QP) and not handed out yet, in arrival order.
-    ready: VecDeque<Ready>,
+    /// The QPs' send queues and the completions taken off the CQ (or made here for a failed QP) not handed out yet.
+    shell: Shell,
     /// Reused buffers of the hot paths.
     send_wrs: Vec<ibv_send_wr>,
     send_sges: Vec<ibv_sge>,
@@ -240,13 +244,6 @@ impl std::fmt::Debug for RdmaEndpoint {
     }
 }
 
-/// A completion taken off the CQ, waiting to be handed out; handing out a sender's frees its QP's slots.
-#[derive(Debug, Clone, Copy)]
-struct Ready {
-    wc: WorkCompletion,
-    frees_through: Option<u64>,
-}
-
 /// The fields of an `ibv_wc` the endpoint reads, copied out of the poll buffer.
 #[derive(Debug, Clone, Copy)]
 struct RawCompletion {
@@ -258,33 +255,13 @@ struct RawCompletion {
     qp_num: u32,
 }
 
-/// The caller's view of a posted work request, in the slot of its position.
-#[derive(Debug, Clone, Copy, Default)]
-struct Slot {
-    wr_id: u64,
-    len: u64,
-}
-
 struct Qp {
     raw: NonNull<ibv_qp>,
-    qpn: QpNum,
-    peer: Option<QpInfo>,
-    queue: SendQueue,
-    /// Indexed by position modulo its length (`sq_depth`, at least 1): at most that many are outstanding.
-    slots: Box<[Slot]>,
     /// Receives posted and not yet completed.
     receives: usize,
     receive_depth: usize,
     /// A receive failed or was flushed: the QP is in the error state, so receives are not re-posted.
     receives_stopped: bool,
-    /// One past the position of the last work request handed to the device (later ones were flushed here).
-    device_end: u64,
-    /// One past the position of the last send completion taken off the device.
-    completed_end: u64,
-    /// A send completion in error was taken off the device: the QP is in the error state for good.
-    failed: bool,
-    /// One past the position of the last work request flushed here whose completion is in `ready`.
-    released_end: u64,
 }
 
 impl Drop for Qp {
@@ -628,7 +605,7 @@ impl RdmaEndpoint {
             max_cqe,
             max_qp_wr: usize::try_from(open.device_attr.max_qp_wr).unwrap_or(0),
             cq_reserved: 0,
-            ready: VecDeque::new(),
+            shell: Shell::default(),
             send_wrs: Vec::new(),
             send_sges: Vec::new(),
             wcs: (0..POLL_BATCH).map(|_| zeroed()).collect(),
@@ -657,7 +634,7 @@ impl RdmaEndpoint {
     /// Completions already taken off the device's CQ (by [`RdmaEndpoint::wait`], or left over from a
     /// [`Endpoint::poll_cq`] with a small `max`) that the next `poll_cq` hands out first.
     pub fn ready(&self) -> usize {
-        self.ready.len()
+        self.shell.ready()
     }
 
     /// Whether a send completion is certain to come that has not been taken off the device yet: a signalled work
@@ -665,10 +642,7 @@ impl RdmaEndpoint {
     /// (they all complete, flushed). Unsignalled work requests on a healthy QP complete only if they fail, which
     /// cannot be known in advance. Use it to drain before tearing down, with [`RdmaEndpoint::wait`].
     pub fn awaits_completions(&self) -> bool {
-        self.qps.values().any(|qp| {
-            let end = if qp.failed { qp.device_end } else { qp.queue.signaled_end() };
-            end > qp.completed_end
-        })
+        self.shell.awaits_completions()
     }
 
     /// Blocks until a completion is ready for [`Endpoint::poll_cq`] or `timeout` has passed, and says whether one is.
@@ -685,7 +659,7 @@ impl RdmaEndpoint {
             // Completions that arrived before arming raise no event: take them all off now (even with some ready,
             // so that `ready` and `awaits_completions` reflect everything that has arrived).
             self.fetch();
-            if !self.ready.is_empty() {
+            if self.shell.ready() > 0 {
                 return true;
             }
             if armed != 0 {
@@ -708,7 +682,7 @@ impl RdmaEndpoint {
             }
             if rc <= 0 || remaining.is_zero() {
                 self.fetch();
-                return !self.ready.is_empty();
+                return self.shell.ready() > 0;
             }
         }
     }
@@ -782,16 +756,13 @@ impl RdmaEndpoint {
                     imm: Some(raw.imm),
                     byte_len: u64::from(raw.byte_len),
                 };
-                self.ready.push_back(Ready { wc, frees_through: None });
+                self.shell.push_notification(wc);
             }
             return;
         }
-        let position = raw.wr_id;
         let status = wc_status(raw.status);
-        self.ready.push_back(qp.completion(position, status));
-        qp.completed_end = qp.completed_end.max(position + 1);
-        if status != WcStatus::Success && !qp.failed {
-            qp.failed = true;
+        self.shell.complete(qpn, raw.wr_id, status);
+        if status != WcStatus::Success && self.shell.fail(qpn) {
             // Make sure the device flushes everything it still holds: Soft-RoCE before Linux 6.9 may leave work
             // requests posted to a QP already in error unflushed until its completer runs again, and moving the QP
             // to the error state (where it already is) runs it. On other devices this changes nothing.
@@ -799,17 +770,6 @@ impl RdmaEndpoint {
             attr.qp_state = ibv_qp_state::IBV_QPS_ERR;
             let _ = qp.modify(&mut attr, ibv_qp_attr_mask::IBV_QP_STATE, "ibv_modify_qp(ERR)");
         }
-        qp.release_flushed(&mut self.ready);
-    }
-
-    /// Gives a completion to the caller, freeing its QP's send-queue slots (the contract's moment of freeing).
-    fn hand_out(&mut self, ready: Ready, out: &mut Vec<WorkCompletion>) {
-        if let Some(end) = ready.frees_through {
-            if let Some(qp) = self.qps.get_mut(&ready.wc.qp) {
-                qp.queue.free_through(end);
-            }
-        }
-        out.push(ready.wc);
     }
 
     fn qp_info(&self, qpn: QpNum) -> QpInfo {
@@ -941,26 +901,6 @@ impl RdmaEndpoint {
 }
 
 impl Qp {
-    /// The completion of the work request at `position` (its slot holds the caller's `wr_id` and length).
-    fn completion(&self, position: u64, status: WcStatus) -> Ready {
-        let slot = self.slots[(position % self.slots.len() as u64) as usize];
-        let byte_len = if status == WcStatus::Success { slot.len } else { 0 };
-        let wc = WorkCompletion { wr_id: slot.wr_id, qp: self.qpn, status, kind: WcKind::Write, imm: None, byte_len };
-        Ready { wc, frees_through: Some(position + 1) }
-    }
-
-    /// Once the device has completed everything it was given, appends the Flushed completions of the work requests
-    /// posted here after the failure, in post order.
-    fn release_flushed(&mut self, ready: &mut VecDeque<Ready>) {
-        if !self.failed || self.completed_end < self.device_end {
-            return;
-        }
-        for position in self.released_end.max(self.device_end)..self.queue.posted() {
-            ready.push_back(self.completion(position, WcStatus::Flushed));
-        }
-        self.released_end = self.queue.posted();
-    }
-
     fn modify(
         &mut self,
         attr: &mut ibv_qp_attr,
@@ -973,16 +913,6 @@ impl Qp {
             return Err(FabricError::Device { call, errno: errno_of(rc) });
         }
         Ok(())
-    }
-
-    /// Takes send-queue slots for posted work requests, keeping each one's `wr_id` and length in its slot.
-    fn record(&mut self, wrs: &[WorkRequest]) {
-        for wr in wrs {
-            let position = self.queue.push(wr.signaled);
-            let len = wr.byte_len().expect("checked by check_post");
-            let index = (position % self.slots.len() as u64) as usize;
-            self.slots[index] = Slot { wr_id: wr.wr_id, len };
-        }
     }
 
     /// Tops the QP's receives (no SGEs: a WRITE_WITH_IMM lands in an MR and only needs one to complete) up to its
@@ -1028,7 +958,7 @@ impl Drop for RdmaEndpoint {
         // QPs before the MRs they may still reference, then the fields: CQ, channel, PD, context.
         self.qps.clear();
         self.regions.clear();
-        self.ready.clear();
+        self.shell.clear();
     }
 }
 
@@ -1124,55 +1054,33 @@ impl Endpoint for RdmaEndpoint {
         };
         // SAFETY: `raw` is the live QP just created.
         let qpn = QpNum(unsafe { (*raw.as_ptr()).qp_num });
-        let qp = Qp {
-            raw,
-            qpn,
-            peer: None,
-            queue: SendQueue::default(),
-            slots: vec![Slot::default(); send_depth].into_boxed_slice(),
-            receives: 0,
-            receive_depth,
-            receives_stopped: false,
-            device_end: 0,
-            completed_end: 0,
-            failed: false,
-            released_end: 0,
-        };
+        let qp = Qp { raw, receives: 0, receive_depth, receives_stopped: false };
         self.qps.insert(qpn, qp);
+        self.shell.add_qp(qpn, send_depth);
         Ok(self.qp_info(qpn))
     }
 
     fn connect_qp(&mut self, local: QpNum, remote: QpInfo) -> Result<(), FabricError> {
-        let qp = self.qps.get(&local).ok_or(FabricError::UnknownQp(local))?;
-        if qp.peer.is_some() {
-            return Err(FabricError::AlreadyConnected(local));
-        }
+        self.shell.check_connect(local)?;
         self.bring_up(local, remote)?;
-        self.qps.get_mut(&local).expect("checked above").peer = Some(remote);
+        self.shell.connect(local);
         Ok(())
     }
 
     fn post_send(&mut self, qpn: QpNum, wrs: &[WorkRequest]) -> Result<(), FabricError> {
-        let caps = self.caps;
-        let qp = self.qps.get(&qpn).ok_or(FabricError::UnknownQp(qpn))?;
-        if qp.peer.is_none() {
-            return Err(FabricError::NotConnected(qpn));
-        }
-        qp.queue.check_post(qpn, caps, wrs)?;
+        self.shell.check_post(qpn, self.caps, wrs)?;
         if wrs.is_empty() {
             return Ok(());
         }
-        if qp.failed {
+        let book = self.shell.qp(qpn).expect("checked by check_post");
+        if book.failed() {
             // The device reported the QP's failure: it would only flush these (and Soft-RoCE before Linux 6.9 may
             // never do it), so they are flushed here, after the device's last completion.
-            let Self { qps, ready, .. } = self;
-            let qp = qps.get_mut(&qpn).expect("checked above");
-            qp.record(wrs);
-            qp.release_flushed(ready);
+            self.shell.record(qpn, wrs);
             return Ok(());
         }
-        let first_position = qp.queue.posted();
-        let raw_qp = qp.raw.as_ptr();
+        let first_position = book.queue().posted();
+        let raw_qp = self.qps.get(&qpn).expect("the shell's QPs are the endpoint's").raw.as_ptr();
         self.build_send_list(wrs, first_position);
         let head = self.send_wrs.as_mut_ptr();
         let mut bad: *mut ibv_send_wr = ptr::null_mut();
@@ -1188,9 +1096,7 @@ impl Endpoint for RdmaEndpoint {
         } else {
             (bad as usize).saturating_sub(head as usize) / std::mem::size_of::<ibv_send_wr>()
         };
-        let qp = self.qps.get_mut(&qpn).expect("checked above");
-        qp.record(&wrs[..posted.min(wrs.len())]);
-        qp.device_end = qp.queue.posted();
+        self.shell.record(qpn, &wrs[..posted.min(wrs.len())]);
         if rc != 0 {
             return Err(FabricError::Device { call: "ibv_post_send", errno: errno_of(rc) });
         }
@@ -1202,19 +1108,18 @@ impl Endpoint for RdmaEndpoint {
     }
 
     fn poll_cq(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-        let (mut count, mut device_empty) = (0, false);
-        while count < max {
-            if let Some(ready) = self.ready.pop_front() {
-                self.hand_out(ready, out);
-                count += 1;
-            } else if device_empty {
-                break;
-            } else {
-                let want = (max - count).min(POLL_BATCH);
-                device_empty = self.fetch_batch(want) < want;
-            }
-        }
-        count
+        shell::poll_cq(self, out, max)
+    }
+}
+
+impl Backend for RdmaEndpoint {
+    fn shell(&mut self) -> &mut Shell {
+        &mut self.shell
+    }
+
+    fn fetch(&mut self, want: usize) -> bool {
+        let want = want.min(POLL_BATCH);
+        self.fetch_batch(want) == want
     }
 }
 
