@@ -555,7 +555,7 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
         let actual = render::golden(&scenario, &outcome);
         let golden_path = golden_dir.join(render::golden_file_name(&corpus_relative(file, relative)));
         let expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));
-        let mut problems = outcome.failures.clone();
+        let mut problems: Vec<String> = outcome.failures.iter().map(ToString::to_string).collect();
         let golden_diff = match expected {
             None => {
                 problems.push(format!(

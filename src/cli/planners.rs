@@ -198,7 +198,7 @@ fn case(file: &Path, planner: &Rc<RefCell<ProcessPlanner>>, budget: &Budget) -> 
     if outcome.passed() {
         return Ok(());
     }
-    let mut lines = vec![outcome.failures.join("; ")];
+    let mut lines = vec![outcome.failure_text("; ")];
     lines.extend(outcome.violations.iter().take(5).map(ToString::to_string));
     if outcome.violations.len() > 5 {
         lines.push(format!("... {} more violations", outcome.violations.len() - 5));

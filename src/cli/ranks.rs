@@ -20,7 +20,7 @@ pub(super) fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64
         let regions = report.reference.observation.images.len();
         let verdict = |outcome: &harness::Outcome| match outcome.passed() {
             true => "pass".to_owned(),
-            false => format!("FAIL ({})", outcome.failures.join("; ")),
+            false => format!("FAIL ({})", outcome.failure_text("; ")),
         };
         outln!("diff {}: sim vs {}", scenario.file, fabric.name());
         outln!("  decode bytes compared: {} in {regions} regions", report.bytes);
@@ -134,7 +134,11 @@ pub(super) fn launch(
         outln!("pass {} ({} processes, {})", scenario.name, launched.exits.len(), options.fabric.name());
         Ok(ExitCode::SUCCESS)
     } else {
-        eprintln!("FAIL {}: {}", scenario.name, launched.failures.join("; "));
+        eprintln!(
+            "FAIL {}: {}",
+            scenario.name,
+            launched.failures.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+        );
         eprintln!(
             "reproduce: {} launch {} {} --seed {}",
             cargo_run(&options.fabric),

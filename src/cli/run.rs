@@ -190,7 +190,7 @@ fn run_checked(args: &RunArgs, scenario: &Scenario, fabric: &Fabric) -> anyhow::
         return Ok(true);
     }
     if !outcome.passed() {
-        eprintln!("FAIL {}: {}", scenario.name, outcome.failures.join("; "));
+        eprintln!("FAIL {}: {}", scenario.name, outcome.failure_text("; "));
     } else {
         eprintln!("FAIL {}: two runs with seed {} gave different traces", scenario.name, scenario.seed);
     }

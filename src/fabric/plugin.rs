@@ -58,7 +58,7 @@ use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant};
 
 use super::shell::{self, Backend, Shell};
-use super::transport::{Identity, Transport};
+use super::transport::{Identity, Transport, TransportError};
 use super::verbs::{
     Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, WcKind, WcStatus, WorkCompletion, WorkRequest,
 };
@@ -1100,8 +1100,8 @@ impl Transport for PluginTransport {
         self.plugin.identity()
     }
 
-    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
-        let endpoint = self.open_endpoint(node, caps).map_err(|error| error.to_string())?;
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, TransportError> {
+        let endpoint = self.open_endpoint(node, caps).map_err(|error| TransportError::Open(error.to_string()))?;
         Ok(Box::new(endpoint))
     }
 

@@ -15,7 +15,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use super::rdma::{RdmaEndpoint, RdmaError};
-use super::transport::{Identity, Transport};
+use super::transport::{Identity, Transport, TransportError};
 use super::verbs::{Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, WorkCompletion, WorkRequest};
 
 /// `settle` returns once no endpoint awaits a certain completion and none has taken a new one for this long,
@@ -166,8 +166,9 @@ impl Transport for RdmaTransport {
         self.identity.clone()
     }
 
-    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
-        let endpoint = RdmaEndpoint::open(node, self.device.as_deref(), caps).map_err(|error| error.to_string())?;
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, TransportError> {
+        let endpoint = RdmaEndpoint::open(node, self.device.as_deref(), caps)
+            .map_err(|error| TransportError::Open(error.to_string()))?;
         let tracked = Rc::new(RefCell::new(Tracked { endpoint, polled: 0 }));
         self.endpoints.push(Rc::clone(&tracked));
         Ok(Box::new(Shared(tracked)))

@@ -2,7 +2,7 @@
 //! prints it back, and opens the [`Transport`] whose per-node engines a run uses ([`Fabric::transport`]). A new
 //! fabric adds its variant here, its own file (its engine or endpoint, and its `Transport`), and its tests.
 
-use super::transport::Transport;
+use super::transport::{Transport, TransportError};
 use super::verbs::Caps;
 
 /// Where the engines run.
@@ -22,14 +22,14 @@ pub enum Fabric {
 
 impl Fabric {
     /// The fabric called `name` (`sim`, `live-sim`, `rdma`), on `device` where that applies.
-    pub fn parse(name: &str, device: Option<String>) -> Result<Fabric, String> {
+    pub fn parse(name: &str, device: Option<String>) -> Result<Fabric, TransportError> {
         match name {
             "sim" => Ok(Fabric::Sim),
             "live-sim" => Ok(Fabric::LiveSim),
             "rdma" => Ok(Fabric::Rdma { device }),
             other => match other.strip_prefix("plugin:") {
                 Some(path) => Ok(Fabric::Plugin { path: path.to_owned() }),
-                None => Err(format!("unknown fabric `{other}` (fix: sim, live-sim, rdma or plugin:PATH)")),
+                None => Err(TransportError::UnknownFabric { name: other.to_owned() }),
             },
         }
     }
@@ -68,12 +68,13 @@ impl Fabric {
 
     /// The transport whose engines a run on this fabric uses (the in-memory fabric delivering at once for `sim`
     /// and `live-sim`: a real-clock driver's view of it).
-    pub fn transport(&self) -> Result<Box<dyn Transport>, String> {
+    pub fn transport(&self) -> Result<Box<dyn Transport>, TransportError> {
         match self {
             Fabric::Sim | Fabric::LiveSim => Ok(Box::new(super::sim_transport::SimTransport::eager())),
             Fabric::Rdma { device } => rdma(device.as_deref()),
             Fabric::Plugin { path } => {
-                let plugin = super::plugin::PluginTransport::load(path).map_err(|error| error.to_string())?;
+                let plugin = super::plugin::PluginTransport::load(path)
+                    .map_err(|error| TransportError::Unavailable(error.to_string()))?;
                 Ok(Box::new(plugin))
             }
         }
@@ -81,14 +82,15 @@ impl Fabric {
 }
 
 #[cfg(feature = "rdma")]
-fn rdma(device: Option<&str>) -> Result<Box<dyn Transport>, String> {
-    let transport = super::rdma_transport::RdmaTransport::new(device).map_err(|error| error.to_string())?;
+fn rdma(device: Option<&str>) -> Result<Box<dyn Transport>, TransportError> {
+    let transport = super::rdma_transport::RdmaTransport::new(device)
+        .map_err(|error| TransportError::Unavailable(error.to_string()))?;
     Ok(Box::new(transport))
 }
 
 #[cfg(not(feature = "rdma"))]
-fn rdma(_: Option<&str>) -> Result<Box<dyn Transport>, String> {
-    Err(RDMA_MISSING.to_owned())
+fn rdma(_: Option<&str>) -> Result<Box<dyn Transport>, TransportError> {
+    Err(TransportError::Unavailable(RDMA_MISSING.to_owned()))
 }
 
 /// What kvrelay asks of an RDMA device per endpoint (clamped to the device's limits): gather lists of up to 30

@@ -1,7 +1,7 @@
 //! [`SimTransport`]: the in-memory fabric ([`SimWorld`]) as a [`Transport`], kvrelay's reference transport and the
 //! one the conformance suite's own tests run on.
 
-use super::transport::{Identity, Transport};
+use super::transport::{Identity, Transport, TransportError};
 use super::verbs::{Caps, Endpoint, NodeId};
 use super::world::SimWorld;
 
@@ -65,7 +65,7 @@ impl Transport for SimTransport {
         identity
     }
 
-    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, TransportError> {
         let grants = smaller(self.grants, caps);
         let world = self.world.get_or_insert_with(|| SimWorld::new(grants));
         Ok(Box::new(if self.eager { world.eager_endpoint(node) } else { world.endpoint(node) }))

@@ -9,6 +9,46 @@ use super::seam::TransferEngine;
 use super::verbs::{Caps, Endpoint, NodeId};
 use super::verbs_engine::VerbsEngine;
 
+error_kinds! {
+    /// The kind of a [`TransportError`].
+    pub enum TransportErrorKind {
+        /// A verbs endpoint was asked of a transport that meets only the transfer-engine seam.
+        NotVerbs = "not_verbs",
+        /// `--fabric` names no fabric.
+        UnknownFabric = "unknown_fabric",
+        /// The fabric is not there: built without its feature, no such device, a plug-in that does not load.
+        Unavailable = "unavailable",
+        /// The transport refused to open a node's endpoint or engine.
+        Open = "open",
+    }
+}
+
+/// Why a transport, or the registry, could not give what was asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    #[error("this transport is not verbs-shaped: it meets the transfer-engine seam only")]
+    NotVerbs,
+    #[error("unknown fabric `{name}` (fix: sim, live-sim, rdma or plugin:PATH)")]
+    UnknownFabric { name: String },
+    /// Its own words, naming the fix.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The transport's own words.
+    #[error("{0}")]
+    Open(String),
+}
+
+impl TransportError {
+    pub fn kind(&self) -> TransportErrorKind {
+        match self {
+            TransportError::NotVerbs => TransportErrorKind::NotVerbs,
+            TransportError::UnknownFabric { .. } => TransportErrorKind::UnknownFabric,
+            TransportError::Unavailable(_) => TransportErrorKind::Unavailable,
+            TransportError::Open(_) => TransportErrorKind::Open,
+        }
+    }
+}
+
 /// Who the transport is, for the report and the manifest.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Identity {
@@ -36,13 +76,13 @@ pub trait Transport {
     }
     /// A fresh endpoint for `node`, asking for `caps`; the transport may grant less (the endpoint's
     /// [`Endpoint::caps`] says what it granted; a case needing more reports the capability as unsupported).
-    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, TransportError> {
         let _ = (node, caps);
-        Err("this transport is not verbs-shaped: it meets the transfer-engine seam only".to_owned())
+        Err(TransportError::NotVerbs)
     }
     /// A fresh transfer engine for `node` (`caps`: what a verbs-shaped transport is asked for below the seam). By
     /// default [`Transport::open`]'s endpoint, lowered by [`VerbsEngine`].
-    fn engine(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn TransferEngine>, String> {
+    fn engine(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn TransferEngine>, TransportError> {
         Ok(Box::new(VerbsEngine::new(self.open(node, caps)?)))
     }
     /// Lets a little time pass (a simulated world executes its next delivery; hardware waits about a millisecond).

@@ -30,12 +30,58 @@ pub struct Outcome {
     pub observation: Observation,
     pub violations: Vec<Violation>,
     /// Why the run does not meet the scenario's expectation; empty means pass.
-    pub failures: Vec<String>,
+    pub failures: Vec<Failure>,
 }
 
 impl Outcome {
     pub fn passed(&self) -> bool {
         self.failures.is_empty()
+    }
+
+    /// Every failure's text, joined with `separator`.
+    pub fn failure_text(&self, separator: &str) -> String {
+        self.failures.iter().map(|failure| failure.text.as_str()).collect::<Vec<_>>().join(separator)
+    }
+
+    /// Whether a failure of `kind` is among the run's.
+    pub fn failed_with(&self, kind: FailureKind) -> bool {
+        self.failures.iter().any(|failure| failure.kind == kind)
+    }
+}
+
+error_kinds! {
+    /// Why a run does not meet its scenario: the kind of a [`Failure`].
+    pub enum FailureKind {
+        /// The composed plan accepted what the scenario expects rejected, rejected what it expects clean, or rejected
+        /// with another kind or text.
+        Expectation = "expectation",
+        /// A request ended on a decode rank otherwise than the scenario says (or with another reason).
+        Rooms = "rooms",
+        /// The oracle found decode bytes where they must not be.
+        Oracle = "oracle",
+        /// The fabric or the engines could not run the scenario.
+        Fabric = "fabric",
+        /// A faulted run broke the fault guarantee.
+        Guarantee = "guarantee",
+    }
+}
+
+/// One reason a run does not meet its scenario, with its kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub text: String,
+}
+
+impl Failure {
+    pub fn new(kind: FailureKind, text: impl Into<String>) -> Failure {
+        Failure { kind, text: text.into() }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
     }
 }
 
@@ -178,16 +224,21 @@ pub(crate) fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: 
     };
     let violations = engine.as_ref().map(|run| oracle(scenario, run, &observation)).unwrap_or_default();
     let ends = engine.as_ref().map(room_ends);
-    let mut failures = match whose {
+    let rooms = |texts: Vec<String>| texts.into_iter().map(|text| Failure::new(FailureKind::Rooms, text)).collect();
+    let mut failures: Vec<Failure> = match whose {
         Judge::OwnPlan => expectation_failures(&scenario.expect, &plan, ends.as_ref()),
-        Judge::SeatOnly => ends.as_ref().map(|ends| room_failures(&scenario.expect, ends)).unwrap_or_default(),
-        Judge::Guarantee => {
-            engine.as_ref().map(|run| guarantee(scenario, run, &observation, &violations).failures).unwrap_or_default()
-        }
+        Judge::SeatOnly => ends.as_ref().map(|ends| rooms(room_failures(&scenario.expect, ends))).unwrap_or_default(),
+        Judge::Guarantee => engine
+            .as_ref()
+            .map(|run| guarantee(scenario, run, &observation, &violations).failures)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|text| Failure::new(FailureKind::Guarantee, text))
+            .collect(),
     };
-    failures.extend(run_error);
+    failures.extend(run_error.map(|text| Failure::new(FailureKind::Fabric, text)));
     if !violations.is_empty() && whose != Judge::Guarantee {
-        failures.push(format!("{} oracle violations", violations.len()));
+        failures.push(Failure::new(FailureKind::Oracle, format!("{} oracle violations", violations.len())));
     }
     Outcome { plan, engine, observation, violations, failures }
 }
@@ -268,18 +319,20 @@ pub fn expectation_failures(
     expect: &Expectation,
     plan: &Result<Plan, PlanError>,
     rooms: Option<&RoomEnds>,
-) -> Vec<String> {
+) -> Vec<Failure> {
     let mut failures = Vec::new();
-    match (expect.error(), plan) {
-        (None, Err(error)) => failures.push(format!("expected a clean transfer, planner rejected: {error}")),
-        (Some(expected), Ok(_)) => failures.push(format!("expected rejection `{expected}`, planner accepted")),
+    let text = match (expect.error(), plan) {
+        (None, Err(error)) => Some(format!("expected a clean transfer, planner rejected: {error}")),
+        (Some(expected), Ok(_)) => Some(format!("expected rejection `{expected}`, planner accepted")),
         (Some(expected), Err(error)) if !expected.matches(error) => {
-            failures.push(format!("expected rejection `{expected}`, got `{}: {error}`", error.kind()));
+            Some(format!("expected rejection `{expected}`, got `{}: {error}`", error.kind()))
         }
-        _ => {}
-    }
+        _ => None,
+    };
+    failures.extend(text.map(|text| Failure::new(FailureKind::Expectation, text)));
     if let Some(rooms) = rooms {
-        failures.extend(room_failures(&expect.pinned(plan), rooms));
+        let texts = room_failures(&expect.pinned(plan), rooms);
+        failures.extend(texts.into_iter().map(|text| Failure::new(FailureKind::Rooms, text)));
     }
     failures
 }

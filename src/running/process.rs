@@ -22,7 +22,7 @@ use crate::control::{Client, Hub, HubPlan, HubReport};
 use crate::engine::live::LiveOptions;
 use crate::engine::sim::{self, SimRun};
 use crate::fabric::verbs::NodeId;
-use crate::harness::{self, Fabric, RoomEnds};
+use crate::harness::{self, Fabric, Failure, FailureKind, RoomEnds};
 use crate::model::{Problem, RankId, Topology};
 use crate::scenario::Scenario;
 use crate::verify;
@@ -226,7 +226,7 @@ pub struct Launched {
     pub exits: Vec<String>,
     pub hub: HubReport,
     /// Why the run does not meet the scenario's expectation; empty means pass.
-    pub failures: Vec<String>,
+    pub failures: Vec<Failure>,
 }
 
 /// Starts the hub and one `serve` child per rank of the scenario at `path`, waits for them (killing any that
@@ -333,7 +333,7 @@ fn launch_failures(
     scenario: &Scenario,
     verdicts: &BTreeMap<u32, Result<RankVerdict, ProcessError>>,
     report: &HubReport,
-) -> Vec<String> {
+) -> Vec<Failure> {
     let problem = &scenario.problem;
     let mut failures = Vec::new();
     let mut ends = RoomEnds::new();
@@ -342,18 +342,21 @@ fn launch_failures(
         match verdict {
             Ok(verdict) => {
                 if verdict.violation_count > 0 {
-                    failures.push(format!("decode {rank}: {} oracle violations", verdict.violation_count));
+                    failures.push(Failure::new(
+                        FailureKind::Oracle,
+                        format!("decode {rank}: {} oracle violations", verdict.violation_count),
+                    ));
                 }
                 let rooms = verdict.rooms.iter().map(|room| (room.request, (poll(room.poll), room.reason.clone())));
                 ends.insert(rank, rooms.collect());
             }
-            Err(why) => failures.push(format!("decode {rank}: {why}")),
+            Err(why) => failures.push(Failure::new(FailureKind::Fabric, format!("decode {rank}: {why}"))),
         }
     }
     let plan = crate::plan::plan(problem);
     failures.extend(harness::expectation_failures(&scenario.expect, &plan, Some(&ends)));
     if report.timed_out {
-        failures.push("the hub's time limit passed".to_owned());
+        failures.push(Failure::new(FailureKind::Fabric, "the hub's time limit passed"));
     }
     failures
 }

@@ -43,7 +43,7 @@ pub fn golden_header(scenario: &Scenario, outcome: &Outcome) -> String {
     if outcome.passed() {
         out.push_str("verdict: pass\n");
     } else {
-        let _ = writeln!(out, "verdict: FAIL: {}", outcome.failures.join("; "));
+        let _ = writeln!(out, "verdict: FAIL: {}", outcome.failure_text("; "));
     }
     match &outcome.plan {
         Ok(plan) => out.push_str(&plan_summary(plan)),

@@ -24,7 +24,7 @@ use std::time::Duration;
 use crate::engine::seat::SharedPlanner;
 use crate::engine::sim::SimOptions;
 use crate::external::ProcessPlanner;
-use crate::harness::{self, Budget, Outcome, RunError};
+use crate::harness::{self, Budget, FailureKind, Outcome, RunError};
 use crate::scenario::reduce::Draft;
 use crate::scenario::{self, Scenario, ScenarioError};
 use crate::selftest::{Mutant, MutantPlanner};
@@ -109,7 +109,7 @@ pub fn signatures(outcome: &Outcome) -> Vec<Signature> {
         return Vec::new();
     }
     let mut res = Vec::new();
-    let counted = outcome.failures.iter().any(|failure| failure.contains("oracle violations"));
+    let counted = outcome.failed_with(FailureKind::Oracle);
     if counted {
         let mut seen = BTreeSet::new();
         for violation in &outcome.violations {
@@ -119,8 +119,8 @@ pub fn signatures(outcome: &Outcome) -> Vec<Signature> {
             }
         }
     }
-    if let Some(first) = outcome.failures.iter().find(|failure| !failure.contains("oracle violations")) {
-        res.push(Signature { class: "run", detail: without_numbers(first) });
+    if let Some(first) = outcome.failures.iter().find(|failure| failure.kind != FailureKind::Oracle) {
+        res.push(Signature { class: "run", detail: without_numbers(&first.text) });
     }
     res
 }
@@ -254,7 +254,7 @@ pub fn shrink(
         if !outcome.passed() {
             return Err(ShrinkError::Refused(format!(
                 "{file} fails without the mutant ({}); shrink it without --mutant",
-                outcome.failures.join("; ")
+                outcome.failure_text("; ")
             )));
         }
     }

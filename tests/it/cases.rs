@@ -311,7 +311,7 @@ fn early_send_follows_the_peers_layout(#[case] decode: &str, #[case] note: &str)
     let options = kvrelay::engine::sim::SimOptions { trace: true, ..Default::default() };
     let outcome =
         kvrelay::harness::run_with(&scenario(&yaml), &kvrelay::harness::Budget::bytes(1 << 30), &options).unwrap();
-    assert!(outcome.passed(), "{}", outcome.failures.join("; "));
+    assert!(outcome.passed(), "{}", outcome.failure_text("; "));
     let trace: Vec<String> = outcome.engine.unwrap().trace.iter().map(ToString::to_string).collect();
     let trace = trace.join("\n");
     assert!(trace.contains(note), "{trace}");

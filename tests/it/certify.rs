@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kvrelay::certify::{self, CaseSet, Identity, Options, Report, SimTransport, Transport, Verdict};
+use kvrelay::certify::{self, CaseSet, Identity, Options, Report, SimTransport, Transport, TransportError, Verdict};
 use kvrelay::fabric::verbs::{Caps, Endpoint, NodeId};
 use kvrelay::harness::Budget;
 
@@ -11,7 +11,7 @@ use crate::conformance::{Broken, Sabotage};
 
 /// The transfer-engine seam's NIXL-shaped template transport (also `--example certify-requests`).
 #[path = "../transports/requests.rs"]
-mod requests;
+pub(crate) mod requests;
 use crate::support::{kvrelay, text};
 
 /// A small corpus: four scenarios through the engines, including a failed registration.
@@ -37,7 +37,7 @@ impl Transport for OneSge {
     fn identity(&self) -> Identity {
         Identity { name: "one-sge".to_owned(), ..Identity::default() }
     }
-    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, TransportError> {
         self.0.open(node, Caps { max_sge: 1, ..caps })
     }
     fn step(&mut self) {

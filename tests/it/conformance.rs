@@ -12,7 +12,7 @@
 use kvrelay::certify::conformance::{
     cases, expected_target, on_qp, read_all, CaseError, Group, Link, SENTINEL, SUITE_CAPS, TARGET_LEN,
 };
-use kvrelay::certify::{Identity, SimTransport, Transport};
+use kvrelay::certify::{Identity, SimTransport, Transport, TransportError};
 use kvrelay::fabric::verbs::{
     Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, Sge, WcStatus, WorkCompletion,
     WorkRequest,
@@ -183,7 +183,7 @@ impl Transport for Broken {
         Identity { name: format!("broken-{:?}", self.sabotage), ..self.inner.identity() }
     }
 
-    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, TransportError> {
         let inner = self.inner.open(node, caps)?;
         Ok(Box::new(BrokenEndpoint { inner, sabotage: self.sabotage }))
     }

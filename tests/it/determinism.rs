@@ -24,7 +24,7 @@ fn traced(seed: u64) -> Vec<trace::TraceEvent> {
     let scenario = scenario::load_seeded(&path(SCENARIO), Some(seed)).unwrap();
     let options = SimOptions { trace: true, ..SimOptions::default() };
     let outcome = harness::run_with(&scenario, &Budget::bytes(1 << 30), &options).unwrap();
-    assert!(outcome.passed(), "seed {seed}: {}", outcome.failures.join("; "));
+    assert!(outcome.passed(), "seed {seed}: {}", outcome.failure_text("; "));
     outcome.engine.unwrap().trace
 }
 

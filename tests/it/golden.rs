@@ -18,7 +18,7 @@ fn golden() {
                 outcome.passed(),
                 "{}: {}\n{}reproduce: cargo run --release -- run {}",
                 scenario.name,
-                outcome.failures.join("; "),
+                outcome.failure_text("; "),
                 render::violations(&outcome.violations),
                 path.display()
             );

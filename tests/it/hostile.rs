@@ -86,7 +86,7 @@ fn exercise(bytes: &[u8]) -> String {
             Err(error) => error.to_string(),
             Ok(outcome) => {
                 let _ = kvrelay::render::golden(&scenario, &outcome);
-                format!("ran: {}", outcome.failures.join("; "))
+                format!("ran: {}", outcome.failure_text("; "))
             }
         },
     }

@@ -100,7 +100,7 @@ fn the_expectation_holds_the_kind_and_any_text(#[case] expect: &str, #[case] pas
     let outcome = harness::run(&loaded).expect("within the memory budget");
     assert_eq!(outcome.passed(), passes, "{:?}", outcome.failures);
     if !passes {
-        let failure = outcome.failures.join("; ");
+        let failure = outcome.failure_text("; ");
         assert!(failure.contains("dcp_unsupported") || failure.contains("planner rejected"), "{failure}");
     }
 }
@@ -165,4 +165,49 @@ fn malformed_answers_have_kinds(#[case] line: &str, #[case] kind: ProtocolErrorK
 fn control_read_errors_have_kinds(#[case] bytes: Vec<u8>, #[case] kind: ControlErrorKind) {
     let error = control::read_frame(&mut bytes.as_slice()).expect_err("refused");
     assert_eq!(error.kind(), kind, "{error}");
+}
+
+/// The fabric registry, the transports and the seam answer with kinds: an unknown `--fabric`, a verbs endpoint asked
+/// of a transport that meets only the seam, a batch on a connection never opened.
+#[test]
+fn fabric_transport_and_seam_errors_have_kinds() {
+    use kvrelay::certify::{SimTransport, Transport, TransportErrorKind};
+    use kvrelay::fabric::registry::Fabric;
+    use kvrelay::fabric::seam::{Batch, ConnId, SeamErrorKind};
+    use kvrelay::fabric::verbs::NodeId;
+    let unknown = Fabric::parse("carrier-pigeon", None).unwrap_err();
+    assert_eq!(unknown.kind(), TransportErrorKind::UnknownFabric);
+    let mut requests = crate::certify::requests::Requests::new(false);
+    let caps = kvrelay::harness::RDMA_CAPS;
+    assert_eq!(requests.open(NodeId(0), caps).err().map(|error| error.kind()), Some(TransportErrorKind::NotVerbs));
+    let mut engine = SimTransport::eager().engine(NodeId(0), caps).unwrap();
+    let error = engine.submit(ConnId(7), Batch::default()).unwrap_err();
+    assert_eq!(error.kind(), SeamErrorKind::UnknownConnection);
+}
+
+/// A run's failures carry kinds: a planner in the seat that sends nothing fails by the oracle (and the rooms still
+/// succeed); a scenario whose plan is rejected where a clean transfer is expected fails by its expectation.
+#[test]
+fn run_failures_have_kinds() {
+    use kvrelay::engine::seat::{LinkQuery, Planner, SeatCopy, SeatError, SeatQuery, SharedPlanner};
+    use kvrelay::harness::{Budget, FailureKind, Run};
+    struct Nothing;
+    impl Planner for Nothing {
+        fn link(&mut self, _: &LinkQuery<'_>) -> Result<(), SeatError> {
+            Ok(())
+        }
+        fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, SeatError> {
+            Ok(vec![Vec::new(); query.request.chunks.len()])
+        }
+    }
+    let clean = scenario(&std::fs::read_to_string("scenarios/basic/mla-tp2-to-tp4.yaml").unwrap());
+    let seat = SharedPlanner(std::rc::Rc::new(std::cell::RefCell::new(Nothing)));
+    let outcome = Run::new(&clean, &Budget::bytes(1 << 30)).planner(Some(seat)).execute().unwrap();
+    assert!(outcome.failed_with(FailureKind::Oracle), "{}", outcome.failure_text("; "));
+    assert!(!outcome.failed_with(FailureKind::Rooms), "{}", outcome.failure_text("; "));
+    let rejected = std::fs::read_to_string("scenarios/rejections/dcp-2-to-8.yaml").unwrap();
+    let (body, _) = rejected.split_once("expect:").unwrap();
+    let expects_clean = scenario(&format!("{body}expect: ok\n"));
+    let outcome = Run::new(&expects_clean, &Budget::bytes(1 << 30)).execute().unwrap();
+    assert!(outcome.failed_with(FailureKind::Expectation), "{}", outcome.failure_text("; "));
 }

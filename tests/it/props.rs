@@ -324,7 +324,7 @@ fn transfers_cleanly(shape: &Shape) -> Result<(), TestCaseError> {
         outcome.passed(),
         "{}\n{}\n{}",
         shape.yaml(),
-        outcome.failures.join("; "),
+        outcome.failure_text("; "),
         kvrelay::render::violations(&outcome.violations)
     );
     Ok(())
@@ -490,7 +490,7 @@ proptest! {
         let early = with_early_send(&plain, &cached);
         let first = harness::run(&scenario(&plain)).expect("within the memory budget");
         let second = harness::run(&scenario(&early)).expect("within the memory budget");
-        prop_assert!(first.passed() && second.passed(), "{early}\n{}", second.failures.join("; "));
+        prop_assert!(first.passed() && second.passed(), "{early}\n{}", second.failure_text("; "));
         prop_assert!(first.observation.images == second.observation.images, "decode images differ with early send:\n{early}");
     }
 }

@@ -17,7 +17,7 @@ pub(crate) fn check_run(yaml: &str) -> Outcome {
     assert!(
         outcome.passed(),
         "\n--- failures ---\n{}\n--- violations ---\n{}--- reproduce: save this scenario to a file, then `cargo run --release -- run <file>` ---\n{yaml}",
-        outcome.failures.join("\n"),
+        outcome.failure_text("\n"),
         kvrelay::render::violations(&outcome.violations)
     );
     outcome

@@ -319,6 +319,6 @@ fn gathered_writes_land_the_same_bytes_as_one_write_per_copy() {
     let (writes, copies) = (gathered.operations, single.operations);
     assert!(writes * 4 <= copies, "{writes} gathered work requests for {copies} single-entry ones");
     assert_eq!((writes, copies), (80, 944), "the counts tests/it/rdma.rs expects of the verbs fabric too");
-    // The write log is the entries the engines confirmed: the same copies either way.
+    // The write log is what the engines confirmed, continuing targets joined: the same writes either way.
     assert_eq!(gathered.observation.writes.len(), single.observation.writes.len());
 }

@@ -38,7 +38,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
 
-use kvrelay::certify::{self, CaseSet, Identity, Options, Transport};
+use kvrelay::certify::{self, CaseSet, Identity, Options, Transport, TransportError};
 use kvrelay::fabric::verbs::{
     Caps, Endpoint, FabricError, MemoryRegion, NodeId, QpInfo, QpNum, RemoteAddr, SendQueue, Sge, WcKind, WcStatus,
     WorkCompletion, WorkRequest,
@@ -362,7 +362,7 @@ impl Transport for Loopback {
         identity
     }
 
-    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, String> {
+    fn open(&mut self, node: NodeId, caps: Caps) -> Result<Box<dyn Endpoint>, TransportError> {
         self.wire.borrow_mut().host(node);
         Ok(Box::new(LoopbackEndpoint { wire: Rc::clone(&self.wire), node, caps: granted(caps) }))
     }

@@ -35,7 +35,7 @@ use std::process::ExitCode;
 use std::rc::Rc;
 use std::time::Duration;
 
-use kvrelay::certify::{self, CaseSet, Identity, Options, Transport};
+use kvrelay::certify::{self, CaseSet, Identity, Options, Transport, TransportError};
 use kvrelay::fabric::seam::{
     Batch, BatchId, BatchStatus, Cancelled, Completion, ConnId, Event, Fill, Image, Landed, Memory, MemoryKind, NodeId,
     PeerAddress, RemoteMemory, SeamError, SeamLimits, TransferEngine,
@@ -346,7 +346,7 @@ impl Transport for Requests {
         false
     }
 
-    fn engine(&mut self, node: NodeId, _caps: Caps) -> Result<Box<dyn TransferEngine>, String> {
+    fn engine(&mut self, node: NodeId, _caps: Caps) -> Result<Box<dyn TransferEngine>, TransportError> {
         let name = format!("agent-{}", node.0);
         self.fabric.borrow_mut().agents.insert(name.clone(), AgentState::default());
         Ok(Box::new(Agent {

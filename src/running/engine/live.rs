@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use super::sim::{self, kind_name, message_line, note_line, Node, SimRun};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
 use crate::fabric::seam::{NodeId, SeamError, TransferEngine};
+use crate::fabric::transport::TransportError;
 use crate::model::{Problem, Topology};
 
 /// Shortest idle wait between two rounds without progress.
@@ -88,8 +89,23 @@ impl Control for LocalControl {
 pub enum LiveError {
     #[error("the fabric refused: {0}")]
     Fabric(#[from] SeamError),
+    /// The transport could not open a rank's engine.
     #[error("{0}")]
-    Open(String),
+    Open(#[from] TransportError),
+    /// `serve` was asked for a node that is no rank of the scenario.
+    #[error("{0} is not a rank of this scenario")]
+    NoSuchNode(NodeId),
+}
+
+impl LiveError {
+    /// `fabric`, `open` or `no_such_node`: what failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LiveError::Fabric(_) => "fabric",
+            LiveError::Open(_) => "open",
+            LiveError::NoSuchNode(_) => "no_such_node",
+        }
+    }
 }
 
 /// Runs every rank of `problem` in this process, each on the endpoint `open` gives for its node, with an
@@ -97,7 +113,7 @@ pub enum LiveError {
 pub fn run_local<N: TransferEngine>(
     problem: &Problem,
     options: &LiveOptions,
-    mut open: impl FnMut(NodeId) -> Result<N, String>,
+    mut open: impl FnMut(NodeId) -> Result<N, TransportError>,
 ) -> Result<SimRun, LiveError> {
     let nodes = problem.prefill.ranks.len() + problem.decode.ranks.len();
     let mut endpoints = VecDeque::new();
@@ -138,7 +154,7 @@ pub fn serve<N: TransferEngine, C: Control>(
         names.insert(node, format!("decode {}", layout.rank));
         decode.push(sim::decode_node(problem, layout, nic)?);
     } else {
-        return Err(LiveError::Open(format!("{node} is not a rank of this scenario")));
+        return Err(LiveError::NoSuchNode(node));
     }
     let mut live = Live::new(prefill, decode, control, names, options);
     live.start(published, &sim::directory(problem));

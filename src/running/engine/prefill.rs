@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::handshake::{classify, Abort, Kind, LinkAck};
-use super::seat::{own_copies, view, LinkQuery, SeatCopy, SeatQuery, SharedPlanner};
+use super::seat::{own_copies, view, LinkQuery, SeatCopy, SeatError, SeatQuery, SharedPlanner};
 use super::{Nic, Outbox, CHUNK_COMPUTE_NS, TRANSFER_TIMEOUT_NS};
 use crate::fabric::seam::{
     Batch, BatchId, BatchStatus, Cancelled, Completion, ConnId, Entry, Event, Landed, Memory, NodeId, PeerAddress,
@@ -299,7 +299,7 @@ impl PrefillEngine {
             nic.connect(conn, &address, &remote).map_err(|error| error.to_string())?;
             if let Some(seat) = &self.seat {
                 let query = LinkQuery { rank: self.rank, local: self.local(), registration: &registration };
-                seat.0.borrow_mut().link(&query)?;
+                seat.0.borrow_mut().link(&query).map_err(|error| error.to_string())?;
                 return Ok((PeerLink::Seat(registration), descs));
             }
             let link = plan::link(self.local(), &peer).map_err(|error| error.to_string())?;
@@ -372,10 +372,10 @@ impl PrefillEngine {
             let view = view(request, meta, &self.model);
             let planned = match link {
                 PeerLink::Own(link) if !link.sends_anything() => continue,
-                PeerLink::Own(link) => own_copies(link, &view)?,
+                PeerLink::Own(link) => own_copies(link, &view).map_err(|error| error.to_string())?,
                 PeerLink::Seat(registration) => {
                     let query = SeatQuery { rank: self.rank, local: self.local(), registration, meta, request: &view };
-                    self.seat_copies(&query)?
+                    self.seat_copies(&query).map_err(|error| error.to_string())?
                 }
             };
             for (chunk, copies) in chunks.iter_mut().zip(planned) {
@@ -421,12 +421,15 @@ impl PrefillEngine {
     }
 
     /// The planner in the seat's copies per chunk, checked to cover every chunk.
-    fn seat_copies(&self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
+    fn seat_copies(&self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, SeatError> {
         let seat = self.seat.as_ref().expect("a peer is linked to the seat only when a planner sits there");
         let planned = seat.0.borrow_mut().plan(query)?;
         let chunks = query.request.chunks.len();
         if planned.len() != chunks {
-            return Err(format!("the planner answered {} chunk lists for a request of {chunks} chunks", planned.len()));
+            let answered = planned.len();
+            return Err(SeatError::Broken(format!(
+                "the planner answered {answered} chunk lists for a request of {chunks} chunks"
+            )));
         }
         Ok(planned)
     }
@@ -563,14 +566,22 @@ impl PrefillEngine {
         };
         for range in landed {
             for entry in pending.entries.get(range.start as usize..range.end as usize).unwrap_or_default() {
-                self.written.push(Written {
-                    room: pending.room,
-                    batch: completion.batch,
-                    target: pending.target,
-                    region: entry.remote,
-                    offset: entry.remote_offset,
-                    length: entry.len,
+                // Entries whose targets continue one another are one write in the log (as they were one RDMA WRITE).
+                let continues = self.written.last_mut().filter(|last| {
+                    (last.batch, last.region) == (completion.batch, entry.remote)
+                        && last.offset.checked_add(last.length) == Some(entry.remote_offset)
                 });
+                match continues {
+                    Some(last) => last.length += entry.len,
+                    None => self.written.push(Written {
+                        room: pending.room,
+                        batch: completion.batch,
+                        target: pending.target,
+                        region: entry.remote,
+                        offset: entry.remote_offset,
+                        length: entry.len,
+                    }),
+                }
             }
         }
         if completion.status == BatchStatus::Success {

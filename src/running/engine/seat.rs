@@ -46,15 +46,51 @@ pub struct LinkQuery<'a> {
     pub registration: &'a Registration,
 }
 
+error_kinds! {
+    /// The kind of a [`SeatError`].
+    pub enum SeatErrorKind {
+        /// The planner refused the peer or the room, in its own words (a rejection: the peer or room fails with it).
+        Rejected = "rejected",
+        /// The planner broke its contract (exited, answered malformed or the wrong shape, or too few chunks).
+        Broken = "broken",
+    }
+}
+
+/// Why the planner in the seat gave no copies.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SeatError {
+    /// The planner's rejection text (what the failed rooms carry on the wire).
+    #[error("{0}")]
+    Rejected(String),
+    /// What went wrong with the planner.
+    #[error("{0}")]
+    Broken(String),
+}
+
+impl SeatError {
+    pub fn kind(&self) -> SeatErrorKind {
+        match self {
+            SeatError::Rejected(_) => SeatErrorKind::Rejected,
+            SeatError::Broken(_) => SeatErrorKind::Broken,
+        }
+    }
+}
+
+impl From<crate::plan::PlanError> for SeatError {
+    fn from(error: crate::plan::PlanError) -> SeatError {
+        SeatError::Rejected(error.to_string())
+    }
+}
+
 /// A planner in the seat.
 pub trait Planner {
     /// Whether this prefill rank can serve the peer at all (registration time): `Err` refuses it with the
     /// planner's reason; the decode rank then fails its requests and withdraws them (domain.md §6.4).
-    fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), String>;
+    fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), SeatError>;
 
     /// The copies of every chunk of `query.request` (one list per chunk, in chunk order), or the planner's
     /// rejection of the room in its own words (the room then fails on this prefill rank, for every peer).
-    fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String>;
+    fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, SeatError>;
 }
 
 /// One planner shared by every prefill engine of a run (one external process serves them all).
@@ -68,10 +104,10 @@ impl fmt::Debug for SharedPlanner {
 }
 
 /// kvrelay's own planner: the link's groups for every chunk of `view`, as copies per chunk.
-pub fn own_copies(link: &Link, view: &Request) -> Result<Vec<Vec<SeatCopy>>, String> {
+pub fn own_copies(link: &Link, view: &Request) -> Result<Vec<Vec<SeatCopy>>, SeatError> {
     let mut planned = Vec::new();
     for index in 0..view.chunks.len() {
-        let groups = link.chunk_groups(view, index as u32).map_err(|error| error.to_string())?;
+        let groups = link.chunk_groups(view, index as u32)?;
         planned.push(group_copies(groups));
     }
     Ok(planned)
@@ -117,14 +153,14 @@ pub fn view(local: &Request, meta: &RequestMeta, model: &ModelGeometry) -> Reque
 }
 
 /// kvrelay's own link of a registered peer (the reference planner's answer to a link query).
-pub fn kvrelay_link(local: Local<'_>, registration: &Registration) -> Result<Link, String> {
-    let (peer, _) = crate::plan::peer::from_registration(local, registration).map_err(|e| e.to_string())?;
-    crate::plan::link(local, &peer).map_err(|error| error.to_string())
+pub fn kvrelay_link(local: Local<'_>, registration: &Registration) -> Result<Link, SeatError> {
+    let (peer, _) = crate::plan::peer::from_registration(local, registration)?;
+    Ok(crate::plan::link(local, &peer)?)
 }
 
 /// What kvrelay's own planner answers to `query` (the reference planner of the plan protocol): the link from the
 /// peer's registration, then the link's copies for every chunk; a rejection in the planner's words.
-pub fn kvrelay_copies(query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
+pub fn kvrelay_copies(query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, SeatError> {
     let link = kvrelay_link(query.local, query.registration)?;
     if !link.sends_anything() {
         return Ok(vec![Vec::new(); query.request.chunks.len()]);

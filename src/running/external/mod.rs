@@ -21,7 +21,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-use crate::engine::seat::{LinkQuery, Planner, SeatCopy, SeatQuery};
+use crate::engine::seat::{LinkQuery, Planner, SeatCopy, SeatError, SeatQuery};
 use protocol::Answer;
 
 /// The prefix of every failure that is the planner's fault as a program rather than its verdict on a room.
@@ -227,25 +227,27 @@ impl ProcessPlanner {
 }
 
 impl Planner for ProcessPlanner {
-    fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), String> {
+    fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), SeatError> {
         let answer = self.ask(|id, case| protocol::link_query(id, case, query), protocol::parse_link_answer);
-        match answer.map_err(|error| error.reason())? {
+        match answer.map_err(|error| SeatError::Broken(error.reason()))? {
             Answer::Linked => Ok(()),
-            Answer::Rejected(text) => Err(text),
+            Answer::Rejected(text) => Err(SeatError::Rejected(text)),
             Answer::Copies(_) => {
-                Err(self.broken(ExternalError::WrongShape { query: "link", problem: "with copies" }).reason())
+                let error = self.broken(ExternalError::WrongShape { query: "link", problem: "with copies" });
+                Err(SeatError::Broken(error.reason()))
             }
         }
     }
 
-    fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
+    fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, SeatError> {
         let chunks = query.request.chunks.len();
         let parse = |line: &str, id| protocol::parse_answer(line, id, chunks);
-        match self.ask(|id, case| protocol::query(id, case, query), parse).map_err(|error| error.reason())? {
+        match self.ask(|id, case| protocol::query(id, case, query), parse).map_err(|e| SeatError::Broken(e.reason()))? {
             Answer::Copies(copies) => Ok(copies),
-            Answer::Rejected(text) => Err(text),
+            Answer::Rejected(text) => Err(SeatError::Rejected(text)),
             Answer::Linked => {
-                Err(self.broken(ExternalError::WrongShape { query: "plan", problem: "without copies" }).reason())
+                let error = self.broken(ExternalError::WrongShape { query: "plan", problem: "without copies" });
+                Err(SeatError::Broken(error.reason()))
             }
         }
     }

@@ -102,7 +102,7 @@ fn answer(query: &Value, scenarios: &mut BTreeMap<String, Scenario>) -> Result<A
     if query["type"] == "link" {
         return Ok(match seat::kvrelay_link(local, &registration) {
             Ok(_) => Answer::Linked,
-            Err(text) => Answer::Rejected(text),
+            Err(error) => Answer::Rejected(error.to_string()),
         });
     }
     let meta = RequestMeta::decode(&frames("meta_frames")?)?;
@@ -112,6 +112,6 @@ fn answer(query: &Value, scenarios: &mut BTreeMap<String, Scenario>) -> Result<A
     let query = SeatQuery { rank, local, registration: &registration, meta: &meta, request: &view };
     Ok(match seat::kvrelay_copies(&query) {
         Ok(copies) => Answer::Copies(copies),
-        Err(text) => Answer::Rejected(text),
+        Err(error) => Answer::Rejected(error.to_string()),
     })
 }

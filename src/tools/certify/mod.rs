@@ -27,7 +27,7 @@ pub mod seam;
 #[cfg(feature = "rdma")]
 pub use crate::fabric::rdma_transport::RdmaTransport;
 pub use crate::fabric::sim_transport::SimTransport;
-pub use crate::fabric::transport::{Identity, Transport};
+pub use crate::fabric::transport::{Identity, Transport, TransportError, TransportErrorKind};
 
 mod run;
 mod throughput;

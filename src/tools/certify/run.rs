@@ -317,7 +317,7 @@ fn judge_scenario(
     match outcome {
         Ok(outcome) if outcome.passed() => (Verdict::Pass, String::new()),
         Ok(outcome) => {
-            let mut detail = outcome.failures.join("; ");
+            let mut detail = outcome.failure_text("; ");
             for violation in outcome.violations.iter().take(5) {
                 detail.push_str(&format!("\n{violation}"));
             }

@@ -14,7 +14,7 @@ use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::rc::Rc;
 
-use crate::engine::seat::{kvrelay_link, LinkQuery, Planner, SeatCopy, SeatQuery, SharedPlanner};
+use crate::engine::seat::{kvrelay_link, LinkQuery, Planner, SeatCopy, SeatError, SeatQuery, SharedPlanner};
 use crate::harness::{self, Budget, RunError};
 use crate::plan::{self, PlanError, TransferGroup, TransferKind};
 use crate::scenario::Scenario;
@@ -55,20 +55,20 @@ impl MutantPlanner {
 }
 
 impl Planner for MutantPlanner {
-    fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), String> {
+    fn link(&mut self, query: &LinkQuery<'_>) -> Result<(), SeatError> {
         kvrelay_link(query.local, query.registration).map(|_| ())
     }
 
-    fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, String> {
+    fn plan(&mut self, query: &SeatQuery<'_>) -> Result<Vec<Vec<SeatCopy>>, SeatError> {
         let link = kvrelay_link(query.local, query.registration)?;
         if !link.sends_anything() {
             return Ok(vec![Vec::new(); query.request.chunks.len()]);
         }
-        let (peer, _) = plan::peer::from_registration(query.local, query.registration).map_err(|e| e.to_string())?;
+        let (peer, _) = plan::peer::from_registration(query.local, query.registration)?;
         let mut res = Vec::new();
         for chunk in 0..query.request.chunks.len() as u32 {
             let site = mutants::Site { query, peer: &peer, link: &link, chunk };
-            res.push(self.chunk(query, &site).map_err(|error| error.to_string())?);
+            res.push(self.chunk(query, &site)?);
         }
         Ok(res)
     }
@@ -113,7 +113,7 @@ pub fn run_case(scenario: &Scenario, budget: &Budget, mutant: Option<Mutant>) ->
     } else {
         let example = match outcome.violations.first() {
             Some(violation) => format!("{violation}"),
-            None => format!("rooms: {}", outcome.failures.join("; ")),
+            None => format!("rooms: {}", outcome.failure_text("; ")),
         };
         Verdict::Caught { example, by_oracle: !outcome.violations.is_empty() }
     };
