@@ -3,7 +3,8 @@
 //! writes drained, or after the waiting timeout when a rank never answers. No write lands after the release
 //! (src/tools/swarm.rs judges it on every run; here the claim is shown on named cases).
 
-use kvrelay::engine::sim::{run, run_stepped, SimOptions, SimRun};
+use kvrelay::engine::sim::{run_stepped, SimOptions, SimRun};
+use kvrelay::engine::tasks::run;
 use kvrelay::engine::WAITING_TIMEOUT_NS;
 use kvrelay::fabric::faults::{FaultKind, FaultPlan, FaultRule};
 use kvrelay::scenario::Scenario;

@@ -2,7 +2,8 @@
 //! reordered control messages and completions, a hung queue pair (`timeout`) and a prefill page read after its
 //! release (issue 11). Each keeps the guarantee (src/tools/swarm.rs), and both drivers see the same run.
 
-use kvrelay::engine::sim::{run, run_stepped, SimOptions, SimRun};
+use kvrelay::engine::sim::{run_stepped, SimOptions, SimRun};
+use kvrelay::engine::tasks::run;
 use kvrelay::fabric::faults::{FaultKind, FaultPlan, FaultRule};
 use kvrelay::scenario::Scenario;
 use kvrelay::swarm;

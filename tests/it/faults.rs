@@ -110,7 +110,7 @@ fn faults_are_reproducible_from_the_seed() {
         faults: plan(FaultKind::TornWrite, 0.02, seed),
         ..Default::default()
     };
-    let run = |seed| kvrelay::engine::sim::run(&scenario.problem, &options(seed)).unwrap();
+    let run = |seed| kvrelay::engine::tasks::run(&scenario.problem, &options(seed)).unwrap();
     let (first, again) = (run(3), run(3));
     assert_eq!(first.trace, again.trace);
     assert_eq!(first.faults, again.faults);
@@ -187,7 +187,7 @@ fn a_crashed_prefill_rank_sends_nothing_more() {
     let scenario = load("crash-mid-transfer.yaml");
     let options =
         kvrelay::engine::sim::SimOptions { trace: true, faults: scenario.faults.clone(), ..Default::default() };
-    let run = kvrelay::engine::sim::run(&scenario.problem, &options).unwrap();
+    let run = kvrelay::engine::tasks::run(&scenario.problem, &options).unwrap();
     let mut checked = 0;
     for (rank, rooms) in &run.prefill_rooms {
         let name = format!("prefill {rank}");

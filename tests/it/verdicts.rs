@@ -112,8 +112,8 @@ fn a_failing_request_does_not_delay_an_unrelated_one() {
 fn task_driver_and_stepped_loop_agree(#[case] path: &str) {
     let scenario = kvrelay::scenario::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap();
     let options = kvrelay::engine::sim::SimOptions { trace: true, ..Default::default() };
-    let tasks = kvrelay::engine::sim::run(&scenario.problem, &options).unwrap();
-    let again = kvrelay::engine::sim::run(&scenario.problem, &options).unwrap();
+    let tasks = kvrelay::engine::tasks::run(&scenario.problem, &options).unwrap();
+    let again = kvrelay::engine::tasks::run(&scenario.problem, &options).unwrap();
     let stepped = kvrelay::engine::sim::run_stepped(&scenario.problem, &options).unwrap();
     // Engines acting at one instant may be logged in either order by the two drivers; every line carries its time.
     let sorted = |run: &kvrelay::engine::sim::SimRun| {
@@ -135,7 +135,8 @@ fn task_driver_and_stepped_loop_agree(#[case] path: &str) {
 #[case::mixed_outcomes("scenarios/engines/one-request-fails-beside-one.yaml")]
 #[case::state_and_heads("scenarios/state/qwen3-next-tp4-to-tp2.yaml")]
 fn sparse_decode_images_are_judged_like_whole_ones(#[case] path: &str) {
-    use kvrelay::engine::sim::{run, SimOptions};
+    use kvrelay::engine::sim::SimOptions;
+    use kvrelay::engine::tasks::run;
     let scenario = kvrelay::scenario::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap();
     let problem = &scenario.problem;
     let dense = run(problem, &SimOptions::default()).unwrap();
@@ -306,12 +307,13 @@ mod lying_peers {
 /// relayout's strided rows (domain.md §2.4) land byte for byte as with one write per copy, in far fewer writes.
 #[test]
 fn gathered_writes_land_the_same_bytes_as_one_write_per_copy() {
-    use kvrelay::engine::sim::{self, SimOptions};
+    use kvrelay::engine::sim::SimOptions;
     use kvrelay::fabric::verbs::Caps;
     let scenario = scenario(&std::fs::read_to_string("scenarios/engines/dcp-relayout-two-stages.yaml").unwrap());
     let with = |max_sge| {
         let caps = Caps { max_sge, ..SimOptions::default().caps };
-        sim::run(&scenario.problem, &SimOptions { caps, ..SimOptions::default() }).expect("the fabric runs")
+        kvrelay::engine::tasks::run(&scenario.problem, &SimOptions { caps, ..SimOptions::default() })
+            .expect("the fabric runs")
     };
     let (single, gathered) = (with(1), with(30));
     assert_eq!(gathered.observation.images, single.observation.images);

@@ -20,7 +20,7 @@ pub mod live;
 mod prefill;
 pub mod seat;
 pub mod sim;
-mod tasks;
+pub mod tasks;
 pub mod trace;
 
 pub use decode::{DecodeEngine, RoomState};

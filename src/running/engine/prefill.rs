@@ -21,6 +21,9 @@ use crate::model::{ModelGeometry, RankId, RankLayout, Request, Topology};
 use crate::plan::{self, peer, Link, Local};
 use crate::wire::{KvPoll, MemoryDesc, Registration, RequestMeta, Status};
 
+/// How a room ended on a prefill rank (`None`: still going, or never became ready), and why it failed.
+pub type PrefillRoom = (Option<KvPoll>, Option<String>);
+
 /// One write the fabric confirmed: `length` bytes at `offset` of region `region` on decode rank `target`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Written {
@@ -184,7 +187,7 @@ impl PrefillEngine {
 
     /// How each room ended on this rank (`None`: still going, or never became ready), and why it failed. A crashed
     /// rank's unfinished rooms are Failed with the crash as reason.
-    pub fn rooms(&self) -> BTreeMap<u64, super::sim::PrefillRoom> {
+    pub fn rooms(&self) -> BTreeMap<u64, PrefillRoom> {
         let ended = |poll: Option<KvPoll>| matches!(poll, Some(KvPoll::Success | KvPoll::Failed));
         self.rooms
             .iter()

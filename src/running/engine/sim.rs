@@ -1,7 +1,7 @@
 //! The simulated deployment: every rank of a problem as an engine on its own `SimWorld` endpoint, a control
 //! network with a fixed latency and per-pair FIFO order, and the outcome read back.
 //!
-//! [`run`] drives it with one tokio task per rank (`tasks.rs`); [`run_stepped`] drives the same engines with a
+//! [`super::tasks::run`] drives it with one tokio task per rank (`tasks.rs`); [`run_stepped`] drives the same engines with a
 //! plain loop over (messages, fabric deliveries, timers) in simulated time, as a cross-check. The engines do not
 //! know they are simulated; a process driver with real sockets and verbs is the next step (ARCHITECTURE.md).
 
@@ -62,7 +62,7 @@ impl Default for SimOptions {
 }
 
 /// How a request ended on a prefill rank (`None`: it never became ready there), and why it failed.
-pub type PrefillRoom = (Option<KvPoll>, Option<String>);
+pub use super::prefill::PrefillRoom;
 
 /// What a simulated run left behind.
 #[derive(Debug)]
@@ -138,29 +138,6 @@ pub(super) struct Sim {
     pub(super) network: Network,
 }
 
-/// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
-pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, SeamError> {
-    let sim = Sim::build(problem, options)?;
-    super::tasks::drive(sim, problem, options.time_limit_ns)?.finish()
-}
-
-/// [`run`] with a mark after each phase: `mark("stage")` once every region is registered and filled,
-/// `mark("execute")` once the engines are done, `mark("observe")` once the decode memory is read back (the
-/// benchmark's phase timings; the simulation itself reads no clock).
-pub fn run_marked(
-    problem: &Problem,
-    options: &SimOptions,
-    mark: &mut dyn FnMut(&'static str),
-) -> Result<SimRun, SeamError> {
-    let sim = Sim::build(problem, options)?;
-    mark("stage");
-    let sim = super::tasks::drive(sim, problem, options.time_limit_ns)?;
-    mark("execute");
-    let run = sim.finish();
-    mark("observe");
-    run
-}
-
 /// The world's corruption log in decode coordinates (region key and offset), in the order planted.
 fn corrupted_regions(world: &SimWorld, decode: &[Node<DecodeEngine>]) -> Vec<(RegionKey, u64, u8, u8)> {
     let mut res = Vec::new();
@@ -233,7 +210,7 @@ pub fn recycle(pool: &crate::fabric::world::ChunkPool, observation: Observation)
     }
 }
 
-/// [`run`] with the single-threaded event loop instead of tasks (the same engines, stepped by hand).
+/// [`super::tasks::run`] with the single-threaded event loop instead of tasks (the same engines, stepped by hand).
 pub fn run_stepped(problem: &Problem, options: &SimOptions) -> Result<SimRun, SeamError> {
     let mut sim = Sim::build(problem, options)?;
     sim.start(problem);

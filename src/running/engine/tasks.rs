@@ -15,11 +15,34 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::{sleep_until, Instant};
 
-use super::sim::{event_summary, kind_name, message_line, note_line, Network, Node, Sim};
+use super::sim::{event_summary, kind_name, message_line, note_line, Network, Node, Sim, SimOptions, SimRun};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
 use crate::fabric::seam::{Event, NodeId, SeamError, TransferEngine};
 use crate::fabric::world::SimWorld;
 use crate::model::{Problem, RankId, Topology};
+
+/// Runs `problem` through the engines on a fresh in-memory fabric: one tokio task per rank on a paused clock.
+pub fn run(problem: &Problem, options: &SimOptions) -> Result<SimRun, SeamError> {
+    let sim = Sim::build(problem, options)?;
+    drive(sim, problem, options.time_limit_ns)?.finish()
+}
+
+/// [`run`] with a mark after each phase: `mark("stage")` once every region is registered and filled,
+/// `mark("execute")` once the engines are done, `mark("observe")` once the decode memory is read back (the
+/// benchmark's phase timings; the simulation itself reads no clock).
+pub fn run_marked(
+    problem: &Problem,
+    options: &SimOptions,
+    mark: &mut dyn FnMut(&'static str),
+) -> Result<SimRun, SeamError> {
+    let sim = Sim::build(problem, options)?;
+    mark("stage");
+    let sim = drive(sim, problem, options.time_limit_ns)?;
+    mark("execute");
+    let run = sim.finish();
+    mark("observe");
+    run
+}
 
 /// A message on its way: when it arrives and its send order, who sent it, what it is.
 type InFlight = ((u64, u64), NodeId, Envelope);

@@ -6,7 +6,8 @@
 
 use crate::engine::live::{self, LiveOptions};
 use crate::engine::seat::SharedPlanner;
-use crate::engine::sim::{self, SimOptions, SimRun};
+use crate::engine::sim::{SimOptions, SimRun};
+use crate::engine::tasks;
 use crate::fabric::faults::FaultPlan;
 use crate::fabric::registry::{Fabric, RDMA_CAPS};
 use crate::fabric::transport::Transport;
@@ -142,8 +143,8 @@ impl<'a> Run<'a> {
         let options =
             SimOptions { faults, planner: self.planner.clone().or(self.sim.planner.clone()), ..self.sim.clone() };
         let run = match self.mark.as_deref_mut() {
-            Some(mark) => sim::run_marked(problem, &options, mark),
-            None => sim::run(problem, &options),
+            Some(mark) => tasks::run_marked(problem, &options, mark),
+            None => tasks::run(problem, &options),
         };
         run.map_err(|error| format!("the simulated fabric failed: {error}"))
     }
