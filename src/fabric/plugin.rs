@@ -480,14 +480,28 @@ fn read_info(info: Option<InfoFn>, path: &Path) -> Result<PluginInfo, PluginErro
     // SAFETY: non-null, and the header requires a static NUL-terminated text.
     let text = unsafe { CStr::from_ptr(text) };
     let text = text.to_str().map_err(|_| bad("it is not UTF-8"))?;
-    PluginInfo::parse(text).map_err(|reason| bad(&reason))
+    PluginInfo::parse(text).map_err(|error| bad(&error.reason))
+}
+
+/// Why a plug-in's info text is malformed (kind `info`): the line and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the plug-in's info text is malformed: {reason}")]
+pub struct InfoError {
+    pub reason: String,
+}
+
+impl InfoError {
+    /// Always `info`: the one kind of this boundary.
+    pub fn kind(&self) -> &'static str {
+        "info"
+    }
 }
 
 impl PluginInfo {
     /// Parses a plug-in's info text (untrusted: fuzz target `plugin_info`): `key=value` lines, `name` and `version`
     /// required and non-empty; the reason it is malformed otherwise.
-    pub fn parse(text: &str) -> Result<PluginInfo, String> {
-        parse_info(text)
+    pub fn parse(text: &str) -> Result<PluginInfo, InfoError> {
+        parse_info(text).map_err(|reason| InfoError { reason })
     }
 }
 

@@ -215,7 +215,7 @@ pub(crate) enum Judge {
 }
 
 /// Judges one engine run of `scenario`: the composed plan's verdict, the oracle per decode rank, the rooms.
-pub(crate) fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: Judge) -> Outcome {
+pub(crate) fn judge(scenario: &Scenario, engine: Result<SimRun, Failure>, whose: Judge) -> Outcome {
     let problem = &scenario.problem;
     let plan = plan::plan(problem);
     let (observation, engine, run_error) = match engine {
@@ -236,7 +236,7 @@ pub(crate) fn judge(scenario: &Scenario, engine: Result<SimRun, String>, whose: 
             .map(|text| Failure::new(FailureKind::Guarantee, text))
             .collect(),
     };
-    failures.extend(run_error.map(|text| Failure::new(FailureKind::Fabric, text)));
+    failures.extend(run_error);
     if !violations.is_empty() && whose != Judge::Guarantee {
         failures.push(Failure::new(FailureKind::Oracle, format!("{} oracle violations", violations.len())));
     }

@@ -10,15 +10,16 @@ use rand::RngExt as _;
 use crate::engine::sim::SimRun;
 use crate::fabric::faults::{FaultKind, FaultPlan, FaultRule};
 pub use crate::harness::{guarantee, premature_successes, Judgement};
-use crate::harness::{Budget, Run};
+use crate::harness::{Budget, Failure, FailureKind, Run};
 use crate::scenario::{Expectation, Scenario};
 use crate::seed::Seed;
 
 /// Runs `scenario` with `faults` through the engines on the in-memory fabric and judges it.
-pub fn run_faulted(scenario: &Scenario, faults: &FaultPlan) -> Result<(SimRun, Judgement), String> {
+pub fn run_faulted(scenario: &Scenario, faults: &FaultPlan) -> Result<(SimRun, Judgement), Failure> {
     // The swarm runs the corpus, whose scenarios `check` already runs within its budget.
     let budget = Budget::unbounded("the swarm runs scenarios the golden gate already ran");
-    let run = Run::new(scenario, &budget).faults(faults.clone()).engines().map_err(|error| error.to_string())??;
+    let fabric = |error: crate::harness::RunError| Failure::new(FailureKind::Fabric, error.to_string());
+    let run = Run::new(scenario, &budget).faults(faults.clone()).engines().map_err(fabric)??;
     let violations = crate::harness::oracle(scenario, &run, &run.observation);
     let judgement = guarantee(scenario, &run, &run.observation, &violations);
     Ok((run, judgement))

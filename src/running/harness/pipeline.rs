@@ -13,7 +13,7 @@ use crate::fabric::registry::{Fabric, RDMA_CAPS};
 use crate::fabric::transport::Transport;
 use crate::scenario::Scenario;
 
-use super::{check_budget, judge, Budget, Judge, Outcome, RunError};
+use super::{check_budget, judge, Budget, Failure, FailureKind, Judge, Outcome, RunError};
 
 /// One run of a scenario through the engines (module docs).
 pub struct Run<'a> {
@@ -118,9 +118,9 @@ impl<'a> Run<'a> {
     }
 
     /// Checks the budget, then drives the engines: the run, or the fabric's failure in words.
-    pub fn engines(&mut self) -> Result<Result<SimRun, String>, RunError> {
+    pub fn engines(&mut self) -> Result<Result<SimRun, Failure>, RunError> {
         check_budget(&self.scenario.problem, &self.budget)?;
-        Ok(self.drive())
+        Ok(self.drive().map_err(|text| Failure::new(FailureKind::Fabric, text)))
     }
 
     fn drive(&mut self) -> Result<SimRun, String> {
