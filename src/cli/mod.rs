@@ -133,7 +133,7 @@ pub enum Command {
         golden: PathBuf,
         /// Put this command in every prefill rank's planner seat (`sh -c CMD`, speaking the plan protocol of
         /// src/running/external/README.md on stdin/stdout) and judge its plans with the oracle instead of the golden files.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "fabric")]
         planner: Option<String>,
         /// Seconds the planner may spend on one scenario in all.
         #[arg(long, default_value_t = 60)]
@@ -143,6 +143,8 @@ pub enum Command {
         /// fails otherwise fails the run.
         #[arg(long, requires = "planner")]
         known: Option<PathBuf>,
+        #[command(flatten)]
+        fabric: FabricArgs,
     },
     /// Certify a transport: run the fixed, versioned case set (the seam's contract and error paths, every scenario,
     /// a throughput run) through it and write junit.xml, report.json and manifest.txt.
@@ -200,7 +202,9 @@ pub enum Command {
 #[derive(Debug, Clone, clap::Args)]
 pub struct FabricArgs {
     /// `sim` (in-memory, simulated time), `live-sim` (in-memory, real clock), `rdma` (verbs; needs the `rdma`
-    /// feature) or `plugin:PATH` (a C ABI transport plug-in, src/fabric/kvrelay_transport.h; run and diff). `diff`, `serve` and `launch` default to `rdma`, `run` to `sim`.
+    /// feature), `nixl` (NIXL over UCX on host memory; needs the `nixl` feature and `bash ci/engines.sh`) or
+    /// `plugin:PATH` (a C ABI transport plug-in, src/fabric/kvrelay_transport.h). `diff`, `serve` and `launch`
+    /// default to `rdma`, `run` and `check` to `sim`.
     #[arg(long)]
     pub fabric: Option<String>,
     /// RDMA device (default: the first device with an active port).
@@ -349,7 +353,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Check { dir, planner: Some(command), planner_timeout, known, .. } => {
             planners::check(&dir, &command, Duration::from_secs(planner_timeout), known.as_deref())
         }
-        Command::Check { dir, golden, .. } => check(&dir, &golden),
+        Command::Check { dir, golden, fabric, .. } => check(&dir, &golden, &fabric.fabric("sim")?),
         Command::Certify(args) => certify::certify(&args),
         Command::Replay(args) => replay::replay(&args),
         Command::Selftest(args) => selftest::selftest(&args),
@@ -524,7 +528,7 @@ pub(super) fn scenario_files(dir: &Path) -> anyhow::Result<Found> {
     Ok(found)
 }
 
-fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
+fn check(dir: &Path, golden_dir: &Path, fabric: &harness::Fabric) -> anyhow::Result<ExitCode> {
     let Found { files, skipped } = scenario_files(dir)?;
     for (path, why) in &skipped {
         eprintln!("skipped {}: {why}", path.display());
@@ -532,7 +536,7 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
     if files.is_empty() {
         bail!("no *.yaml or *.yml scenarios under {}", dir.display());
     }
-    let mut failed = 0;
+    let (mut failed, mut skipped) = (0, 0);
     for file in &files {
         let relative = file.strip_prefix(dir).ok().filter(|relative| !relative.as_os_str().is_empty()).unwrap_or(file);
         let scenario = match scenario::load(file) {
@@ -543,7 +547,15 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
                 continue;
             }
         };
-        let outcome = match harness::run(&scenario) {
+        if !fabric.simulated() && !scenario.faults.is_empty() {
+            outln!(
+                "skip {}: its faults are injected by the in-memory fabric only (run it without --fabric)",
+                relative.display()
+            );
+            skipped += 1;
+            continue;
+        }
+        let outcome = match run_checked(&scenario, fabric) {
             Ok(outcome) => outcome,
             Err(error) => {
                 eprintln!("FAIL {}: {error}", relative.display());
@@ -552,9 +564,14 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
                 continue;
             }
         };
-        let actual = render::golden(&scenario, &outcome);
+        let mut actual = render::golden(&scenario, &outcome);
         let golden_path = golden_dir.join(render::golden_file_name(&corpus_relative(file, relative)));
-        let expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));
+        let mut expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));
+        if !fabric.simulated() {
+            // A real fabric's clock is not the simulation's: the golden's event times are not compared.
+            actual = untimed(&actual);
+            expected = expected.as_deref().map(untimed);
+        }
         let mut problems: Vec<String> = outcome.failures.iter().map(ToString::to_string).collect();
         let golden_diff = match expected {
             None => {
@@ -582,8 +599,40 @@ fn check(dir: &Path, golden_dir: &Path) -> anyhow::Result<ExitCode> {
             eprintln!("{}", check_reproduce(file, scenario.seed));
         }
     }
-    outln!("{} scenarios, {} passed, {failed} failed", files.len(), files.len() - failed);
+    let passed = files.len() - failed - skipped;
+    match skipped {
+        0 => outln!("{} scenarios, {passed} passed, {failed} failed", files.len()),
+        _ => outln!("{} scenarios, {passed} passed, {failed} failed, {skipped} skipped", files.len()),
+    }
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `text` with every simulated event time (`at 130.856 us`) replaced by `at (time) us`.
+fn untimed(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(" at ") {
+        let (before, after) = rest.split_at(at + 4);
+        out.push_str(before);
+        let number = after.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(after.len());
+        match number > 0 && after[number..].starts_with(" us") {
+            true => {
+                out.push_str("(time)");
+                rest = &after[number..];
+            }
+            false => rest = after,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// One scenario of `check` on `fabric` (the simulation on `sim`, the live driver on any other).
+fn run_checked(scenario: &scenario::Scenario, fabric: &harness::Fabric) -> Result<harness::Outcome, harness::RunError> {
+    match fabric.simulated() {
+        true => harness::run(scenario),
+        false => harness::run_on(scenario, &harness::Budget::from_env()?, fabric, false),
+    }
 }
 
 /// The scenario's path as its golden file is named: relative to the nearest enclosing `scenarios` directory (so
@@ -606,4 +655,16 @@ fn corpus_relative(file: &Path, relative: &Path) -> PathBuf {
 /// the reader's shell does not replace it.
 fn check_reproduce(file: &Path, seed: u64) -> String {
     format!("reproduce: cargo run --release -- run {} --seed {seed}", run::shell_word(&file.display().to_string()))
+}
+
+#[cfg(test)]
+mod untimed_tests {
+    use super::untimed;
+
+    #[test]
+    fn untimed_masks_event_times_and_nothing_else() {
+        let text = "decode pp0/tp0: request 0 Success at 130.856 us\nlooked at 3 pages\nat 5 us\n";
+        assert_eq!(untimed(text), "decode pp0/tp0: request 0 Success at (time) us\nlooked at 3 pages\nat 5 us\n");
+        assert_eq!(untimed("Failed at 1 us, at 22.5 us"), "Failed at (time) us, at (time) us");
+    }
 }

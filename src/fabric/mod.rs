@@ -9,6 +9,8 @@
 pub mod faults;
 mod gather;
 mod memory;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod plugin;
 #[cfg(feature = "rdma")]
 pub mod rdma;

@@ -1,4 +1,4 @@
-//! The one place every fabric is named: [`Fabric`] parses `--fabric` (`sim`, `live-sim`, `rdma`, `plugin:PATH`),
+//! The one place every fabric is named: [`Fabric`] parses `--fabric` (`sim`, `live-sim`, `rdma`, `nixl`, `plugin:PATH`),
 //! prints it back, and opens the [`Transport`] whose per-node engines a run uses ([`Fabric::transport`]). A new
 //! fabric adds its variant here, its own file (its engine or endpoint, and its `Transport`), and its tests.
 
@@ -18,6 +18,8 @@ pub enum Fabric {
     Rdma { device: Option<String> },
     /// The live driver on a C ABI transport plug-in (`fabric::plugin`), one endpoint per rank.
     Plugin { path: String },
+    /// The live driver on NIXL (cargo feature `nixl`): one NIXL agent per rank, UCX backend, host memory.
+    Nixl,
 }
 
 impl Fabric {
@@ -27,6 +29,7 @@ impl Fabric {
             "sim" => Ok(Fabric::Sim),
             "live-sim" => Ok(Fabric::LiveSim),
             "rdma" => Ok(Fabric::Rdma { device }),
+            "nixl" => Ok(Fabric::Nixl),
             other => match other.strip_prefix("plugin:") {
                 Some(path) => Ok(Fabric::Plugin { path: path.to_owned() }),
                 None => Err(TransportError::UnknownFabric { name: other.to_owned() }),
@@ -41,6 +44,7 @@ impl Fabric {
             Fabric::LiveSim => "live-sim".to_owned(),
             Fabric::Rdma { .. } => "rdma".to_owned(),
             Fabric::Plugin { path } => format!("plugin:{path}"),
+            Fabric::Nixl => "nixl".to_owned(),
         };
         let mut flags = vec!["--fabric".to_owned(), name];
         if let Fabric::Rdma { device: Some(device) } = self {
@@ -56,6 +60,7 @@ impl Fabric {
             Fabric::Rdma { device: Some(device) } => format!("rdma ({device})"),
             Fabric::Rdma { device: None } => "rdma".to_owned(),
             Fabric::Plugin { path } => format!("plugin:{path}"),
+            Fabric::Nixl => "nixl".to_owned(),
         }
     }
 }
@@ -77,6 +82,7 @@ impl Fabric {
                     .map_err(|error| TransportError::Unavailable(error.to_string()))?;
                 Ok(Box::new(plugin))
             }
+            Fabric::Nixl => nixl(),
         }
     }
 }
@@ -92,6 +98,20 @@ fn rdma(device: Option<&str>) -> Result<Box<dyn Transport>, TransportError> {
 fn rdma(_: Option<&str>) -> Result<Box<dyn Transport>, TransportError> {
     Err(TransportError::Unavailable(RDMA_MISSING.to_owned()))
 }
+
+#[cfg(feature = "nixl")]
+fn nixl() -> Result<Box<dyn Transport>, TransportError> {
+    Ok(Box::new(super::nixl::NixlTransport::new()?))
+}
+
+#[cfg(not(feature = "nixl"))]
+fn nixl() -> Result<Box<dyn Transport>, TransportError> {
+    Err(TransportError::Unavailable(NIXL_MISSING.to_owned()))
+}
+
+/// Why `--fabric nixl` cannot run in a build without the feature.
+pub const NIXL_MISSING: &str =
+    "this kvrelay was built without NIXL (fix: cargo build --release --features nixl; needs g++ and libclang-dev to build, and bash ci/engines.sh for the pinned nixl-cu12 wheel's libraries)";
 
 /// What kvrelay asks of an RDMA device per endpoint (clamped to the device's limits): gather lists of up to 30
 /// entries (a ConnectX send queue's; Soft-RoCE offers 32), as the engines gather; a send queue of 256 (four

@@ -77,9 +77,7 @@ pub enum ProcessError {
     NoSuchRank { rank: u32, role: Role, count: usize },
     #[error("{IN_ONE_PROCESS}")]
     InOneProcess,
-    #[error("{}", harness::RDMA_MISSING)]
-    NoRdma,
-    #[error("cannot open the RDMA device: {reason}")]
+    #[error("cannot open the rank's transfer engine: {reason}")]
     Device { reason: String },
     #[error(transparent)]
     Live(#[from] crate::engine::live::LiveError),
@@ -118,7 +116,7 @@ impl ProcessError {
     pub fn kind(&self) -> ProcessErrorKind {
         match self {
             ProcessError::NoSuchRank { .. } => ProcessErrorKind::NoSuchRank,
-            ProcessError::InOneProcess | ProcessError::NoRdma => ProcessErrorKind::WrongFabric,
+            ProcessError::InOneProcess => ProcessErrorKind::WrongFabric,
             ProcessError::Device { .. } | ProcessError::Live(_) => ProcessErrorKind::Fabric,
             ProcessError::Control(_) | ProcessError::NoAddress => ProcessErrorKind::Control,
             ProcessError::Spawn(_) => ProcessErrorKind::Spawn,
@@ -161,31 +159,24 @@ fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<(Clie
     Ok((client, topology))
 }
 
-/// Opens the rank's endpoint and registers its memory before joining the run (a rank that cannot open its device
-/// never connects), then serves.
-#[cfg(feature = "rdma")]
+/// Opens the rank's transfer engine on the fabric before joining the run (a rank that cannot open its device or
+/// load its engine never connects), then serves.
 fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
-    use crate::fabric::rdma::RdmaEndpoint;
-    let Fabric::Rdma { device } = &options.fabric else { return Err(ProcessError::InOneProcess) };
-    let nic = RdmaEndpoint::open(node, device.as_deref(), harness::RDMA_CAPS)
-        .map(crate::fabric::verbs_engine::VerbsEngine::new)
+    if matches!(options.fabric, Fabric::Sim | Fabric::LiveSim) {
+        return Err(ProcessError::InOneProcess);
+    }
+    let mut transport =
+        options.fabric.transport().map_err(|error| ProcessError::Device { reason: error.to_string() })?;
+    let engine = transport
+        .engine(node, harness::RDMA_CAPS)
         .map_err(|error| ProcessError::Device { reason: error.to_string() })?;
     let (client, topology) = join(problem, node, options)?;
-    Ok(crate::engine::live::serve(problem, node, nic, client, topology, &options.live)?)
-}
-
-#[cfg(not(feature = "rdma"))]
-fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
-    let _ = (problem, node, join);
-    match options.fabric {
-        Fabric::Rdma { .. } => Err(ProcessError::NoRdma),
-        _ => Err(ProcessError::InOneProcess),
-    }
+    Ok(crate::engine::live::serve(problem, node, engine, client, topology, &options.live)?)
 }
 
 /// Why the in-memory fabric cannot serve one rank per process.
 const IN_ONE_PROCESS: &str =
-    "the in-memory fabric lives inside one process: ranks as processes need --fabric rdma (use `kvrelay run` for the simulation)";
+    "the in-memory fabric lives inside one process: ranks as processes need a fabric that crosses processes, --fabric rdma or nixl (use `kvrelay run` for the simulation)";
 
 /// The oracle's verdict on this decode process's own memory.
 fn rank_verdict(scenario: &Scenario, rank: RankId, run: &SimRun) -> RankVerdict {

@@ -18,6 +18,8 @@ use crate::fabric::verbs::Caps;
 
 /// Settle-and-poll rounds before a case gives up waiting for a completion.
 const ROUNDS: usize = 200;
+/// How long a case polling without settling waits for a completion or notification.
+const DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 /// The source and target sizes of every case.
 const REGION: u64 = 64 << 10;
 /// What a case asks a verbs-shaped transport for below the seam.
@@ -45,6 +47,12 @@ fn failed(what: &str, error: impl std::fmt::Display) -> CaseError {
 }
 
 fn pair(transport: &mut dyn Transport) -> Result<Pair, CaseError> {
+    pair_advertising(transport, REGION)
+}
+
+/// [`pair`], with the receiver's target advertised to the sender as `advertised` bytes long (more than it
+/// registered, for cases about the engine's own checks).
+fn pair_advertising(transport: &mut dyn Transport, advertised: u64) -> Result<Pair, CaseError> {
     let mut sender = transport.engine(NodeId(0), ASK).map_err(|e| failed("opening the engine of node 0", e))?;
     let mut receiver = transport.engine(NodeId(1), ASK).map_err(|e| failed("opening the engine of node 1", e))?;
     let fill = Arc::new(|offset: u64, out: &mut [u8]| {
@@ -58,7 +66,8 @@ fn pair(transport: &mut dyn Transport) -> Result<Pair, CaseError> {
         receiver.register(MemoryKind::Host, REGION, 0, zero).map_err(|e| failed("registering the target", e))?;
     let (conn, sender_address) = sender.open().map_err(|e| failed("opening a connection on node 0", e))?;
     let (receiver_conn, receiver_address) = receiver.open().map_err(|e| failed("opening a connection on node 1", e))?;
-    sender.connect(conn, &receiver_address, &[target.remote()]).map_err(|e| failed("connecting node 0 to 1", e))?;
+    let remote = crate::fabric::seam::RemoteMemory { len: advertised, ..target.remote() };
+    sender.connect(conn, &receiver_address, &[remote]).map_err(|e| failed("connecting node 0 to 1", e))?;
     receiver.connect(receiver_conn, &sender_address, &[]).map_err(|e| failed("connecting node 1 to 0", e))?;
     Ok(Pair { sender, receiver, source, target, conn, receiver_conn })
 }
@@ -261,6 +270,177 @@ fn over_limits_is_refused(transport: &mut dyn Transport) -> Result<(), CaseError
     }
 }
 
+/// One entry past the peer's *registered* memory though within what it advertised (a peer that advertised more
+/// than it registered): the engine, not kvrelay's range check, meets it. The batch either writes nothing or names
+/// exactly the entries that landed.
+fn one_bad_entry_writes_nothing_or_names_what_landed(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair_advertising(transport, 2 * REGION)?;
+    let good = [(0, 100, 50), (200, 300, 50)];
+    let entries = vec![pair.entry(0, 100, 50), pair.entry(0, REGION + 4096, 64), pair.entry(200, 300, 50)];
+    let id = match pair.sender.submit(pair.conn, Batch { entries, notify: Some(5) }) {
+        Err(_) => {
+            transport.settle();
+            return match stray(&pair.target_bytes()?, &[]) {
+                Some(offset) => Err(CaseError::Failed(format!("a refused batch changed target byte {offset}"))),
+                None => Ok(()),
+            };
+        }
+        Ok(id) => id,
+    };
+    let (completions, notified) = pair.drive(transport, &[id], &[])?;
+    let completion = &completions[0];
+    if completion.status == BatchStatus::Success {
+        return Err(CaseError::Failed(
+            "a batch with an entry past the peer's registered memory completed successfully".to_owned(),
+        ));
+    }
+    if !notified.is_empty() {
+        return Err(CaseError::Failed(format!("a failed batch notified the peer: {notified:?}")));
+    }
+    let bytes = pair.target_bytes()?;
+    let arrived: Vec<bool> = good.iter().map(|copy| landed(&bytes, &[*copy])).collect();
+    let claimed: Vec<bool> = match &completion.landed {
+        Landed::All => vec![true, true],
+        Landed::Unknown => vec![false, false],
+        Landed::Entries(ranges) => {
+            [0u32, 2].iter().map(|index| ranges.iter().any(|range| range.contains(index))).collect()
+        }
+    };
+    if arrived != claimed {
+        return Err(CaseError::Failed(format!(
+            "the batch failed ({}) reporting {:?} landed, but of its two good entries {} ({})",
+            completion.status.name(),
+            completion.landed,
+            match arrived.as_slice() {
+                [true, true] => "both landed",
+                [false, false] => "none landed",
+                _ => "one landed",
+            },
+            completion.detail
+        )));
+    }
+    match stray(&bytes, &good) {
+        Some(offset) => Err(CaseError::Failed(format!("target byte {offset} changed outside every good entry"))),
+        None => Ok(()),
+    }
+}
+
+/// A source that is not (or no longer) registered: memory released before the batch, or a range past the
+/// registration. Refused at submit, or failed with nothing written.
+fn unregistered_source_is_refused(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair(transport)?;
+    let fill = Arc::new(|_: u64, out: &mut [u8]| out.fill(0xAB));
+    let gone =
+        pair.sender.register(MemoryKind::Host, 4096, 0, fill).map_err(|e| failed("registering a second source", e))?;
+    pair.sender.release(&gone, false).map_err(|e| failed("releasing the second source", e))?;
+    let released = Entry { local: gone.id, local_offset: 0, remote: 0, remote_offset: 0, len: 64 };
+    let past = pair.entry(REGION - 32, 1024, 64);
+    for (what, entry) in [("a released source", released), ("a source range past its registration", past)] {
+        match pair.sender.submit(pair.conn, Batch { entries: vec![entry], notify: None }) {
+            Err(_) => {}
+            Ok(id) => {
+                let (completions, _) = pair.drive(transport, &[id], &[])?;
+                if completions[0].status == BatchStatus::Success {
+                    return Err(CaseError::Failed(format!("a batch from {what} completed successfully")));
+                }
+            }
+        }
+        transport.settle();
+        if let Some(offset) = stray(&pair.target_bytes()?, &[]) {
+            return Err(CaseError::Failed(format!("a batch from {what} changed target byte {offset}")));
+        }
+    }
+    Ok(())
+}
+
+/// A large batch with a notification, the receiver polled as fast as it can without the transport settling
+/// first: at the moment the notification is seen, every byte of the batch is there.
+fn notification_never_precedes_its_data(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair(transport)?;
+    let copies: Vec<(u64, u64, u64)> = (0..256u64).map(|k| (256 * ((k * 97) % 256), 256 * k, 256)).collect();
+    for round in 0..4u32 {
+        let entries = copies.iter().map(|&(s, t, l)| pair.entry(s, t, l)).collect();
+        let batch = Batch { entries, notify: Some(100 + round) };
+        let id = pair.sender.submit(pair.conn, batch).map_err(|e| failed("submitting", e))?;
+        pair.sender.flush();
+        let (mut completed, mut notified, mut events) = (false, false, Vec::new());
+        let start = std::time::Instant::now();
+        while !(completed && notified) {
+            if start.elapsed() > DEADLINE {
+                return Err(CaseError::Failed(format!(
+                    "round {round}: no {} within {DEADLINE:?}",
+                    if completed { "notification" } else { "completion" }
+                )));
+            }
+            pair.receiver.poll(&mut events, usize::MAX);
+            for event in events.drain(..) {
+                if let Event::Notified { tag, .. } = event {
+                    if tag != 100 + round {
+                        return Err(CaseError::Failed(format!(
+                            "round {round}: notification {tag} is not this batch's"
+                        )));
+                    }
+                    if !landed(&pair.target_bytes()?, &copies) {
+                        return Err(CaseError::Failed(format!(
+                            "round {round}: the notification arrived before every byte of its batch"
+                        )));
+                    }
+                    notified = true;
+                }
+            }
+            pair.sender.poll(&mut events, usize::MAX);
+            for event in events.drain(..) {
+                if let Event::Completed(completion) = event {
+                    if completion.batch == id && completion.status != BatchStatus::Success {
+                        return Err(CaseError::Failed(format!("round {round}: the batch completed {completion:?}")));
+                    }
+                    completed |= completion.batch == id;
+                }
+            }
+            transport.step();
+        }
+        // The next round overwrites the same bytes: clear them through a batch-free path (a fresh pair).
+        pair = self::pair(transport)?;
+    }
+    Ok(())
+}
+
+/// More batches than the engine queues, submitted without polling: the engine refuses some at submit or fails
+/// them, and afterwards a batch to the same peer succeeds and lands (the peer is not wedged).
+fn queue_full_leaves_the_peer_usable(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let mut pair = pair(transport)?;
+    let limits = pair.sender.limits();
+    let width = limits.max_entries.clamp(1, 8192);
+    let flood = limits.batches_in_flight.saturating_add(1).min(64);
+    let mut accepted = Vec::new();
+    for k in 0..flood {
+        let entries = (0..width).map(|i| pair.entry((i % 4096) as u64, (i % 4096) as u64, 8)).collect();
+        match pair.sender.submit(pair.conn, Batch { entries, notify: None }) {
+            Ok(id) => accepted.push(id),
+            Err(error) if error.kind() == SeamErrorKind::OverLimits => break,
+            Err(error) => return Err(failed(&format!("flood batch {k} was refused with the wrong kind"), error)),
+        }
+    }
+    pair.drive(transport, &accepted, &[])?;
+    let after = [(1000, 60000, 512)];
+    let entries = vec![pair.entry(1000, 60000, 512)];
+    let id = pair
+        .sender
+        .submit(pair.conn, Batch { entries, notify: Some(9) })
+        .map_err(|e| failed("after a flood of batches, a batch to the same peer", e))?;
+    let (completions, _) = pair.drive(transport, &[id], &after)?;
+    let completion = completions.iter().find(|completion| completion.batch == id).expect("driven");
+    if completion.status != BatchStatus::Success || !landed(&pair.target_bytes()?, &after) {
+        return Err(CaseError::Failed(format!(
+            "after a flood of {} batches of {width} entries, a batch to the same peer completed {:?} ({}): the peer is wedged",
+            accepted.len(),
+            completion.status.name(),
+            completion.detail
+        )));
+    }
+    Ok(())
+}
+
 /// Caps these cases need below the seam (none: a verbs transport lowers within what it grants).
 const ANY: Caps = Caps { max_sge: 1, max_message: 1, sq_depth: 1 };
 
@@ -299,6 +479,30 @@ static CASES: std::sync::LazyLock<Vec<ConformanceCase>> = std::sync::LazyLock::n
             ErrorPath,
             "a batch on a connection never opened is refused at submit",
             unknown_connection_is_refused,
+        ),
+        case(
+            "one_bad_entry_writes_nothing_or_names_what_landed",
+            ErrorPath,
+            "a batch with one entry past the peer's registered memory (within what the peer advertised) is refused, or fails writing nothing, or names exactly the entries that landed",
+            one_bad_entry_writes_nothing_or_names_what_landed,
+        ),
+        case(
+            "unregistered_source_is_refused",
+            ErrorPath,
+            "a batch from a released source, or from a range past its registration, is refused or fails, and writes nothing",
+            unregistered_source_is_refused,
+        ),
+        case(
+            "notification_never_precedes_its_data",
+            Contract,
+            "polled as fast as it can be, the receiver never sees a batch's notification before every byte of the batch",
+            notification_never_precedes_its_data,
+        ),
+        case(
+            "queue_full_leaves_the_peer_usable",
+            ErrorPath,
+            "after more batches than the engine queues (refused at submit or failed), a batch to the same peer succeeds and lands",
+            queue_full_leaves_the_peer_usable,
         ),
         case(
             "over_limits_is_refused",

@@ -1,0 +1,610 @@
+//! `--fabric nixl` (cargo feature `nixl`): NVIDIA's NIXL in the transfer-engine seam, through NIXL's own Rust
+//! bindings (`nixl-sys`, feature `stub-api`, which loads `libnixl_capi.so` at run time) over the pinned
+//! `nixl-cu12==1.5.1` wheel's libraries with the UCX backend, on host memory.
+//!
+//! Every rank is a NIXL agent (`kvrelay-<pid>-<n>-node<k>`, UCX backend, no listener thread: metadata travels over
+//! kvrelay's own bootstrap). [`TransferEngine::register`] allocates host memory and registers it as DRAM;
+//! [`TransferEngine::open`] advertises `kvrelay-nixl/1`, the end's number and the agent's metadata (fetched then,
+//! so it holds every registration made before); [`TransferEngine::connect`] loads the peer's metadata. A batch is
+//! one NIXL WRITE request: one descriptor per entry in the local and remote lists, created (NIXL checks every
+//! descriptor against the registrations it knows here, and refuses the whole request, writing nothing), posted,
+//! and polled with `getXferStatus`; its notification is NIXL's own (`notifMsg`), carrying the target end and the
+//! tag, which the target sees through `getNotifs`. The engine has no fixed queue limits; kvrelay declares
+//! [`LIMITS`].
+//!
+//! Where the libraries are: `KVRELAY_NIXL_LIB` (the wheel's `.nixl_cu12.mesonpy.libs` folder or the library
+//! itself), else `target/engines/nixl/.nixl_cu12.mesonpy.libs` of this checkout (where `ci/engines.sh` unpacks
+//! the wheel), else the loader's search path (`LD_LIBRARY_PATH`). The library is opened by its full path before
+//! NIXL's stub opens it by name, which then finds the same object (its `SONAME`), and its own `RPATH` finds the
+//! wheel's UCX. UCX's environment defaults to what `ci/engines.sh` writes (`UCX_MODULES=^ib`: without it a process
+//! that made a UCX backend dies in libnl at exit; `UCX_NET_DEVICES=lo`: test traffic stays on loopback;
+//! `UCX_TLS=cma,tcp`), set in this process before the first agent only where the variable is unset.
+
+#![allow(unsafe_code)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::rc::{Rc, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use nixl_sys::{
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
+    XferDescList, XferOp, XferRequest, XferStatus,
+};
+
+use super::seam::{
+    Batch, BatchId, BatchStatus, Cancelled, Completion, ConnId, Event, Fill, Image, Landed, Memory, MemoryKind, NodeId,
+    PeerAddress, RemoteMemory, SeamError, SeamLimits, TransferEngine,
+};
+use super::transport::{Identity, Transport, TransportError};
+use super::verbs::Caps;
+
+/// What kvrelay submits to one agent: NIXL has no fixed limits (a per-token list of 824,661 descriptors ran), so
+/// these are kvrelay's own bounds on one request and on requests in flight per connection.
+pub const LIMITS: SeamLimits = SeamLimits { max_entries: 1 << 20, max_batch_bytes: 1 << 40, batches_in_flight: 64 };
+/// The script that fetches, unpacks and finds the pinned wheel.
+pub const SCRIPT: &str = "ci/engines.sh";
+/// The pinned wheel.
+pub const WHEEL: &str = "nixl-cu12==1.5.1";
+/// The largest single registration (host memory is allocated whole).
+const MAX_REGISTRATION: u64 = 64 << 30;
+/// What an address starts with.
+const ADDRESS_MAGIC: &[u8] = b"kvrelay-nixl/1\0";
+/// How long `settle` waits for requests in flight at most, and how long it waits for stray notifications.
+const SETTLE_LIMIT: Duration = Duration::from_secs(20);
+const QUIET: Duration = Duration::from_millis(20);
+/// UCX's environment where the user set none (see the module doc).
+const UCX_DEFAULTS: [(&str, &str); 3] = [("UCX_MODULES", "^ib"), ("UCX_NET_DEVICES", "lo"), ("UCX_TLS", "cma,tcp")];
+
+/// Agents made by this process, for unique names.
+static AGENTS: AtomicU64 = AtomicU64::new(0);
+
+/// The loaded library (kept for the process's life) and where it was found, or why it was not.
+fn library() -> Result<&'static Path, TransportError> {
+    static LOADED: OnceLock<Result<(libloading::Library, PathBuf), String>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(|| {
+        for (name, value) in UCX_DEFAULTS {
+            if std::env::var_os(name).is_none() {
+                std::env::set_var(name, value);
+            }
+        }
+        let mut tried = Vec::new();
+        for candidate in candidates() {
+            // SAFETY: loading NIXL's C API runs its initialisers (C++ statics of libnixl, UCX's), which have no
+            // preconditions on this process; the handle lives as long as the process (a static).
+            match unsafe { libloading::Library::new(&candidate) } {
+                Ok(library) => return Ok((library, candidate)),
+                Err(error) => tried.push(format!("{}: {error}", candidate.display())),
+            }
+        }
+        Err(tried.join("; "))
+    });
+    match loaded {
+        Ok((_, path)) => Ok(path),
+        Err(tried) => Err(TransportError::Unavailable(format!(
+            "NIXL's C API (libnixl_capi.so from the {WHEEL} wheel) is not found (tried {tried}) (fix: bash {SCRIPT}, \
+             which downloads and unpacks the wheel into target/engines/nixl; or set KVRELAY_NIXL_LIB to the wheel's \
+             .nixl_cu12.mesonpy.libs folder)"
+        ))),
+    }
+}
+
+/// Where `libnixl_capi.so` may be, in order.
+fn candidates() -> Vec<PathBuf> {
+    let mut candidates = Vec::new();
+    if let Some(value) = std::env::var_os("KVRELAY_NIXL_LIB") {
+        let path = PathBuf::from(value);
+        candidates.push(if path.is_dir() { path.join("libnixl_capi.so") } else { path });
+    }
+    let unpacked = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engines/nixl/.nixl_cu12.mesonpy.libs");
+    candidates.push(unpacked.join("libnixl_capi.so"));
+    candidates.push(PathBuf::from("libnixl_capi.so"));
+    candidates
+}
+
+/// The wheel's version, read off the `*.dist-info` folder beside the library's folder.
+fn wheel_version(library: &Path) -> Option<String> {
+    let root = library.parent()?.parent()?;
+    let mut names: Vec<String> = std::fs::read_dir(root)
+        .ok()?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with("nixl_cu") && name.ends_with(".dist-info"))
+        .collect();
+    names.sort();
+    let name = names.pop()?;
+    Some(name.trim_end_matches(".dist-info").replacen('-', " ", 1))
+}
+
+/// Host memory handed to NIXL by address (`register_memory` takes a descriptor, not a slice).
+#[derive(Debug)]
+struct HostRange {
+    addr: usize,
+    len: usize,
+}
+
+impl MemoryRegion for HostRange {
+    /// # Safety
+    /// The range is a live allocation of its [`Registration`], which outlives the registration handle.
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for HostRange {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// One registration: a heap allocation (owned through a raw pointer, since NIXL writes into it behind Rust's back)
+/// and NIXL's handle for it.
+struct Registration {
+    memory: Memory,
+    handle: Option<RegistrationHandle>,
+    bytes: *mut [u8],
+}
+
+impl Registration {
+    fn new(agent: &Agent, id: u32, len: u64, fill: &Fill) -> Result<Registration, SeamError> {
+        if len > MAX_REGISTRATION {
+            return Err(SeamError::Exhausted("host memory (a registration over 64 GiB)"));
+        }
+        let len = usize::try_from(len).map_err(|_| SeamError::Exhausted("addressable memory"))?;
+        let mut bytes = vec![0u8; len.max(1)].into_boxed_slice();
+        fill(0, &mut bytes[..len]);
+        let bytes = Box::into_raw(bytes);
+        let addr = bytes as *mut u8 as usize;
+        let mut registration = Registration {
+            memory: Memory { id, kind: MemoryKind::Host, addr: addr as u64, len: len as u64, key: 0 },
+            handle: None,
+            bytes,
+        };
+        let handle = agent
+            .register_memory(&HostRange { addr, len: len.max(1) }, None)
+            .map_err(|error| SeamError::Engine { call: "registerMem", message: error.to_string() })?;
+        registration.handle = Some(handle);
+        Ok(registration)
+    }
+
+    /// Copies bytes out (NIXL may write other bytes of the allocation meanwhile: no reference to it is made).
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
+        let outside = SeamError::OutOfRange { offset, len: out.len() as u64, region_len: self.memory.len };
+        let end = offset.checked_add(out.len() as u64).ok_or(outside.clone())?;
+        if end > self.memory.len {
+            return Err(outside);
+        }
+        // SAFETY: offset..end is within the live allocation of `bytes` (checked above), `out` is a distinct buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping((self.bytes as *const u8).add(offset as usize), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+
+    /// Deregisters and hands the bytes back.
+    fn into_bytes(mut self) -> Vec<u8> {
+        self.handle = None; // deregisters
+        let bytes = std::mem::replace(&mut self.bytes, std::ptr::slice_from_raw_parts_mut(std::ptr::null_mut(), 0));
+        // SAFETY: `bytes` came from Box::into_raw in `new` and is taken out exactly once (Drop sees a null pointer).
+        let mut bytes = unsafe { Box::from_raw(bytes) }.into_vec();
+        bytes.truncate(self.memory.len as usize);
+        bytes
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.handle = None; // deregisters before the memory goes
+        if !(self.bytes as *mut u8).is_null() {
+            // SAFETY: `bytes` came from Box::into_raw in `new` and was not taken out (not null).
+            drop(unsafe { Box::from_raw(self.bytes) });
+        }
+    }
+}
+
+/// One end of a connection: the peer agent it writes to, the peer's end number and its advertised memory.
+struct End {
+    peer: Option<(String, u32, Vec<RemoteMemory>)>,
+}
+
+/// A posted request.
+struct Posted {
+    id: BatchId,
+    conn: ConnId,
+    request: Option<XferRequest>,
+    cancelled: bool,
+}
+
+/// One agent and everything it owns. Fields drop in order: requests, then registrations, then the agent.
+struct AgentState {
+    posted: Vec<Posted>,
+    registrations: Vec<Option<Registration>>,
+    ends: Vec<End>,
+    events: VecDeque<Event>,
+    next_batch: u64,
+    descriptors: u64,
+    /// Notifications that named no end of this agent, or could not be read (kept for the report).
+    strays: Vec<String>,
+    node: NodeId,
+    name: String,
+    agent: Agent,
+}
+
+/// The notification text of a batch: the target end and the tag.
+fn notification(conn: u32, tag: u32) -> String {
+    format!("kvrelay:{conn}:{tag}")
+}
+
+fn parse_notification(text: &str) -> Option<(u32, u32)> {
+    let (conn, tag) = text.strip_prefix("kvrelay:")?.split_once(':')?;
+    Some((conn.parse().ok()?, tag.parse().ok()?))
+}
+
+impl AgentState {
+    fn new(node: NodeId) -> Result<AgentState, TransportError> {
+        library()?;
+        let name = format!("kvrelay-{}-{}-node{}", std::process::id(), AGENTS.fetch_add(1, Ordering::Relaxed), node.0);
+        let open = |what: &str, error: nixl_sys::NixlError| {
+            TransportError::Open(format!(
+                "NIXL agent {name}: {what} failed: {error} (fix: check {SCRIPT}'s UCX settings)"
+            ))
+        };
+        let agent =
+            Agent::new_configured(&name, &AgentConfig::default()).map_err(|error| open("createAgent", error))?;
+        let (_, params) = agent.get_plugin_params("UCX").map_err(|error| open("getPluginParams(UCX)", error))?;
+        agent.create_backend("UCX", &params).map_err(|error| open("createBackend(UCX)", error))?;
+        Ok(AgentState {
+            posted: Vec::new(),
+            registrations: Vec::new(),
+            ends: Vec::new(),
+            events: VecDeque::new(),
+            next_batch: 0,
+            descriptors: 0,
+            strays: Vec::new(),
+            node,
+            name,
+            agent,
+        })
+    }
+
+    fn registration(&self, id: u32) -> Result<&Registration, SeamError> {
+        self.registrations.get(id as usize).and_then(Option::as_ref).ok_or(SeamError::UnknownMemory(id))
+    }
+
+    /// Checks every posted request and takes new notifications: whether anything happened.
+    fn advance(&mut self) -> bool {
+        let before = self.events.len();
+        let mut still = Vec::with_capacity(self.posted.len());
+        for mut posted in std::mem::take(&mut self.posted) {
+            let state = match &posted.request {
+                Some(request) => self.agent.get_xfer_status(request),
+                None => Ok(XferStatus::Success),
+            };
+            let (status, landed, detail) = match state {
+                Ok(XferStatus::InProgress) => {
+                    still.push(posted);
+                    continue;
+                }
+                Ok(XferStatus::Success) if posted.cancelled => (
+                    BatchStatus::Aborted,
+                    Landed::All,
+                    "cancelled; NIXL had finished it (every byte landed)".to_owned(),
+                ),
+                Ok(XferStatus::Success) => (BatchStatus::Success, Landed::All, String::new()),
+                Err(error) => (BatchStatus::Unreachable, Landed::Unknown, format!("getXferStatus: {error}")),
+            };
+            posted.request = None; // releases the request
+            let completion = Completion { conn: posted.conn, batch: posted.id, status, landed, detail };
+            self.events.push_back(Event::Completed(completion));
+        }
+        self.posted = still;
+        self.take_notifications();
+        self.events.len() > before
+    }
+
+    fn take_notifications(&mut self) {
+        let Ok(mut map) = NotificationMap::new() else { return };
+        if self.agent.get_notifications(&mut map, None).is_err() {
+            return;
+        }
+        let Ok(taken) = map.take_notifs() else {
+            self.strays.push("a notification that is not UTF-8".to_owned());
+            return;
+        };
+        // Sorted by initiator (the map NIXL's bindings give has no stable order); each initiator's own order is kept.
+        let taken: BTreeMap<String, Vec<String>> = taken.into_iter().collect();
+        for (initiator, texts) in taken {
+            for text in texts {
+                match parse_notification(&text) {
+                    Some((conn, tag)) if (conn as usize) < self.ends.len() => {
+                        self.events.push_back(Event::Notified { conn: ConnId(conn), tag });
+                    }
+                    _ => self.strays.push(format!("`{text}` from {initiator}")),
+                }
+            }
+        }
+    }
+}
+
+/// One rank's NIXL agent at the seam.
+pub struct NixlEngine(Rc<RefCell<AgentState>>);
+
+impl TransferEngine for NixlEngine {
+    fn node(&self) -> NodeId {
+        self.0.borrow().node
+    }
+
+    fn limits(&self) -> SeamLimits {
+        LIMITS
+    }
+
+    fn register(&mut self, kind: MemoryKind, len: u64, _item_len: u64, fill: Fill) -> Result<Memory, SeamError> {
+        if kind != MemoryKind::Host {
+            let message = format!(
+                "kvrelay's NIXL fabric registers host memory (DRAM) only, not {kind} (device memory comes with the \
+                 cuda feature)"
+            );
+            return Err(SeamError::Engine { call: "registerMem", message });
+        }
+        let mut state = self.0.borrow_mut();
+        let id = u32::try_from(state.registrations.len()).map_err(|_| SeamError::Exhausted("memory ids"))?;
+        let registration = Registration::new(&state.agent, id, len, &fill)?;
+        let memory = registration.memory;
+        state.registrations.push(Some(registration));
+        Ok(memory)
+    }
+
+    fn read(&self, memory: &Memory, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
+        self.0.borrow().registration(memory.id)?.read(offset, out)
+    }
+
+    fn release(&mut self, memory: &Memory, _sparse: bool) -> Result<Image, SeamError> {
+        let mut state = self.0.borrow_mut();
+        let slot = state.registrations.get_mut(memory.id as usize).ok_or(SeamError::UnknownMemory(memory.id))?;
+        let registration = slot.take().ok_or(SeamError::UnknownMemory(memory.id))?;
+        Ok(BTreeMap::from([(0, registration.into_bytes())]))
+    }
+
+    fn open(&mut self) -> Result<(ConnId, PeerAddress), SeamError> {
+        let mut state = self.0.borrow_mut();
+        let conn = u32::try_from(state.ends.len()).map_err(|_| SeamError::Exhausted("connections"))?;
+        let metadata = state
+            .agent
+            .get_local_md()
+            .map_err(|error| SeamError::Engine { call: "getLocalMD", message: error.to_string() })?;
+        state.ends.push(End { peer: None });
+        let mut address = ADDRESS_MAGIC.to_vec();
+        address.extend_from_slice(&conn.to_le_bytes());
+        address.extend_from_slice(&metadata);
+        Ok((ConnId(conn), PeerAddress(address)))
+    }
+
+    fn connect(&mut self, conn: ConnId, peer: &PeerAddress, remote: &[RemoteMemory]) -> Result<(), SeamError> {
+        let bad = |why: String| SeamError::BadAddress { address: peer.to_string(), why };
+        let rest = peer
+            .0
+            .strip_prefix(ADDRESS_MAGIC)
+            .ok_or_else(|| bad("not a kvrelay NIXL address (fix: both sides must run --fabric nixl)".to_owned()))?;
+        let (end, metadata) =
+            rest.split_first_chunk::<4>().ok_or_else(|| bad("it ends before its end number".to_owned()))?;
+        let mut state = self.0.borrow_mut();
+        match state.ends.get(conn.0 as usize) {
+            None => return Err(SeamError::UnknownConnection(conn)),
+            Some(End { peer: Some(_) }) => return Err(SeamError::AlreadyConnected(conn)),
+            Some(End { peer: None }) => {}
+        }
+        let name = state
+            .agent
+            .load_remote_md(metadata)
+            .map_err(|error| bad(format!("NIXL's loadRemoteMD refused its metadata: {error}")))?;
+        state.ends[conn.0 as usize].peer = Some((name, u32::from_le_bytes(*end), remote.to_vec()));
+        Ok(())
+    }
+
+    fn submit(&mut self, conn: ConnId, batch: Batch) -> Result<BatchId, SeamError> {
+        let mut state = self.0.borrow_mut();
+        let end = state.ends.get(conn.0 as usize).ok_or(SeamError::UnknownConnection(conn))?;
+        let (peer, peer_end, remote) = end.peer.clone().ok_or(SeamError::NotConnected(conn))?;
+        SeamError::check_limits(&batch, LIMITS)?;
+        if state.posted.iter().filter(|posted| posted.conn == conn).count() >= LIMITS.batches_in_flight {
+            let bytes = batch.byte_len().unwrap_or(u64::MAX);
+            let (max_entries, max_bytes) = (LIMITS.max_entries, LIMITS.max_batch_bytes);
+            return Err(SeamError::OverLimits { entries: batch.entries.len(), bytes, max_entries, max_bytes });
+        }
+        let engine =
+            |call: &'static str, error: nixl_sys::NixlError| SeamError::Engine { call, message: error.to_string() };
+        let mut local = XferDescList::new(MemType::Dram).map_err(|error| engine("createXferDlist", error))?;
+        let mut target = XferDescList::new(MemType::Dram).map_err(|error| engine("createXferDlist", error))?;
+        for entry in &batch.entries {
+            let memory = state.registration(entry.local)?.memory;
+            let within =
+                |offset: u64, region_len: u64| offset.checked_add(entry.len).is_some_and(|end| end <= region_len);
+            if !within(entry.local_offset, memory.len) {
+                return Err(SeamError::OutOfRange {
+                    offset: entry.local_offset,
+                    len: entry.len,
+                    region_len: memory.len,
+                });
+            }
+            let outside =
+                |region_len| SeamError::OutOfRange { offset: entry.remote_offset, len: entry.len, region_len };
+            let peer_memory = remote.get(entry.remote as usize).ok_or(outside(0))?;
+            if !within(entry.remote_offset, peer_memory.len) {
+                return Err(outside(peer_memory.len));
+            }
+            let remote_addr = peer_memory.addr.checked_add(entry.remote_offset).ok_or(outside(peer_memory.len))?;
+            local.add_desc((memory.addr + entry.local_offset) as usize, entry.len as usize, 0);
+            target.add_desc(remote_addr as usize, entry.len as usize, 0);
+        }
+        let mut args = OptArgs::new().map_err(|error| engine("createOptArgs", error))?;
+        if let Some(tag) = batch.notify {
+            let text = notification(peer_end, tag);
+            args.set_notification_message(text.as_bytes()).map_err(|error| engine("setNotifMsg", error))?;
+            args.set_has_notification(true).map_err(|error| engine("setHasNotif", error))?;
+        }
+        let id = BatchId(state.next_batch);
+        let request = if batch.entries.is_empty() {
+            // Nothing to write: only the notification, which NIXL sends by itself.
+            if let Some(tag) = batch.notify {
+                state
+                    .agent
+                    .send_notification(&peer, notification(peer_end, tag).as_bytes(), None)
+                    .map_err(|error| engine("genNotif", error))?;
+            }
+            None
+        } else {
+            let request = state.agent.create_xfer_req(XferOp::Write, &local, &target, &peer, Some(&args)).map_err(
+                |error| SeamError::Engine {
+                    call: "createXferReq",
+                    message: format!(
+                        "{error}: NIXL agent {} refused the request, writing nothing (a descriptor outside the memory {peer} \
+                         registered, or a peer whose metadata is stale)",
+                        state.name
+                    ),
+                },
+            )?;
+            state.agent.post_xfer_req(&request, Some(&args)).map_err(|error| engine("postXferReq", error))?;
+            Some(request)
+        };
+        state.next_batch += 1;
+        state.descriptors += batch.entries.len() as u64;
+        state.posted.push(Posted { id, conn, request, cancelled: false });
+        Ok(id)
+    }
+
+    fn cancel(&mut self, batch: BatchId) -> Cancelled {
+        let mut state = self.0.borrow_mut();
+        match state.posted.iter_mut().find(|posted| posted.id == batch) {
+            Some(posted) => {
+                posted.cancelled = true;
+                Cancelled::Draining
+            }
+            None => Cancelled::Ended,
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
+        let mut state = self.0.borrow_mut();
+        if state.events.len() < max {
+            state.advance();
+        }
+        let count = state.events.len().min(max);
+        out.extend(state.events.drain(..count));
+        count
+    }
+
+    fn wait(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.0.borrow_mut();
+        loop {
+            if !state.events.is_empty() || state.advance() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            std::thread::sleep((deadline - now).min(Duration::from_micros(200)));
+        }
+    }
+
+    fn operations(&self) -> u64 {
+        self.0.borrow().descriptors
+    }
+}
+
+impl NixlEngine {
+    /// Notifications this agent received that named none of its ends or could not be read.
+    pub fn strays(&self) -> Vec<String> {
+        self.0.borrow().strays.clone()
+    }
+}
+
+/// NIXL as a [`Transport`]: one agent per node, all in this process.
+pub struct NixlTransport {
+    identity: Identity,
+    agents: Vec<Weak<RefCell<AgentState>>>,
+}
+
+impl NixlTransport {
+    /// Finds and loads NIXL's libraries (a clear error naming [`SCRIPT`] when they are missing).
+    pub fn new() -> Result<NixlTransport, TransportError> {
+        let library = library()?;
+        let version = wheel_version(library).unwrap_or_else(|| "NIXL (version unknown)".to_owned());
+        let mut facts = BTreeMap::new();
+        facts.insert("backend".to_owned(), "UCX".to_owned());
+        facts.insert("memory".to_owned(), "host (DRAM)".to_owned());
+        facts.insert("library".to_owned(), library.display().to_string());
+        facts.insert("bindings".to_owned(), "nixl-sys 1.5.2 (stub-api)".to_owned());
+        facts.insert("max_entries".to_owned(), LIMITS.max_entries.to_string());
+        facts.insert("batches_in_flight".to_owned(), LIMITS.batches_in_flight.to_string());
+        for (name, _) in UCX_DEFAULTS {
+            facts.insert(name.to_owned(), std::env::var(name).unwrap_or_default());
+        }
+        Ok(NixlTransport { identity: Identity { name: "nixl".to_owned(), version, facts }, agents: Vec::new() })
+    }
+
+    fn live(&self) -> Vec<Rc<RefCell<AgentState>>> {
+        self.agents.iter().filter_map(Weak::upgrade).collect()
+    }
+}
+
+impl Transport for NixlTransport {
+    fn identity(&self) -> Identity {
+        self.identity.clone()
+    }
+
+    fn verbs(&self) -> bool {
+        false
+    }
+
+    fn engine(&mut self, node: NodeId, _caps: Caps) -> Result<Box<dyn TransferEngine>, TransportError> {
+        let state = Rc::new(RefCell::new(AgentState::new(node)?));
+        self.agents.push(Rc::downgrade(&state));
+        Ok(Box::new(NixlEngine(state)))
+    }
+
+    fn step(&mut self) {
+        for state in self.live() {
+            state.borrow_mut().advance();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    /// Waits until no agent has a request in flight and no notification arrived for [`QUIET`] (at most
+    /// [`SETTLE_LIMIT`]).
+    fn settle(&mut self) {
+        let start = Instant::now();
+        let mut quiet_since = Instant::now();
+        while start.elapsed() < SETTLE_LIMIT {
+            let live = self.live();
+            let mut busy = false;
+            for state in &live {
+                let mut state = state.borrow_mut();
+                if state.advance() {
+                    quiet_since = Instant::now();
+                }
+                busy |= !state.posted.is_empty();
+            }
+            if !busy && quiet_since.elapsed() >= QUIET {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    fn reset(&mut self) {
+        self.agents.clear();
+    }
+}
