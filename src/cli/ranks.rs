@@ -13,9 +13,14 @@ use crate::scenario::Scenario;
 /// `kvrelay diff`: each scenario on the in-memory fabric and on `fabric`, compared byte for byte.
 pub(super) fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64>) -> anyhow::Result<ExitCode> {
     let budget = Budget::from_env()?;
-    let mut failed = 0;
+    let (mut failed, mut skipped) = (0, 0);
     for path in paths {
         let scenario = load(path, seed)?;
+        if !fabric.simulated() && !scenario.faults.is_empty() {
+            outln!("skip {}: its faults are injected by the in-memory fabric only", scenario.file);
+            skipped += 1;
+            continue;
+        }
         let report = harness::diff(&scenario, &budget, fabric)?;
         let regions = report.reference.observation.images.len();
         let verdict = |outcome: &harness::Outcome| match outcome.passed() {
@@ -43,7 +48,14 @@ pub(super) fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64
             eprintln!("reproduce: {} diff {} {name} --seed {}", cargo_run(fabric), scenario.file, scenario.seed);
         }
     }
-    outln!("{} of {} scenarios identical on both fabrics", paths.len() - failed, paths.len());
+    let compared = paths.len() - skipped;
+    match skipped {
+        0 => outln!("{} of {compared} scenarios identical on both fabrics", compared - failed),
+        _ => outln!(
+            "{} of {compared} scenarios identical on both fabrics ({skipped} with faults skipped)",
+            compared - failed
+        ),
+    }
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
@@ -56,6 +68,7 @@ fn fabric_flag(fabric: &harness::Fabric) -> String {
 fn cargo_run(fabric: &harness::Fabric) -> &'static str {
     match fabric {
         harness::Fabric::Rdma { .. } => "cargo run --release --features rdma --",
+        harness::Fabric::Nixl => "cargo run --release --features nixl --",
         _ => "cargo run --release --",
     }
 }

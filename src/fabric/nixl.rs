@@ -13,7 +13,7 @@
 //! [`LIMITS`].
 //!
 //! Where the libraries are: `KVRELAY_NIXL_LIB` (the wheel's `.nixl_cu12.mesonpy.libs` folder or the library
-//! itself), else `target/engines/nixl/.nixl_cu12.mesonpy.libs` of this checkout (where `ci/engines.sh` unpacks
+//! itself; when set, only there), else `target/engines/nixl/.nixl_cu12.mesonpy.libs` of this checkout (where `ci/engines.sh` unpacks
 //! the wheel), else the loader's search path (`LD_LIBRARY_PATH`). The library is opened by its full path before
 //! NIXL's stub opens it by name, which then finds the same object (its `SONAME`), and its own `RPATH` finds the
 //! wheel's UCX. UCX's environment defaults to what `ci/engines.sh` writes (`UCX_MODULES=^ib`: without it a process
@@ -95,11 +95,12 @@ fn library() -> Result<&'static Path, TransportError> {
 
 /// Where `libnixl_capi.so` may be, in order.
 fn candidates() -> Vec<PathBuf> {
-    let mut candidates = Vec::new();
     if let Some(value) = std::env::var_os("KVRELAY_NIXL_LIB") {
+        // Named by the user: that copy or none.
         let path = PathBuf::from(value);
-        candidates.push(if path.is_dir() { path.join("libnixl_capi.so") } else { path });
+        return vec![if path.is_dir() { path.join("libnixl_capi.so") } else { path }];
     }
+    let mut candidates = Vec::new();
     let unpacked = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engines/nixl/.nixl_cu12.mesonpy.libs");
     candidates.push(unpacked.join("libnixl_capi.so"));
     candidates.push(PathBuf::from("libnixl_capi.so"));
@@ -236,10 +237,17 @@ struct AgentState {
     descriptors: u64,
     /// Notifications that named no end of this agent, or could not be read (kept for the report).
     strays: Vec<String>,
+    /// Polling an agent makes UCX progress (several system calls): an agent that found nothing backs off, up to
+    /// [`MAX_BACKOFF`], until it finds something or submits.
+    next_check: Instant,
+    backoff: Duration,
     node: NodeId,
     name: String,
     agent: Agent,
 }
+
+/// The longest an idle agent goes unpolled.
+const MAX_BACKOFF: Duration = Duration::from_millis(1);
 
 /// The notification text of a batch: the target end and the tag.
 fn notification(conn: u32, tag: u32) -> String {
@@ -260,8 +268,10 @@ impl AgentState {
                 "NIXL agent {name}: {what} failed: {error} (fix: check {SCRIPT}'s UCX settings)"
             ))
         };
-        let agent =
-            Agent::new_configured(&name, &AgentConfig::default()).map_err(|error| open("createAgent", error))?;
+        // No progress thread: with one, every agent's UCX worker is polled in a busy loop (2 cores, 16 agents);
+        // polling a request's state or the notifications makes the progress instead.
+        let config = AgentConfig { enable_prog_thread: false, ..AgentConfig::default() };
+        let agent = Agent::new_configured(&name, &config).map_err(|error| open("createAgent", error))?;
         let (_, params) = agent.get_plugin_params("UCX").map_err(|error| open("getPluginParams(UCX)", error))?;
         agent.create_backend("UCX", &params).map_err(|error| open("createBackend(UCX)", error))?;
         Ok(AgentState {
@@ -272,6 +282,8 @@ impl AgentState {
             next_batch: 0,
             descriptors: 0,
             strays: Vec::new(),
+            next_check: Instant::now(),
+            backoff: Duration::ZERO,
             node,
             name,
             agent,
@@ -280,6 +292,19 @@ impl AgentState {
 
     fn registration(&self, id: u32) -> Result<&Registration, SeamError> {
         self.registrations.get(id as usize).and_then(Option::as_ref).ok_or(SeamError::UnknownMemory(id))
+    }
+
+    /// [`AgentState::advance`] unless the agent is backing off.
+    fn advance_when_due(&mut self) -> bool {
+        let now = Instant::now();
+        if now < self.next_check {
+            return false;
+        }
+        let found = self.advance();
+        self.backoff =
+            if found { Duration::ZERO } else { (self.backoff * 2).clamp(Duration::from_micros(20), MAX_BACKOFF) };
+        self.next_check = now + self.backoff;
+        found
     }
 
     /// Checks every posted request and takes new notifications: whether anything happened.
@@ -479,6 +504,7 @@ impl TransferEngine for NixlEngine {
         };
         state.next_batch += 1;
         state.descriptors += batch.entries.len() as u64;
+        (state.backoff, state.next_check) = (Duration::ZERO, Instant::now());
         state.posted.push(Posted { id, conn, request, cancelled: false });
         Ok(id)
     }
@@ -497,7 +523,7 @@ impl TransferEngine for NixlEngine {
     fn poll(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
         let mut state = self.0.borrow_mut();
         if state.events.len() < max {
-            state.advance();
+            state.advance_when_due();
         }
         let count = state.events.len().min(max);
         out.extend(state.events.drain(..count));

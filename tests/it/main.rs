@@ -13,6 +13,8 @@ mod cli;
 mod conformance;
 /// Determinism and replay: seeded placement, the trace hash, `--check-determinism`, `--trace-out`, `KVRELAY_SEED`.
 mod determinism;
+/// Real transfer engines in the seat: NIXL (feature `nixl`), a missing library's error.
+mod engines;
 /// Delays, reorders, a hung queue pair and a read after release (the fault kinds after the first ten).
 mod fault_kinds;
 mod faults;
