@@ -128,8 +128,7 @@ struct HostRange {
 }
 
 impl MemoryRegion for HostRange {
-    /// # Safety
-    /// The range is a live allocation of its [`Registration`], which outlives the registration handle.
+    // SAFETY: the range is a live allocation of its `Registration`, which outlives the registration handle.
     unsafe fn as_ptr(&self) -> *const u8 {
         self.addr as *const u8
     }

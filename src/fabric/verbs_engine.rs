@@ -222,17 +222,14 @@ impl<E: Endpoint> VerbsEngine<E> {
             }
         }
         let ok = completion.status == WcStatus::Success;
-        // Reliable connections execute in order: the writes before the one that completed ran whole, even when it
-        // failed (its error would otherwise have been reported first), so they count as landed.
-        let ran = if ok { settled.len() } else { settled.len() - 1 };
         if !ok {
             conn.broken = true;
             settled.extend(conn.waiting.drain(..));
         }
         let detail = format!("work request {} completed with {:?}", completion.wr_id, completion.status);
         let status = batch_status(completion.status);
-        for (index, lowered) in settled.into_iter().enumerate() {
-            self.settle(lowered, index < ran, status, &detail);
+        for lowered in settled {
+            self.settle(lowered, ok, status, &detail);
         }
     }
 
