@@ -200,7 +200,8 @@ pub enum Command {
 #[derive(Debug, Clone, clap::Args)]
 pub struct FabricArgs {
     /// `sim` (in-memory, simulated time), `live-sim` (in-memory, real clock), `rdma` (verbs; needs the `rdma`
-    /// feature) or `plugin:PATH` (a C ABI transport plug-in, src/fabric/kvrelay_transport.h; run and diff). `diff`, `serve` and `launch` default to `rdma`, `run` to `sim`.
+    /// feature), `plugin:PATH` (a C ABI transport plug-in, src/fabric/kvrelay_transport.h; run and diff),
+    /// `child:COMMAND` (a program speaking kvrelay-transport-1, src/fabric/child/README.md) or `mooncake`. `diff`, `serve` and `launch` default to `rdma`, `run` to `sim`.
     #[arg(long)]
     pub fabric: Option<String>,
     /// RDMA device (default: the first device with an active port).

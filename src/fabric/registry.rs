@@ -1,4 +1,5 @@
-//! The one place every fabric is named: [`Fabric`] parses `--fabric` (`sim`, `live-sim`, `rdma`, `plugin:PATH`),
+//! The one place every fabric is named: [`Fabric`] parses `--fabric` (`sim`, `live-sim`, `rdma`, `plugin:PATH`,
+//! `child:COMMAND`, `mooncake`),
 //! prints it back, and opens the [`Transport`] whose per-node engines a run uses ([`Fabric::transport`]). A new
 //! fabric adds its variant here, its own file (its engine or endpoint, and its `Transport`), and its tests.
 
@@ -18,6 +19,24 @@ pub enum Fabric {
     Rdma { device: Option<String> },
     /// The live driver on a C ABI transport plug-in (`fabric::plugin`), one endpoint per rank.
     Plugin { path: String },
+    /// The live driver on engines living in a child process speaking `kvrelay-transport-1` (`fabric::child`):
+    /// `command` split on whitespace, one child per transport (per process when ranks are processes).
+    Child { command: String },
+    /// Mooncake's Transfer Engine behind the child protocol: `python3 tests/transports/mooncake_engine.py` (the
+    /// interpreter from `$KVRELAY_MOONCAKE_PYTHON`, else `$KVRELAY_PYTHON`, else `python3`).
+    Mooncake,
+}
+
+/// The environment variables naming the Python interpreter of `--fabric mooncake`, first set wins.
+pub const MOONCAKE_PYTHON_ENV: [&str; 2] = ["KVRELAY_MOONCAKE_PYTHON", "KVRELAY_PYTHON"];
+
+/// The Mooncake adapter child's command line: the interpreter ([`MOONCAKE_PYTHON_ENV`]) and the script.
+pub fn mooncake_command() -> Vec<String> {
+    let python = MOONCAKE_PYTHON_ENV
+        .iter()
+        .find_map(|name| std::env::var(name).ok().filter(|value| !value.is_empty()))
+        .unwrap_or_else(|| "python3".to_owned());
+    vec![python, concat!(env!("CARGO_MANIFEST_DIR"), "/tests/transports/mooncake_engine.py").to_owned()]
 }
 
 impl Fabric {
@@ -27,10 +46,16 @@ impl Fabric {
             "sim" => Ok(Fabric::Sim),
             "live-sim" => Ok(Fabric::LiveSim),
             "rdma" => Ok(Fabric::Rdma { device }),
-            other => match other.strip_prefix("plugin:") {
-                Some(path) => Ok(Fabric::Plugin { path: path.to_owned() }),
-                None => Err(TransportError::UnknownFabric { name: other.to_owned() }),
-            },
+            "mooncake" => Ok(Fabric::Mooncake),
+            other => {
+                if let Some(path) = other.strip_prefix("plugin:") {
+                    Ok(Fabric::Plugin { path: path.to_owned() })
+                } else if let Some(command) = other.strip_prefix("child:").filter(|c| !c.trim().is_empty()) {
+                    Ok(Fabric::Child { command: command.to_owned() })
+                } else {
+                    Err(TransportError::UnknownFabric { name: other.to_owned() })
+                }
+            }
         }
     }
 
@@ -41,6 +66,8 @@ impl Fabric {
             Fabric::LiveSim => "live-sim".to_owned(),
             Fabric::Rdma { .. } => "rdma".to_owned(),
             Fabric::Plugin { path } => format!("plugin:{path}"),
+            Fabric::Child { command } => format!("child:{command}"),
+            Fabric::Mooncake => "mooncake".to_owned(),
         };
         let mut flags = vec!["--fabric".to_owned(), name];
         if let Fabric::Rdma { device: Some(device) } = self {
@@ -56,6 +83,8 @@ impl Fabric {
             Fabric::Rdma { device: Some(device) } => format!("rdma ({device})"),
             Fabric::Rdma { device: None } => "rdma".to_owned(),
             Fabric::Plugin { path } => format!("plugin:{path}"),
+            Fabric::Child { command } => format!("child:{command}"),
+            Fabric::Mooncake => "mooncake".to_owned(),
         }
     }
 }
@@ -77,6 +106,17 @@ impl Fabric {
                     .map_err(|error| TransportError::Unavailable(error.to_string()))?;
                 Ok(Box::new(plugin))
             }
+            Fabric::Child { command } => {
+                Ok(Box::new(super::child::ChildTransport::start(super::child::ChildTransport::argv(command))?))
+            }
+            Fabric::Mooncake => match super::child::ChildTransport::start(mooncake_command()) {
+                Ok(transport) => Ok(Box::new(transport)),
+                Err(error) => Err(TransportError::Unavailable(format!(
+                    "{error} (fix: install the pinned wheel mooncake-transfer-engine-non-cuda==0.3.13.post1 and numpy \
+                     into a venv, apt-get install libibverbs1 libnl-3-200 libnl-route-3-200, and point \
+                     KVRELAY_MOONCAKE_PYTHON at the venv's python)"
+                ))),
+            },
         }
     }
 }
