@@ -79,8 +79,12 @@ def check(value, schema, root, path):
             except ValueError as error:
                 errors.append(str(error))
         if matched != 1:
-            # The branch of the same `op` (or `event`) says most.
-            hint = [e for e in errors if "is not '" not in e] or errors
+            # The branch of the same `op` (or `event`, or `ok`) says most.
+            def same(branch):
+                properties = branch.get("properties", {})
+                keys = [key for key in ("op", "event", "ok") if "const" in properties.get(key, {})]
+                return bool(keys) and all(isinstance(value, dict) and value.get(key) == properties[key]["const"] for key in keys)
+            hint = [error for branch, error in zip(schema["oneOf"], errors) if same(branch)] or errors
             raise ValueError(f"{path}: matches {matched} of the branches; {hint[0] if hint else ''}")
 
 
