@@ -344,7 +344,8 @@ impl Session {
             }
         };
         let bad = |problem: String| CallError::Broken(format!("{who}: op `{op}`: {problem}: {}", excerpt(&line)));
-        let value: Value = serde_json::from_str(&line).map_err(|error| bad(format!("an answer that is not JSON ({error})")))?;
+        let value: Value =
+            serde_json::from_str(&line).map_err(|error| bad(format!("an answer that is not JSON ({error})")))?;
         let Value::Object(mut answer) = value else {
             return Err(bad("an answer that is not a JSON object".to_owned()));
         };
@@ -558,12 +559,7 @@ fn refusal(
         SeamErrorKind::OverLimits => {
             let (entries, bytes) =
                 about.batch.map_or((0, 0), |batch| (batch.entries.len(), batch.byte_len().unwrap_or(u64::MAX)));
-            SeamError::OverLimits {
-                entries,
-                bytes,
-                max_entries: limits.max_entries,
-                max_bytes: limits.max_batch_bytes,
-            }
+            SeamError::OverLimits { entries, bytes, max_entries: limits.max_entries, max_bytes: limits.max_batch_bytes }
         }
         SeamErrorKind::OutOfRange => {
             SeamError::OutOfRange { offset: number("offset"), len: number("len"), region_len: number("region_len") }
@@ -729,7 +725,8 @@ impl ChildEngine {
                     let names = STATUSES.map(BatchStatus::name).join(", ");
                     field.wrong(&name("status"), &format!("{status:?} is not one of {names}"))
                 })?;
-                let landed = landed(map.get("landed"), entries).map_err(|problem| field.wrong(&name("landed"), &problem))?;
+                let landed =
+                    landed(map.get("landed"), entries).map_err(|problem| field.wrong(&name("landed"), &problem))?;
                 let detail = match map.get("detail") {
                     None | Some(Value::Null) => String::new(),
                     Some(Value::String(text)) => text.clone(),
@@ -856,7 +853,9 @@ impl TransferEngine for ChildEngine {
         self.registration(memory)?;
         match self.call("release", json!({"memory": memory.id})) {
             Ok(_) | Err(CallError::Broken(_)) => {}
-            Err(error) => return Err(self.seam_error("release", error, About { memory: Some(memory.id), ..About::default() })),
+            Err(error) => {
+                return Err(self.seam_error("release", error, About { memory: Some(memory.id), ..About::default() }))
+            }
         }
         // A broken child's bytes are still in the file: the oracle judges them.
         let registration = self.memory.remove(&memory.id).ok_or(SeamError::UnknownMemory(memory.id))?;
@@ -871,9 +870,9 @@ impl TransferEngine for ChildEngine {
     }
 
     fn open(&mut self) -> Result<(ConnId, PeerAddress), SeamError> {
-        let answer = self
-            .call("open", json!({}))
-            .map_err(|error| self.seam_error("open", error, About { exhausted: Some("connections"), ..About::default() }))?;
+        let answer = self.call("open", json!({})).map_err(|error| {
+            self.seam_error("open", error, About { exhausted: Some("connections"), ..About::default() })
+        })?;
         let checked = {
             let session = self.session.borrow();
             let field = Fields { session: &session, op: "open", map: &answer };
@@ -923,7 +922,8 @@ impl TransferEngine for ChildEngine {
             .collect();
         let fields = json!({"conn": conn.0, "entries": entries, "notify": batch.notify});
         let answer = self.call("submit", fields).map_err(|error| {
-            let about = About { conn: Some(conn), batch: Some(&batch), exhausted: Some("batch slots"), ..About::default() };
+            let about =
+                About { conn: Some(conn), batch: Some(&batch), exhausted: Some("batch slots"), ..About::default() };
             self.seam_error("submit", error, about)
         })?;
         let checked = {
@@ -1164,7 +1164,8 @@ const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz
 pub fn base64_encode(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
-        let word = chunk.iter().enumerate().fold(0u32, |word, (index, byte)| word | u32::from(*byte) << (16 - 8 * index));
+        let word =
+            chunk.iter().enumerate().fold(0u32, |word, (index, byte)| word | u32::from(*byte) << (16 - 8 * index));
         for index in 0..4 {
             if index <= chunk.len() {
                 out.push(BASE64[(word >> (18 - 6 * index) & 63) as usize] as char);
@@ -1191,11 +1192,7 @@ pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
         }
         let mut word = 0u32;
         for (index, byte) in quad.iter().enumerate() {
-            let value = if index >= 4 - padding {
-                0
-            } else {
-                BASE64.iter().position(|known| known == byte)? as u32
-            };
+            let value = if index >= 4 - padding { 0 } else { BASE64.iter().position(|known| known == byte)? as u32 };
             word |= value << (18 - 6 * index);
         }
         out.extend_from_slice(&word.to_be_bytes()[1..4 - padding]);

@@ -229,8 +229,7 @@ fn a_child_that_breaks_the_protocol_mid_run_fails_the_case_naming_the_op_and_fie
     assert_eq!(verdict, Verdict::Fail);
     assert!(detail.contains("field `events[0].event`"), "{detail}");
 
-    let (verdict, detail) =
-        seam_case(misbehaving("register", "raise m.Refusal('no_such_kind', 'what')"));
+    let (verdict, detail) = seam_case(misbehaving("register", "raise m.Refusal('no_such_kind', 'what')"));
     assert_eq!(verdict, Verdict::Fail);
     assert!(detail.contains("field `error.kind`: \"no_such_kind\" is not one of"), "{detail}");
 }
