@@ -81,6 +81,9 @@ pub enum ProcessError {
     NoRdma,
     #[error("cannot open the RDMA device: {reason}")]
     Device { reason: String },
+    /// A child-process fabric's transport or engine cannot be opened (`fabric::child`).
+    #[error("cannot open the {fabric} fabric: {reason}")]
+    Transport { fabric: String, reason: String },
     #[error(transparent)]
     Live(#[from] crate::engine::live::LiveError),
     #[error(transparent)]
@@ -119,7 +122,9 @@ impl ProcessError {
         match self {
             ProcessError::NoSuchRank { .. } => ProcessErrorKind::NoSuchRank,
             ProcessError::InOneProcess | ProcessError::NoRdma => ProcessErrorKind::WrongFabric,
-            ProcessError::Device { .. } | ProcessError::Live(_) => ProcessErrorKind::Fabric,
+            ProcessError::Device { .. } | ProcessError::Transport { .. } | ProcessError::Live(_) => {
+                ProcessErrorKind::Fabric
+            }
             ProcessError::Control(_) | ProcessError::NoAddress => ProcessErrorKind::Control,
             ProcessError::Spawn(_) => ProcessErrorKind::Spawn,
             ProcessError::NoVerdict { .. } | ProcessError::Omitted => ProcessErrorKind::NoVerdict,
@@ -161,10 +166,23 @@ fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<(Clie
     Ok((client, topology))
 }
 
+/// Opens the rank's engine before joining the run (a rank that cannot open it never connects), then serves: a
+/// child-process fabric's engine (its own child per process), or the RDMA device's.
+fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
+    if !matches!(options.fabric, Fabric::Child { .. } | Fabric::Mooncake) {
+        return serve_on_nic(problem, node, options);
+    }
+    let failed = |reason: String| ProcessError::Transport { fabric: options.fabric.name(), reason };
+    let mut transport = options.fabric.transport().map_err(|error| failed(error.to_string()))?;
+    let engine = transport.engine(node, harness::RDMA_CAPS).map_err(|error| failed(error.to_string()))?;
+    let (client, topology) = join(problem, node, options)?;
+    Ok(crate::engine::live::serve(problem, node, engine, client, topology, &options.live)?)
+}
+
 /// Opens the rank's endpoint and registers its memory before joining the run (a rank that cannot open its device
 /// never connects), then serves.
 #[cfg(feature = "rdma")]
-fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
+fn serve_on_nic(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
     use crate::fabric::rdma::RdmaEndpoint;
     let Fabric::Rdma { device } = &options.fabric else { return Err(ProcessError::InOneProcess) };
     let nic = RdmaEndpoint::open(node, device.as_deref(), harness::RDMA_CAPS)
@@ -175,7 +193,7 @@ fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> R
 }
 
 #[cfg(not(feature = "rdma"))]
-fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
+fn serve_on_nic(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
     let _ = (problem, node, join);
     match options.fabric {
         Fabric::Rdma { .. } => Err(ProcessError::NoRdma),
@@ -185,7 +203,7 @@ fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> R
 
 /// Why the in-memory fabric cannot serve one rank per process.
 const IN_ONE_PROCESS: &str =
-    "the in-memory fabric lives inside one process: ranks as processes need --fabric rdma (use `kvrelay run` for the simulation)";
+    "the in-memory fabric lives inside one process: ranks as processes need --fabric rdma, child:COMMAND or mooncake (use `kvrelay run` for the simulation)";
 
 /// The oracle's verdict on this decode process's own memory.
 fn rank_verdict(scenario: &Scenario, rank: RankId, run: &SimRun) -> RankVerdict {

@@ -4,9 +4,11 @@ copies between the files kvrelay maps, no external engine, standard library only
 kvrelay runs it as `--fabric child:python3 tests/transports/memcpy_engine.py` and talks JSON lines on its stdin and
 stdout, one request, one response. It is the template a vendor copies for a Python-first engine: keep `main`, the
 op table and the checks in `submit`, and replace the copies in `Engine.progress` (and `settle`) with the engine's
-calls. Every engine of one child lives in this process; a peer address names the process and the engine
-(`memcpy/1 pid=<pid> engine=<n>`), so engines of another child (another kvrelay process) are refused as
-`bad_address`.
+calls. A peer address names the process and the engine (`memcpy/1 pid=<pid> engine=<n>`). An engine of this
+process is written directly; one of another child (ranks as processes, `kvrelay launch`) through the files it
+shares: each engine lists its registrations (address, length, file) in `kvrelay-memcpy-<pid>-<n>.json` beside
+kvrelay's files (`$KVRELAY_SHM_DIR`, else /dev/shm), a writer maps the peer's file named there, and notifications
+for it are lines appended to `kvrelay-memcpy-<pid>-<n>.notify`.
 
 `--plant-dropped-tail` plants a silent bug: a batch of more than 32 entries skips its last one and still completes
 `success` with every entry landed. Only the oracle can see it.
@@ -17,6 +19,19 @@ import json
 import mmap
 import os
 import sys
+
+SHARED = os.environ.get("KVRELAY_SHM_DIR") or "/dev/shm"
+
+
+def shared(pid, engine, suffix):
+    """The file an engine shares with other processes."""
+    return os.path.join(SHARED, f"kvrelay-memcpy-{pid}-{engine}.{suffix}")
+
+
+def write_atomically(path, text):
+    with open(path + ".tmp", "w") as handle:
+        handle.write(text)
+    os.replace(path + ".tmp", path)
 
 PROTOCOL = "kvrelay-transport"
 VERSION = 1
@@ -58,13 +73,60 @@ class Engine:
     def __init__(self, ident, node):
         self.id, self.node = ident, node
         self.regions = {}  # kvrelay's memory id -> Region
-        self.conns = []  # per conn: None (open) or (peer engine id, [remote dicts])
+        self.paths = {}  # kvrelay's memory id -> its file
+        self.conns = []  # per conn: None (open) or (peer, [remote dicts]); peer: an engine id or (pid, engine id)
+        self.notes_read = 0  # bytes of the notification file taken in
         self.queued = []  # submitted batches waiting for progress
         self.events = []  # events ready for poll
         self.next_batch = 0
 
     def find(self, addr, length):
         return next((r for r in self.regions.values() if r.contains(addr, length)), None)
+
+    def share(self):
+        """Lists this engine's registrations for writers in other processes."""
+        listed = [[self.regions[m].addr, self.regions[m].len, self.paths[m]] for m in self.regions]
+        write_atomically(shared(os.getpid(), self.id, "json"), json.dumps(listed))
+
+    def unshare(self):
+        for suffix in ("json", "notify"):
+            try:
+                os.remove(shared(os.getpid(), self.id, suffix))
+            except FileNotFoundError:
+                pass
+
+
+class Remote:
+    """A peer engine of another process, reached through the files it lists."""
+
+    def __init__(self, pid, engine):
+        self.pid, self.engine = pid, engine
+        self.maps = {}  # path -> mmap
+
+    def target(self, addr, length):
+        """This process's address of the peer's `addr`..`addr + length`, or None."""
+        try:
+            with open(shared(self.pid, self.engine, "json")) as handle:
+                listed = json.load(handle)
+        except (OSError, ValueError):
+            return None
+        for start, size, path in listed:
+            if start <= addr and addr + length <= start + size:
+                if path not in self.maps:
+                    try:
+                        with open(path, "r+b") as handle:
+                            self.maps[path] = mmap.mmap(handle.fileno(), max(size, 1))
+                    except OSError:
+                        return None
+                anchor = ctypes.c_char.from_buffer(self.maps[path])
+                base = ctypes.addressof(anchor)
+                del anchor
+                return base + (addr - start)
+        return None
+
+    def notify(self, sender, tag):
+        with open(shared(self.pid, self.engine, "notify"), "a") as handle:
+            handle.write(f"{os.getpid()} {sender} {tag}\n")
 
 
 class Child:
@@ -99,12 +161,15 @@ class Child:
         ident = self.next_engine
         self.next_engine += 1
         self.engines[ident] = Engine(ident, msg["node"])
+        self.engines[ident].share()
         return {"engine": ident}
 
     def op_close(self, msg):
         engine = self.engines.pop(msg["engine"], None)
         for region in (engine.regions.values() if engine else []):
             region.close()
+        if engine is not None:
+            engine.unshare()
         return {}
 
     def op_register(self, msg):
@@ -115,6 +180,8 @@ class Child:
             raise Refusal("engine", f"memory {msg['memory']} is already registered")
         region = Region(msg["path"], msg["len"])
         engine.regions[msg["memory"]] = region
+        engine.paths[msg["memory"]] = msg["path"]
+        engine.share()
         return {"addr": region.addr, "key": 0}
 
     def op_release(self, msg):
@@ -123,6 +190,8 @@ class Child:
         if region is None:
             raise Refusal("unknown_memory", f"memory {msg['memory']} is not registered")
         region.close()
+        engine.paths.pop(msg["memory"], None)
+        engine.share()
         return {}
 
     def op_open(self, msg):
@@ -139,11 +208,16 @@ class Child:
         fields = dict(part.split("=", 1) for part in address.split(" ")[1:] if "=" in part)
         if not address.startswith("memcpy/1 ") or "pid" not in fields or "engine" not in fields:
             raise Refusal("bad_address", "expected `memcpy/1 pid=<pid> engine=<n>`")
-        if fields["pid"] != str(os.getpid()):
-            raise Refusal("bad_address", "an engine of another process: the sample copies within one process")
-        peer = int(fields["engine"])
-        if peer not in self.engines:
-            raise Refusal("bad_address", f"no engine {peer} in this process")
+        if not fields["pid"].isdigit() or not fields["engine"].isdigit():
+            raise Refusal("bad_address", "expected `memcpy/1 pid=<pid> engine=<n>`")
+        pid, peer = int(fields["pid"]), int(fields["engine"])
+        if pid == os.getpid():
+            if peer not in self.engines:
+                raise Refusal("bad_address", f"no engine {peer} in this process")
+        elif not os.path.exists(shared(pid, peer, "json")):
+            raise Refusal("bad_address", f"engine {peer} of process {pid} shares no {shared(pid, peer, 'json')}")
+        else:
+            peer = Remote(pid, peer)
         engine.conns[conn] = (peer, msg["remote"])
         return {}
 
@@ -189,6 +263,7 @@ class Child:
     def op_poll(self, msg):
         engine = self.engine(msg)
         self.progress(engine)
+        self.take_notes(engine)
         count = min(msg["max"], len(engine.events))
         events, engine.events = engine.events[:count], engine.events[count:]
         return {"events": events}
@@ -204,6 +279,23 @@ class Child:
         self.next_engine = 0
         return {}
 
+    def take_notes(self, engine):
+        """Notifications other processes appended for this engine, on the end connected to their sender."""
+        try:
+            with open(shared(os.getpid(), engine.id, "notify")) as handle:
+                handle.seek(engine.notes_read)
+                text = handle.read()
+        except FileNotFoundError:
+            return
+        complete = text[: text.rfind("\n") + 1]
+        engine.notes_read += len(complete.encode())
+        for line in complete.splitlines():
+            pid, sender, tag = (int(part) for part in line.split())
+            for conn, end in enumerate(engine.conns):
+                if end is not None and isinstance(end[0], Remote) and (end[0].pid, end[0].engine) == (pid, sender):
+                    engine.events.append({"event": "notified", "conn": conn, "tag": tag})
+                    break
+
     # ---- progress: where an engine's own calls go ----
 
     def progress(self, engine):
@@ -213,10 +305,15 @@ class Child:
             copies = batch["copies"]
             if self.plant and len(copies) > PLANT_FROM:
                 copies = copies[:-1]
-            peer = self.engines.get(batch["peer"])
+            remote = isinstance(batch["peer"], Remote)
+            peer = batch["peer"] if remote else self.engines.get(batch["peer"])
             landed = 0
             for source, target, length in copies:
-                if peer is None or engine.find(source, length) is None or peer.find(target, length) is None:
+                if remote and peer is not None:
+                    target = peer.target(target, length)
+                elif peer is not None and peer.find(target, length) is None:
+                    target = None
+                if peer is None or target is None or engine.find(source, length) is None:
                     break  # released since the submit
                 ctypes.memmove(target, source, length)
                 landed += 1
@@ -225,6 +322,8 @@ class Child:
             if landed < len(copies):
                 event.update(status="remote_access", landed=[[0, landed]] if landed else [],
                              detail=f"entry {landed}: memory released before the copy")
+            elif batch["notify"] is not None and remote:
+                peer.notify(engine.id, batch["notify"])
             elif batch["notify"] is not None:
                 for conn, end in enumerate(peer.conns):
                     if end is not None and end[0] == engine.id:
@@ -235,6 +334,14 @@ class Child:
 
 def main():
     child = Child("--plant-dropped-tail" in sys.argv[1:])
+    try:
+        serve(child)
+    finally:
+        for engine in child.engines.values():
+            engine.unshare()
+
+
+def serve(child):
     for line in sys.stdin:
         msg = json.loads(line)
         op = msg.get("op")
