@@ -19,7 +19,9 @@ How the seam maps onto the engine (0.3.13.post1, TCP transport, P2P handshake, n
 - a notification is sent after the batch ended successfully, as a zero-length `transfer_sync` write carrying
   `TransferNotify(<own session>, "kvrelay:<tag>")`; the target's `get_notifies()` gives it to the end connected
   to that session (the wheel has no notification on the async calls);
-- cancel cannot stop a Mooncake batch: a batch in flight answers `draining`.
+- cancel cannot stop a Mooncake batch: a batch in flight answers `draining`;
+- destroying a TransferEngine takes about a second, so a closed engine's TransferEngine is deregistered, drained of
+  notifications and reused by the next `engine` (keeping its session id).
 
 Flags: `--max-entries N`, `--max-batch-bytes N`, `--batches-in-flight N` (the limits declared in `hello`).
 Environment: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER default to 65535
@@ -83,13 +85,17 @@ class Region:
 class Engine:
     """One node: a Mooncake TransferEngine, its registrations, ends and batches, and its waiter thread."""
 
-    def __init__(self, ident, node, limits):
+    def __init__(self, ident, node, limits, pool):
         self.id, self.node, self.limits = ident, node, limits
-        self.te = TransferEngine()
-        code = self.te.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
-        if code != 0:
-            raise Refusal("engine", f"TransferEngine.initialize returned {code}")
-        self.session = f"{HOST}:{self.te.get_rpc_port()}"
+        if pool:
+            self.te, self.session = pool.pop()
+            self.te.get_notifies()  # nothing of its last use reaches this one
+        else:
+            self.te = TransferEngine()
+            code = self.te.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+            if code != 0:
+                raise Refusal("engine", f"TransferEngine.initialize returned {code}")
+            self.session = f"{HOST}:{self.te.get_rpc_port()}"
         self.regions = {}
         self.conns = []  # None, or (peer session, remote list)
         self.next_batch = 0
@@ -128,13 +134,17 @@ class Engine:
                 self.events.append(event)
                 self.idle.notify_all()
 
-    def close(self):
+    def close(self, pool):
+        """Waits for its batches, deregisters everything and leaves the TransferEngine to `pool`."""
         self.waiting.put(None)
         self.thread.join(timeout=30)
         for region in self.regions.values():
             self.te.unregister_memory(region.addr)
             region.map.close()
         self.regions.clear()
+        if not self.thread.is_alive():
+            self.te.get_notifies()
+            pool.append((self.te, self.session))
 
 
 class Child:
@@ -142,6 +152,9 @@ class Child:
         self.limits = limits
         self.engines = {}
         self.next_engine = 0
+        # Destroying a TransferEngine takes a second (0.3.13.post1), so closed ones are reused, deregistered and
+        # drained, under their session id (a new case's peers learn it anew from `open`).
+        self.pool = []
 
     def engine(self, msg):
         engine = self.engines.get(msg["engine"])
@@ -173,14 +186,14 @@ class Child:
 
     def op_engine(self, msg):
         ident = self.next_engine
-        self.engines[ident] = Engine(ident, msg["node"], self.limits)
+        self.engines[ident] = Engine(ident, msg["node"], self.limits, self.pool)
         self.next_engine += 1
         return {"engine": ident}
 
     def op_close(self, msg):
         engine = self.engines.pop(msg["engine"], None)
         if engine is not None:
-            engine.close()
+            engine.close(self.pool)
         return {}
 
     def op_register(self, msg):
