@@ -274,6 +274,18 @@ fn kvrelay_run_puts_a_scenario_on_a_child() {
     assert!(text(&output.stdout).contains("oracle violations"), "{}", text(&output.stdout));
 }
 
+/// Ranks as processes: every `kvrelay serve` process starts its own child, and the reference child reaches the
+/// engines of the others through the files they list.
+#[test]
+fn kvrelay_launch_runs_ranks_as_processes_each_with_its_own_child() {
+    let scenario = "scenarios/engines/dcp-relayout-two-stages.yaml";
+    let fabric = format!("child:python3 {}", script("memcpy_engine.py"));
+    let output = kvrelay(&["launch", scenario, "--fabric", &fabric, "--timeout", "30"]);
+    let out = format!("{}{}", text(&output.stdout), text(&output.stderr));
+    assert!(output.status.success(), "{out}");
+    assert!(out.contains("pass dcp-relayout-two-stages (4 processes"), "{out}");
+}
+
 /// The venv's python with the pinned Mooncake wheel (`KVRELAY_MOONCAKE_PYTHON`), or `None` with a printed line.
 fn mooncake_python() -> Option<String> {
     match std::env::var("KVRELAY_MOONCAKE_PYTHON") {
@@ -291,8 +303,8 @@ fn mooncake_python() -> Option<String> {
 /// Mooncake's Transfer Engine behind the protocol: the seam's cases and the engines' scenarios.
 #[test]
 fn mooncake_through_the_child_protocol() {
-    let Some(python) = mooncake_python() else { return };
-    let mut transport = ChildTransport::start(vec![python, script("mooncake_engine.py")]).unwrap();
+    let Some(python_path) = mooncake_python() else { return };
+    let mut transport = ChildTransport::start(vec![python_path.clone(), script("mooncake_engine.py")]).unwrap();
     let identity = transport.identity();
     assert_eq!(identity.name, "child:mooncake-transfer-engine");
     assert_eq!(identity.version, "0.3.13.post1");
@@ -303,4 +315,11 @@ fn mooncake_through_the_child_protocol() {
     assert!(seam.iter().all(|line| line.starts_with("Pass")), "{seam:#?}");
     let scenarios: Vec<&String> = lines.iter().filter(|line| line.contains(" scenario/")).collect();
     assert!(scenarios.iter().all(|line| line.starts_with("Pass")), "{scenarios:#?}");
+
+    let scenario = "scenarios/engines/dcp-relayout-two-stages.yaml";
+    let env = [("KVRELAY_MOONCAKE_PYTHON", python_path.as_str())];
+    let output =
+        crate::support::kvrelay_with_env(&["launch", scenario, "--fabric", "mooncake", "--timeout", "30"], &env);
+    let out = format!("{}{}", text(&output.stdout), text(&output.stderr));
+    assert!(output.status.success() && out.contains("pass dcp-relayout-two-stages (4 processes, mooncake)"), "{out}");
 }
