@@ -681,6 +681,13 @@ impl ChildEngine {
         self.memory.get(&memory.id).ok_or(SeamError::UnknownMemory(memory.id))
     }
 
+    /// Moves up to `max` completions made here into `out`.
+    fn hand_out(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
+        let count = self.ready.len().min(max);
+        out.extend(self.ready.drain(..count));
+        count
+    }
+
     /// Completes every batch in flight [`BatchStatus::Aborted`] with `text`: the child is gone.
     fn abort_all(&mut self, text: &str) {
         for (batch, (conn, _)) in std::mem::take(&mut self.in_flight) {
@@ -971,51 +978,58 @@ impl TransferEngine for ChildEngine {
     }
 
     fn poll(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
-        let mut count = 0;
-        while count < max {
-            let Some(event) = self.ready.pop_front() else { break };
-            out.push(event);
-            count += 1;
-        }
+        let mut count = self.hand_out(out, max);
         if count == max || (self.in_flight.is_empty() && self.conns.is_empty()) {
             return count;
         }
         let want = (max - count).min(u32::MAX as usize);
-        let result = self.call("poll", json!({"max": want})).map_err(|error| match error {
-            CallError::Broken(text) => text,
-            CallError::Refused { kind, message, .. } => {
+        let answer = match self.call("poll", json!({"max": want})) {
+            Ok(answer) => answer,
+            // Broken already (or an engine of an earlier case): its batches end here.
+            Err(CallError::Broken(text)) => {
+                self.abort_all(&text);
+                return count + self.hand_out(out, max - count);
+            }
+            Err(CallError::Refused { kind, message, .. }) => {
                 let kind = KIND_NAMES.iter().find(|(known, _)| *known == kind).map_or("?", |(_, name)| name);
                 let text = format!("{}: op `poll` refused ({kind}): {message}", self.session.borrow().who());
-                self.session.borrow_mut().break_with(text)
-            }
-        });
-        let events = result.and_then(|answer| {
-            let session = self.session.clone();
-            let session = session.borrow();
-            let Some(Value::Array(events)) = answer.get("events") else {
-                return Err(Fields { session: &session, op: "poll", map: &answer }.wrong("events", "expected a list"));
-            };
-            if events.len() > want {
-                let problem = format!("{} events, more than the {want} asked for", events.len());
-                return Err(Fields { session: &session, op: "poll", map: &answer }.wrong("events", &problem));
-            }
-            events.iter().enumerate().map(|(index, event)| self.event(&session, index, event)).collect()
-        });
-        match events {
-            Ok(events) => {
-                let events: Vec<Event> = events;
-                count += events.len();
-                out.extend(events);
-            }
-            Err(text) => {
                 let text = self.session.borrow_mut().break_with(text);
                 self.abort_all(&text);
-                while count < max {
-                    let Some(event) = self.ready.pop_front() else { break };
-                    out.push(event);
-                    count += 1;
-                }
+                return count + self.hand_out(out, max - count);
             }
+        };
+        // Events are taken one by one: those before a bad one are handed out, the bad one breaks the child.
+        let session = Rc::clone(&self.session);
+        let problem = {
+            let session = session.borrow();
+            let field = Fields { session: &session, op: "poll", map: &answer };
+            match answer.get("events") {
+                Some(Value::Array(events)) if events.len() > want => {
+                    Some(field.wrong("events", &format!("{} events, more than the {want} asked for", events.len())))
+                }
+                Some(Value::Array(events)) => {
+                    let mut problem = None;
+                    for (index, event) in events.iter().enumerate() {
+                        match self.event(&session, index, event) {
+                            Ok(event) => {
+                                out.push(event);
+                                count += 1;
+                            }
+                            Err(text) => {
+                                problem = Some(text);
+                                break;
+                            }
+                        }
+                    }
+                    problem
+                }
+                _ => Some(field.wrong("events", "expected a list")),
+            }
+        };
+        if let Some(text) = problem {
+            let text = session.borrow_mut().break_with(text);
+            self.abort_all(&text);
+            count += self.hand_out(out, max - count);
         }
         count
     }
