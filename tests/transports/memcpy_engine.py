@@ -332,7 +332,25 @@ class Child:
             engine.events.append(event)
 
 
+def sweep():
+    """Removes the shared files of children that are gone (killed, so they could not remove their own)."""
+    for name in os.listdir(SHARED):
+        parts = name.split("-")
+        if not name.startswith("kvrelay-memcpy-") or len(parts) < 4 or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            try:
+                os.remove(os.path.join(SHARED, name))
+            except OSError:
+                pass
+        except OSError:
+            pass
+
+
 def main():
+    sweep()
     child = Child("--plant-dropped-tail" in sys.argv[1:])
     try:
         serve(child)
