@@ -11,6 +11,8 @@
 #   4. a NIXL-shaped Rust crate meeting the transfer-engine seam directly, not verbs (tests/transports/requests.rs,
 #      `--example certify-requests`), clean and with --plant-dropped-tail (a long request's last descriptor dropped
 #      while it reports DONE).
+#   5. a Python child speaking the transport protocol kvrelay-transport-1 (tests/transports/memcpy_engine.py,
+#      `--fabric child:COMMAND`, src/fabric/child/README.md), clean and with --plant-dropped-tail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -79,10 +81,16 @@ expect pass "NIXL-shaped Rust crate at the transfer-engine seam: cargo run --exa
     target/release/examples/certify-requests "$out/requests"
 expect fail "NIXL-shaped crate with its planted dropped tail: certify-requests --plant-dropped-tail" "$out/requests-planted" \
     target/release/examples/certify-requests "$out/requests-planted" --plant-dropped-tail
+child="python3 tests/transports/memcpy_engine.py"
+expect pass "Python child over kvrelay-transport-1: --fabric child:$child" "$out/child-memcpy" \
+    "$kvrelay" certify --fabric "child:$child" --out "$out/child-memcpy"
+expect fail "Python child with its planted dropped tail: --fabric child:$child --plant-dropped-tail" \
+    "$out/child-memcpy-planted" \
+    "$kvrelay" certify --fabric "child:$child --plant-dropped-tail" --out "$out/child-memcpy-planted"
 
 echo
 if [ "${#failed[@]}" -gt 0 ]; then
     for line in "${failed[@]}"; do say "FAILED: $line"; done
     exit 1
 fi
-say "all seven certification runs ended as expected; reports under $out/"
+say "all nine certification runs ended as expected; reports under $out/"

@@ -13,7 +13,8 @@ use crate::harness::Budget;
 #[derive(Debug, Clone, clap::Args)]
 pub struct CertifyArgs {
     /// The transport: `sim` (kvrelay's in-memory fabric), `rdma` (verbs; needs the `rdma` feature) or
-    /// `plugin:PATH` (a shared object implementing src/fabric/kvrelay_transport.h).
+    /// `plugin:PATH` (a shared object implementing src/fabric/kvrelay_transport.h), `child:COMMAND` (a program
+    /// speaking kvrelay-transport-1, src/fabric/child/README.md) or `mooncake` (Mooncake's Transfer Engine behind it).
     #[arg(long, default_value = "sim")]
     pub fabric: String,
     /// RDMA device (default: the first device with an active port).
@@ -45,7 +46,7 @@ pub struct CertifyArgs {
 impl CertifyArgs {
     /// The command line that reruns this certification.
     fn reproduce(&self) -> String {
-        let mut line = format!("kvrelay certify --fabric {}", self.fabric);
+        let mut line = format!("kvrelay certify --fabric {}", quoted(&self.fabric));
         if let Some(device) = &self.device {
             line.push_str(&format!(" --device {device}"));
         }
@@ -57,7 +58,7 @@ impl CertifyArgs {
 
     /// The `kvrelay run` flags for the same transport.
     fn run_flags(&self) -> String {
-        let fabric = if self.fabric == "sim" { "live-sim" } else { self.fabric.as_str() };
+        let fabric = if self.fabric == "sim" { "live-sim".to_owned() } else { quoted(&self.fabric) };
         let mut flags = format!("--fabric {fabric}");
         if let Some(device) = &self.device {
             flags.push_str(&format!(" --device {device}"));
@@ -71,6 +72,15 @@ impl CertifyArgs {
             .map(|char| if char.is_ascii_alphanumeric() || char == '-' { char } else { '_' })
             .collect();
         self.out.clone().unwrap_or_else(|| PathBuf::from("target/certify").join(safe))
+    }
+}
+
+/// `text` as one shell word (`child:COMMAND` holds spaces).
+fn quoted(text: &str) -> String {
+    if text.bytes().all(|byte| byte.is_ascii_alphanumeric() || b"-_.:/=+@,".contains(&byte)) {
+        text.to_owned()
+    } else {
+        format!("'{}'", text.replace('\'', "'\\''"))
     }
 }
 

@@ -1,4 +1,5 @@
-//! The one place every fabric is named: [`Fabric`] parses `--fabric` (`sim`, `live-sim`, `rdma`, `nixl`, `plugin:PATH`),
+//! The one place every fabric is named: [`Fabric`] parses `--fabric` (`sim`, `live-sim`, `rdma`, `nixl`, `plugin:PATH`,
+//! `child:COMMAND`, `mooncake`),
 //! prints it back, and opens the [`Transport`] whose per-node engines a run uses ([`Fabric::transport`]). A new
 //! fabric adds its variant here, its own file (its engine or endpoint, and its `Transport`), and its tests.
 
@@ -20,6 +21,24 @@ pub enum Fabric {
     Plugin { path: String },
     /// The live driver on NIXL (cargo feature `nixl`): one NIXL agent per rank, UCX backend, host memory.
     Nixl,
+    /// The live driver on engines living in a child process speaking `kvrelay-transport-1` (`fabric::child`):
+    /// `command` split on whitespace, one child per transport (per process when ranks are processes).
+    Child { command: String },
+    /// Mooncake's Transfer Engine behind the child protocol: `python3 tests/transports/mooncake_engine.py` (the
+    /// interpreter from `$KVRELAY_MOONCAKE_PYTHON`, else `$KVRELAY_PYTHON`, else `python3`).
+    Mooncake,
+}
+
+/// The environment variables naming the Python interpreter of `--fabric mooncake`, first set wins.
+pub const MOONCAKE_PYTHON_ENV: [&str; 2] = ["KVRELAY_MOONCAKE_PYTHON", "KVRELAY_PYTHON"];
+
+/// The Mooncake adapter child's command line: the interpreter ([`MOONCAKE_PYTHON_ENV`]) and the script.
+pub fn mooncake_command() -> Vec<String> {
+    let python = MOONCAKE_PYTHON_ENV
+        .iter()
+        .find_map(|name| std::env::var(name).ok().filter(|value| !value.is_empty()))
+        .unwrap_or_else(|| "python3".to_owned());
+    vec![python, concat!(env!("CARGO_MANIFEST_DIR"), "/tests/transports/mooncake_engine.py").to_owned()]
 }
 
 impl Fabric {
@@ -30,10 +49,16 @@ impl Fabric {
             "live-sim" => Ok(Fabric::LiveSim),
             "rdma" => Ok(Fabric::Rdma { device }),
             "nixl" => Ok(Fabric::Nixl),
-            other => match other.strip_prefix("plugin:") {
-                Some(path) => Ok(Fabric::Plugin { path: path.to_owned() }),
-                None => Err(TransportError::UnknownFabric { name: other.to_owned() }),
-            },
+            "mooncake" => Ok(Fabric::Mooncake),
+            other => {
+                if let Some(path) = other.strip_prefix("plugin:") {
+                    Ok(Fabric::Plugin { path: path.to_owned() })
+                } else if let Some(command) = other.strip_prefix("child:").filter(|c| !c.trim().is_empty()) {
+                    Ok(Fabric::Child { command: command.to_owned() })
+                } else {
+                    Err(TransportError::UnknownFabric { name: other.to_owned() })
+                }
+            }
         }
     }
 
@@ -45,6 +70,8 @@ impl Fabric {
             Fabric::Rdma { .. } => "rdma".to_owned(),
             Fabric::Plugin { path } => format!("plugin:{path}"),
             Fabric::Nixl => "nixl".to_owned(),
+            Fabric::Child { command } => format!("child:{command}"),
+            Fabric::Mooncake => "mooncake".to_owned(),
         };
         let mut flags = vec!["--fabric".to_owned(), name];
         if let Fabric::Rdma { device: Some(device) } = self {
@@ -61,6 +88,8 @@ impl Fabric {
             Fabric::Rdma { device: None } => "rdma".to_owned(),
             Fabric::Plugin { path } => format!("plugin:{path}"),
             Fabric::Nixl => "nixl".to_owned(),
+            Fabric::Child { command } => format!("child:{command}"),
+            Fabric::Mooncake => "mooncake".to_owned(),
         }
     }
 }
@@ -83,6 +112,17 @@ impl Fabric {
                 Ok(Box::new(plugin))
             }
             Fabric::Nixl => nixl(),
+            Fabric::Child { command } => {
+                Ok(Box::new(super::child::ChildTransport::start(super::child::ChildTransport::argv(command))?))
+            }
+            Fabric::Mooncake => match super::child::ChildTransport::start(mooncake_command()) {
+                Ok(transport) => Ok(Box::new(transport)),
+                Err(error) => Err(TransportError::Unavailable(format!(
+                    "{error} (fix: install the pinned wheel mooncake-transfer-engine-non-cuda==0.3.13.post1 and numpy \
+                     into a venv, apt-get install libibverbs1 libnl-3-200 libnl-route-3-200, and point \
+                     KVRELAY_MOONCAKE_PYTHON at the venv's python)"
+                ))),
+            },
         }
     }
 }

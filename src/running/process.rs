@@ -77,8 +77,9 @@ pub enum ProcessError {
     NoSuchRank { rank: u32, role: Role, count: usize },
     #[error("{IN_ONE_PROCESS}")]
     InOneProcess,
-    #[error("cannot open the rank's transfer engine: {reason}")]
-    Device { reason: String },
+    /// A child-process fabric's transport or engine cannot be opened (`fabric::child`).
+    #[error("cannot open the {fabric} fabric: {reason}")]
+    Transport { fabric: String, reason: String },
     #[error(transparent)]
     Live(#[from] crate::engine::live::LiveError),
     #[error(transparent)]
@@ -117,7 +118,7 @@ impl ProcessError {
         match self {
             ProcessError::NoSuchRank { .. } => ProcessErrorKind::NoSuchRank,
             ProcessError::InOneProcess => ProcessErrorKind::WrongFabric,
-            ProcessError::Device { .. } | ProcessError::Live(_) => ProcessErrorKind::Fabric,
+            ProcessError::Transport { .. } | ProcessError::Live(_) => ProcessErrorKind::Fabric,
             ProcessError::Control(_) | ProcessError::NoAddress => ProcessErrorKind::Control,
             ProcessError::Spawn(_) => ProcessErrorKind::Spawn,
             ProcessError::NoVerdict { .. } | ProcessError::Omitted => ProcessErrorKind::NoVerdict,
@@ -159,24 +160,23 @@ fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<(Clie
     Ok((client, topology))
 }
 
-/// Opens the rank's transfer engine on the fabric before joining the run (a rank that cannot open its device or
-/// load its engine never connects), then serves.
+/// Opens the rank's transfer engine on the fabric before joining the run (a rank that cannot open its device,
+/// load its engine or start its child never connects), then serves: the RDMA device's, NIXL's, a child-process
+/// fabric's (its own child per process).
 fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
     if matches!(options.fabric, Fabric::Sim | Fabric::LiveSim) {
         return Err(ProcessError::InOneProcess);
     }
-    let mut transport =
-        options.fabric.transport().map_err(|error| ProcessError::Device { reason: error.to_string() })?;
-    let engine = transport
-        .engine(node, harness::RDMA_CAPS)
-        .map_err(|error| ProcessError::Device { reason: error.to_string() })?;
+    let failed = |reason: String| ProcessError::Transport { fabric: options.fabric.name(), reason };
+    let mut transport = options.fabric.transport().map_err(|error| failed(error.to_string()))?;
+    let engine = transport.engine(node, harness::RDMA_CAPS).map_err(|error| failed(error.to_string()))?;
     let (client, topology) = join(problem, node, options)?;
     Ok(crate::engine::live::serve(problem, node, engine, client, topology, &options.live)?)
 }
 
 /// Why the in-memory fabric cannot serve one rank per process.
 const IN_ONE_PROCESS: &str =
-    "the in-memory fabric lives inside one process: ranks as processes need a fabric that crosses processes, --fabric rdma or nixl (use `kvrelay run` for the simulation)";
+    "the in-memory fabric lives inside one process: ranks as processes need a fabric that crosses processes, --fabric rdma, nixl, mooncake or child:COMMAND (use `kvrelay run` for the simulation)";
 
 /// The oracle's verdict on this decode process's own memory.
 fn rank_verdict(scenario: &Scenario, rank: RankId, run: &SimRun) -> RankVerdict {

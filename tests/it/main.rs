@@ -7,6 +7,8 @@ mod aborts;
 mod cases;
 /// The certification kit: sound transports certified, broken ones not, with the JUnit, JSON and manifest files.
 mod certify;
+/// The child-process fabric (kvrelay-transport-1): the reference child certified, misbehaving children, Mooncake.
+mod child_transport;
 /// The `kvrelay` binary end to end.
 mod cli;
 /// The fabric seam's conformance suite (`certify::conformance`) on every backend, and proof its cases can fail.
