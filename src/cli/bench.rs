@@ -306,6 +306,9 @@ pub(super) fn bench_fabric(
     wr_scenario: &Path,
 ) -> anyhow::Result<ExitCode> {
     outln!("bench: fabric {}", fabric.name());
+    if !fabric.transport().map_err(anyhow::Error::msg)?.verbs() {
+        bench_engine_lists(fabric, iterations)?;
+    }
     for &bytes in sizes {
         match write_bandwidth(fabric, bytes)? {
             // MiB/s, perftest's "MB/sec", so the two figures divide.
@@ -534,4 +537,148 @@ pub(super) fn bench_scaling(max_tokens: u32, iterations: u32) -> anyhow::Result<
         "(median of {iterations} runs; plan = plan::plan; descr+lower = descriptors and their lowering to soft-roce limits, max_sge 32, 8 MiB messages; paged = plan::paged::compact of those descriptors, alone; per-row copies counted, not expanded; plan heap = group vector and shared entry and row-run lists)"
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// One descriptor list of the list benchmark: (source offset, target offset, length) into one source and one target
+/// buffer.
+type List = Vec<(u64, u64, u64)>;
+/// A list and its name.
+type Named = (&'static str, List);
+
+/// The lists of the Kimi-K3 32K request's KV (24 MLA layers, prefill PP8/TP1 → decode TP8/DCP8, the allocator's
+/// shuffled pages), every rank's regions laid end to end in one source and one target buffer: kvrelay's plan as the
+/// transfer-engine seam carries it (row runs, merged where source and target both continue), the per-token list
+/// SGLang's DCP path builds (one descriptor per token row), a page-granular list of the same bytes (one descriptor
+/// per prefill page and layer, as a page-run list without merges), and one contiguous transfer. Also the two
+/// buffers' sizes.
+fn engine_lists(tokens: u32) -> anyhow::Result<(Vec<Named>, u64, u64)> {
+    let problem = bench_problem(tokens, true)?;
+    let plan = plan::plan(&problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
+    let (mut sources, mut targets) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
+    for copy in plan.copies() {
+        let extent = |map: &mut std::collections::BTreeMap<(RankId, u32), u64>, key, end: u64| {
+            let slot = map.entry(key).or_insert(0);
+            *slot = (*slot).max(end);
+        };
+        extent(&mut sources, (copy.source, copy.source_region), copy.source_offset + copy.length);
+        extent(&mut targets, (copy.target, copy.target_region), copy.target_offset + copy.length);
+    }
+    let bases = |map: &std::collections::BTreeMap<(RankId, u32), u64>| {
+        let mut next = 0;
+        let bases: std::collections::BTreeMap<(RankId, u32), u64> = map
+            .iter()
+            .map(|(key, extent)| {
+                let base = next;
+                next += extent;
+                (*key, base)
+            })
+            .collect();
+        (bases, next)
+    };
+    let ((source_base, source_len), (target_base, target_len)) = (bases(&sources), bases(&targets));
+    let rows: List = plan
+        .copies()
+        .map(|copy| {
+            let source = source_base[&(copy.source, copy.source_region)] + copy.source_offset;
+            (source, target_base[&(copy.target, copy.target_region)] + copy.target_offset, copy.length)
+        })
+        .collect();
+    let mut merged: List = Vec::new();
+    for &(source, target, length) in &rows {
+        match merged.last_mut() {
+            Some(last) if last.0 + last.2 == source && last.1 + last.2 == target => last.2 += length,
+            _ => merged.push((source, target, length)),
+        }
+    }
+    let bytes: u64 = rows.iter().map(|row| row.2).sum();
+    let page = 64 * rows.first().map_or(1, |row| row.2);
+    let pages: List = (0..bytes / page).map(|k| (k * page, ((k * 7919) % (bytes / page)) * page, page)).collect();
+    let lists = vec![
+        ("kvrelay (seam entries)", merged),
+        ("per-token (SGLang DCP)", rows),
+        ("per-page", pages),
+        ("contiguous", vec![(0, 0, bytes)]),
+    ];
+    Ok((lists, source_len, target_len))
+}
+
+/// `kvrelay bench --fabric F` on an engine that meets only the transfer-engine seam (NIXL, Mooncake, a child):
+/// the Kimi-K3 32K request's KV moved between two of its engines as each list of [`engine_lists`], in batches of at
+/// most the engine's declared entries, best of `iterations`; GB/s and the ratio to the contiguous transfer measured in
+/// the same run. Numbers only.
+pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32) -> anyhow::Result<()> {
+    use crate::fabric::seam::{Batch, Entry, Event, MemoryKind, NodeId};
+    let (lists, source_len, target_len) = engine_lists(32768)?;
+    let mut transport = fabric.transport().map_err(anyhow::Error::msg)?;
+    let mut sender = transport.engine(NodeId(0), harness::RDMA_CAPS).map_err(anyhow::Error::msg)?;
+    let mut receiver = transport.engine(NodeId(1), harness::RDMA_CAPS).map_err(anyhow::Error::msg)?;
+    let fill = std::sync::Arc::new(|offset: u64, out: &mut [u8]| {
+        out.iter_mut().enumerate().for_each(|(index, byte)| *byte = ((offset + index as u64) % 251) as u8)
+    });
+    let source = sender.register(MemoryKind::Host, source_len, 0, fill)?;
+    let zero = std::sync::Arc::new(|_: u64, out: &mut [u8]| out.fill(0));
+    let target = receiver.register(MemoryKind::Host, target_len.max(source_len), 0, zero)?;
+    let (conn, _) = sender.open()?;
+    let (_, address) = receiver.open()?;
+    sender.connect(conn, &address, &[target.remote()])?;
+    let limits = sender.limits();
+    let bytes: u64 = lists.last().map_or(0, |(_, list)| list.iter().map(|entry| entry.2).sum());
+    outln!(
+        "bench: the Kimi-K3 32K request's KV ({bytes} B) through {} as descriptor lists, best of {}",
+        fabric.name(),
+        iterations.max(1)
+    );
+    outln!("{:<24} {:>12} {:>10} {:>10} {:>16}", "list", "descriptors", "seconds", "GB/s", "x contiguous");
+    let mut results = Vec::new();
+    for (name, list) in &lists {
+        let mut best = f64::INFINITY;
+        for _ in 0..iterations.max(1) {
+            let start = Instant::now();
+            for chunk in list.chunks(limits.max_entries.clamp(1, 1 << 20)) {
+                let entries = chunk
+                    .iter()
+                    .map(|&(local_offset, remote_offset, len)| Entry {
+                        local: source.id,
+                        local_offset,
+                        remote: 0,
+                        remote_offset,
+                        len,
+                    })
+                    .collect();
+                let id = sender.submit(conn, Batch { entries, notify: None })?;
+                sender.flush();
+                let mut events = Vec::new();
+                'wait: loop {
+                    sender.poll(&mut events, usize::MAX);
+                    for event in events.drain(..) {
+                        if let Event::Completed(completion) = event {
+                            anyhow::ensure!(
+                                completion.status == crate::fabric::seam::BatchStatus::Success,
+                                "the {name} list's batch failed: {}",
+                                completion.detail
+                            );
+                            if completion.batch == id {
+                                break 'wait;
+                            }
+                        }
+                    }
+                    // The target makes progress only when polled (NIXL's agents run no progress thread).
+                    receiver.poll(&mut events, usize::MAX);
+                    events.clear();
+                    sender.wait(std::time::Duration::from_millis(1));
+                }
+            }
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        results.push((*name, list.len(), best));
+    }
+    let contiguous = results.last().map_or(1.0, |result| result.2);
+    for (name, count, seconds) in results {
+        outln!(
+            "{name:<24} {count:>12} {seconds:>10.3} {:>10.3} {:>16.2}",
+            bytes as f64 / seconds.max(1e-12) / 1e9,
+            seconds / contiguous.max(1e-12)
+        );
+    }
+    Ok(())
 }

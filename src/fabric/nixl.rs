@@ -22,6 +22,10 @@
 
 #![allow(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a real engine's progress, its backoff and settling wait on the wall clock"
+)]
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};

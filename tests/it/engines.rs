@@ -31,7 +31,8 @@ mod nixl {
         match NixlTransport::new() {
             Ok(transport) => Some(transport),
             Err(error) => {
-                eprintln!("skipped: NIXL is not available here ({error})");
+                let line = format!("skipped: NIXL is not available here ({error})\n");
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
                 None
             }
         }

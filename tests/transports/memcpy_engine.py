@@ -20,6 +20,8 @@ import mmap
 import os
 import sys
 
+from kvrelay_child import Refusal, Region, serve
+
 SHARED = os.environ.get("KVRELAY_SHM_DIR") or "/dev/shm"
 
 
@@ -38,35 +40,6 @@ VERSION = 1
 LIMITS = {"max_entries": 4096, "max_batch_bytes": 1 << 30, "batches_in_flight": 8}
 PLANT_FROM = 32
 ADDRESS = "memcpy/1 pid={pid} engine={engine}"
-
-
-class Refusal(Exception):
-    """A refused call: the response's error kind and message (and optional fields)."""
-
-    def __init__(self, kind, message, **fields):
-        super().__init__(message)
-        self.kind, self.message, self.fields = kind, message, fields
-
-
-class Region:
-    """A registration: kvrelay's file, mapped here; `addr` is this process's address of the mapping."""
-
-    def __init__(self, path, length):
-        with open(path, "r+b") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size < max(length, 1):
-                raise Refusal("engine", f"{path} holds {size} bytes, fewer than the {length} registered")
-            self.map = mmap.mmap(handle.fileno(), max(length, 1))
-        anchor = ctypes.c_char.from_buffer(self.map)
-        self.addr = ctypes.addressof(anchor)
-        del anchor  # no export left, so the mapping can be closed at release
-        self.len = length
-
-    def contains(self, addr, length):
-        return self.addr <= addr and addr + length <= self.addr + self.len
-
-    def close(self):
-        self.map.close()
 
 
 class Engine:
@@ -357,28 +330,6 @@ def main():
     finally:
         for engine in child.engines.values():
             engine.unshare()
-
-
-def serve(child):
-    for line in sys.stdin:
-        msg = json.loads(line)
-        op = msg.get("op")
-        response = {"op": op, "seq": msg.get("seq")}
-        try:
-            handler = getattr(child, f"op_{op}", None)
-            if op == "bye":
-                response["ok"] = True
-                print(json.dumps(response), flush=True)
-                return
-            if handler is None:
-                raise Refusal("engine", f"unknown op {op!r}")
-            response.update(handler(msg))
-            response["ok"] = True
-        except Refusal as refusal:
-            response.update(ok=False, error={"kind": refusal.kind, "message": refusal.message, **refusal.fields})
-        except (KeyError, TypeError, ValueError, OSError) as error:
-            response.update(ok=False, error={"kind": "engine", "message": f"{type(error).__name__}: {error}"})
-        print(json.dumps(response), flush=True)
 
 
 if __name__ == "__main__":

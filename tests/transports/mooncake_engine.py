@@ -44,6 +44,7 @@ for name, value in [("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535"),
     os.environ.setdefault(name, value)
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode  # noqa: E402
+from kvrelay_child import Refusal, Region, serve  # noqa: E402
 
 PROTOCOL = "kvrelay-transport"
 VERSION = 1
@@ -61,25 +62,6 @@ def wheel_version():
             return version("mooncake-transfer-engine")
         except Exception:
             return "unknown"
-
-
-class Refusal(Exception):
-    def __init__(self, kind, message, **fields):
-        super().__init__(message)
-        self.kind, self.message, self.fields = kind, message, fields
-
-
-class Region:
-    def __init__(self, path, length):
-        with open(path, "r+b") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size < max(length, 1):
-                raise Refusal("engine", f"{path} holds {size} bytes, fewer than the {length} registered")
-            self.map = mmap.mmap(handle.fileno(), max(length, 1))
-        anchor = ctypes.c_char.from_buffer(self.map)
-        self.addr = ctypes.addressof(anchor)
-        del anchor
-        self.len = length
 
 
 class Engine:
@@ -323,26 +305,7 @@ def main():
     args = parser.parse_args()
     limits = {"max_entries": args.max_entries, "max_batch_bytes": args.max_batch_bytes,
               "batches_in_flight": args.batches_in_flight}
-    child = Child(limits)
-    for line in sys.stdin:
-        msg = json.loads(line)
-        op = msg.get("op")
-        response = {"op": op, "seq": msg.get("seq")}
-        try:
-            if op == "bye":
-                response["ok"] = True
-                print(json.dumps(response), flush=True)
-                break
-            handler = getattr(child, f"op_{op}", None)
-            if handler is None:
-                raise Refusal("engine", f"unknown op {op!r}")
-            response.update(handler(msg))
-            response["ok"] = True
-        except Refusal as refusal:
-            response.update(ok=False, error={"kind": refusal.kind, "message": refusal.message, **refusal.fields})
-        except (KeyError, TypeError, ValueError, OSError, RuntimeError) as error:
-            response.update(ok=False, error={"kind": "engine", "message": f"{type(error).__name__}: {error}"})
-        print(json.dumps(response), flush=True)
+    serve(Child(limits), errors=(KeyError, TypeError, ValueError, OSError, RuntimeError))
     # Mooncake's threads may outlive the interpreter's teardown; leave at once.
     sys.stdout.flush()
     os._exit(0)
