@@ -438,8 +438,9 @@ fn excerpt(line: &str) -> String {
     format!("`{cut}`")
 }
 
-/// Kills the child's whole process group (`kill -KILL -- -PGID`: no `unsafe` for a signal), then the child.
-fn stop(mut child: Child) {
+/// Kills the child's whole process group (`kill -KILL -- -PGID`: no `unsafe` for a signal), then the child (also
+/// the external planner's, `running::external`).
+pub(crate) fn stop(mut child: Child) {
     let group = format!("-{}", child.id());
     let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
     let _ = child.kill();

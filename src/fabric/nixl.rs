@@ -238,8 +238,6 @@ struct AgentState {
     events: VecDeque<Event>,
     next_batch: u64,
     descriptors: u64,
-    /// Notifications that named no end of this agent, or could not be read (kept for the report).
-    strays: Vec<String>,
     /// Polling an agent makes UCX progress (several system calls): an agent that found nothing backs off, up to
     /// [`MAX_BACKOFF`], until it finds something or submits.
     next_check: Instant,
@@ -284,7 +282,6 @@ impl AgentState {
             events: VecDeque::new(),
             next_batch: 0,
             descriptors: 0,
-            strays: Vec::new(),
             next_check: Instant::now(),
             backoff: Duration::ZERO,
             node,
@@ -346,20 +343,15 @@ impl AgentState {
         if self.agent.get_notifications(&mut map, None).is_err() {
             return;
         }
-        let Ok(taken) = map.take_notifs() else {
-            self.strays.push("a notification that is not UTF-8".to_owned());
-            return;
-        };
+        // A notification that is not UTF-8, or names no end of this agent, is not kvrelay's: it is dropped (a
+        // batch's own notification always names its target end).
+        let Ok(taken) = map.take_notifs() else { return };
         // Sorted by initiator (the map NIXL's bindings give has no stable order); each initiator's own order is kept.
         let taken: BTreeMap<String, Vec<String>> = taken.into_iter().collect();
-        for (initiator, texts) in taken {
-            for text in texts {
-                match parse_notification(&text) {
-                    Some((conn, tag)) if (conn as usize) < self.ends.len() => {
-                        self.events.push_back(Event::Notified { conn: ConnId(conn), tag });
-                    }
-                    _ => self.strays.push(format!("`{text}` from {initiator}")),
-                }
+        for text in taken.into_values().flatten() {
+            if let Some((conn, tag)) = parse_notification(&text).filter(|(conn, _)| (*conn as usize) < self.ends.len())
+            {
+                self.events.push_back(Event::Notified { conn: ConnId(conn), tag });
             }
         }
     }
@@ -550,13 +542,6 @@ impl TransferEngine for NixlEngine {
 
     fn operations(&self) -> u64 {
         self.0.borrow().descriptors
-    }
-}
-
-impl NixlEngine {
-    /// Notifications this agent received that named none of its ends or could not be read.
-    pub fn strays(&self) -> Vec<String> {
-        self.0.borrow().strays.clone()
     }
 }
 

@@ -40,6 +40,36 @@ class Region:
         self.map.close()
 
 
+PROTOCOL = "kvrelay-transport"
+VERSION = 1
+
+
+class Children:
+    """The bookkeeping every child shares: its engines by id, looked up with a refusal kvrelay understands, and the
+    `hello` check. A child subclasses it and adds `op_<op>` methods."""
+
+    def __init__(self):
+        self.engines = {}
+        self.next_engine = 0
+
+    def engine(self, msg):
+        engine = self.engines.get(msg["engine"])
+        if engine is None:
+            raise Refusal("engine", f"no engine {msg['engine']} in this child")
+        return engine
+
+    def conn(self, engine, msg):
+        conn = msg["conn"]
+        if not 0 <= conn < len(engine.conns):
+            raise Refusal("unknown_connection", f"connection {conn} was never opened")
+        return conn
+
+    @staticmethod
+    def check_hello(msg):
+        if msg.get("protocol") != PROTOCOL or msg.get("version") != VERSION:
+            raise Refusal("engine", f"this child speaks {PROTOCOL} version {VERSION}")
+
+
 def serve(child, errors=(KeyError, TypeError, ValueError, OSError)):
     """Answers kvrelay's requests on stdin with `child.op_<op>(msg)` until `bye` or the end of input: one JSON line
     out per line in, echoing `op` and `seq`; a `Refusal` or one of `errors` becomes `ok: false` with its kind."""

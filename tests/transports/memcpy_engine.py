@@ -20,7 +20,7 @@ import mmap
 import os
 import sys
 
-from kvrelay_child import Refusal, Region, serve
+from kvrelay_child import PROTOCOL, VERSION, Children, Refusal, Region, serve
 
 SHARED = os.environ.get("KVRELAY_SHM_DIR") or "/dev/shm"
 
@@ -35,8 +35,6 @@ def write_atomically(path, text):
         handle.write(text)
     os.replace(path + ".tmp", path)
 
-PROTOCOL = "kvrelay-transport"
-VERSION = 1
 LIMITS = {"max_entries": 4096, "max_batch_bytes": 1 << 30, "batches_in_flight": 8}
 PLANT_FROM = 32
 ADDRESS = "memcpy/1 pid={pid} engine={engine}"
@@ -102,29 +100,15 @@ class Remote:
             handle.write(f"{os.getpid()} {sender} {tag}\n")
 
 
-class Child:
+class Child(Children):
     def __init__(self, plant):
+        super().__init__()
         self.plant = plant
-        self.engines = {}
-        self.next_engine = 0
-
-    def engine(self, msg):
-        engine = self.engines.get(msg["engine"])
-        if engine is None:
-            raise Refusal("engine", f"no engine {msg['engine']} in this child")
-        return engine
-
-    def conn(self, engine, msg):
-        conn = msg["conn"]
-        if not 0 <= conn < len(engine.conns):
-            raise Refusal("unknown_connection", f"connection {conn} was never opened")
-        return conn
 
     # ---- ops ----
 
     def op_hello(self, msg):
-        if msg.get("protocol") != PROTOCOL or msg.get("version") != VERSION:
-            raise Refusal("engine", f"this child speaks {PROTOCOL} version {VERSION}")
+        self.check_hello(msg)
         facts = {"copies": "ctypes.memmove between mappings of kvrelay's files, in one process",
                  "planted-dropped-tail": str(self.plant).lower()}
         return {"protocol": PROTOCOL, "version": VERSION, "engine": "memcpy-sample", "engine_version": "1",

@@ -44,10 +44,8 @@ for name, value in [("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535"),
     os.environ.setdefault(name, value)
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode  # noqa: E402
-from kvrelay_child import Refusal, Region, serve  # noqa: E402
+from kvrelay_child import PROTOCOL, VERSION, Children, Refusal, Region, serve  # noqa: E402
 
-PROTOCOL = "kvrelay-transport"
-VERSION = 1
 HOST = "127.0.0.1"
 NOTIFY_PREFIX = "kvrelay:"
 
@@ -129,30 +127,16 @@ class Engine:
             pool.append((self.te, self.session))
 
 
-class Child:
+class Child(Children):
     def __init__(self, limits):
+        super().__init__()
         self.limits = limits
-        self.engines = {}
-        self.next_engine = 0
         # Destroying a TransferEngine takes a second (0.3.13.post1), so closed ones are reused, deregistered and
         # drained, under their session id (a new case's peers learn it anew from `open`).
         self.pool = []
 
-    def engine(self, msg):
-        engine = self.engines.get(msg["engine"])
-        if engine is None:
-            raise Refusal("engine", f"no engine {msg['engine']} in this child")
-        return engine
-
-    def conn(self, engine, msg):
-        conn = msg["conn"]
-        if not 0 <= conn < len(engine.conns):
-            raise Refusal("unknown_connection", f"connection {conn} was never opened")
-        return conn
-
     def op_hello(self, msg):
-        if msg.get("protocol") != PROTOCOL or msg.get("version") != VERSION:
-            raise Refusal("engine", f"this child speaks {PROTOCOL} version {VERSION}")
+        self.check_hello(msg)
         facts = {
             "transport": "tcp",
             "metadata": "P2PHANDSHAKE (no etcd)",

@@ -201,7 +201,7 @@ impl ProcessPlanner {
     /// fresh one); the case's first failure.
     fn broken(&mut self, reason: ExternalError) -> ExternalError {
         if let Some(running) = self.running.take() {
-            stop(running.child);
+            crate::fabric::child::stop(running.child);
         }
         self.failure.get_or_insert(reason).clone()
     }
@@ -256,17 +256,9 @@ impl Planner for ProcessPlanner {
 impl Drop for ProcessPlanner {
     fn drop(&mut self) {
         if let Some(running) = self.running.take() {
-            stop(running.child);
+            crate::fabric::child::stop(running.child);
         }
     }
-}
-
-/// Kills the planner's whole process group (`kill -KILL -- -PGID`: no `unsafe` for a signal), then the planner.
-fn stop(mut child: Child) {
-    let group = format!("-{}", child.id());
-    let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 /// Forwards each line of `reader` (at most [`MAX_LINE_BYTES`]) to `sender`, then why it stopped.
