@@ -23,7 +23,9 @@ communication ops, torch through and through); their submodules are imported nor
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
+import logging
 import importlib.machinery
 import os
 import sys
@@ -55,6 +57,12 @@ def _class(qualname, base=object):
     """An empty class: the name is read (a base class, an annotation, an isinstance check), never used for work."""
     return type(qualname.rsplit(".", 1)[-1], (base,), {"__module__": qualname.rsplit(".", 1)[0],
                                                      "__init__": lambda self, *args, **kwargs: None})
+
+
+def _jit(fn=None, **options):
+    if fn is None:
+        return _jit
+    return _absent(f"the triton kernel {fn.__module__}.{fn.__qualname__}")
 
 
 def _false(*args, **kwargs):
@@ -99,7 +107,14 @@ STAND_INS = {
     "torch.utils": ("torch.utils", dict),
     "torch.utils._contextlib": ("torch.utils._contextlib", lambda: {
         "_DecoratorContextManager": _class("torch.utils._contextlib._DecoratorContextManager")}),
-    "triton": ("triton: no kernels run", dict),
+    "triton": ("triton: no kernel runs; a kernel defined at import (common/staging_buffer.py:62, 100) is a stand-in "
+               "that raises when launched", lambda: {"jit": _jit}),
+    "triton.language": ("triton.language: read only inside kernel bodies", dict),
+    "sglang.kernels": ("SGLang's kernels", dict),
+    "sglang.kernels.ops": ("SGLang's kernels", dict),
+    "sglang.kernels.ops.memory": ("SGLang's kernels", dict),
+    "sglang.kernels.ops.memory.ptr_table": ("the staging buffer's pointer-table kernel", lambda: {
+        "make_ptr_table": _absent("sglang.kernels.ops.memory.ptr_table.make_ptr_table")}),
     "PIL": ("pillow: utils/common.py's image helpers", lambda: {
         "Image": _module("PIL.Image", {}), "ImageOps": _module("PIL.ImageOps", {}),
         "UnidentifiedImageError": _class("PIL.UnidentifiedImageError", Exception)}),
@@ -227,6 +242,12 @@ def load(wheel):
     import sglang.srt.disaggregation.utils as disagg_utils  # noqa: PLC0415
     import sglang.srt.distributed.device_communicators.mooncake_transfer_engine as engine_wrapper  # noqa: PLC0415
 
+    # `logger.warning_once` (mooncake/conn.py:2364, 2456) is not the standard library's: transformers adds it to
+    # logging.Logger when imported (transformers/utils/logging.py), which every SGLang server does. The same here:
+    # each text once.
+    if not hasattr(logging.Logger, "warning_once"):
+        logging.Logger.warning_once = functools.lru_cache(None)(lambda self, *args, **kwargs: self.warning(*args,
+                                                                                                        **kwargs))
     memory = Settings("get_memory()", enable_unified_memory=False)
     spec = Settings("get_spec()", speculative_algorithm=None)
     parallel = Settings("get_parallel()", enable_kv_cache_sharding=False, enable_dsa_cache_layer_split=False,
