@@ -138,10 +138,18 @@ pub enum Command {
         /// Seconds the planner may spend on one scenario in all.
         #[arg(long, default_value_t = 60)]
         planner_timeout: u64,
-        /// With --planner: a YAML list of known upstream differences (`scenario`, `reason`, `sglang` source lines,
-        /// `failure` substring). A listed case that fails as recorded is reported as known; one that passes or
-        /// fails otherwise fails the run.
-        #[arg(long, requires = "planner")]
+        /// Put this transport child (split on whitespace, speaking src/fabric/child/README.md with the connector
+        /// seat's ops) under every rank and in every prefill rank's seat: it sends every room itself through its
+        /// engine (a connector's own send path, e.g. tests/connectors/sglang/), judged by the oracle and the rooms.
+        #[arg(long, conflicts_with_all = ["fabric", "planner"])]
+        connector: Option<String>,
+        /// Seconds a connector may take to send one room to one peer.
+        #[arg(long, default_value_t = 600, requires = "connector")]
+        send_timeout: u64,
+        /// With --planner or --connector: a YAML list of known upstream differences (`scenario`, `reason`, `sglang`
+        /// source lines, `failure` substring). A listed case that fails as recorded is reported as known; one that
+        /// passes or fails otherwise fails the run.
+        #[arg(long)]
         known: Option<PathBuf>,
         #[command(flatten)]
         fabric: FabricArgs,
@@ -238,6 +246,7 @@ impl Deadlines {
             waiting_timeout_ns: self.timeout.saturating_mul(1_000_000_000),
             time_limit: Duration::from_secs(self.timeout.saturating_mul(2)),
             trace: false,
+            planner: None,
         }
     }
 }
@@ -353,8 +362,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             )
         }
         Command::Check { dir, planner: Some(command), planner_timeout, known, .. } => {
-            planners::check(&dir, &command, Duration::from_secs(planner_timeout), known.as_deref())
+            let mut seat = planners::Seat::planner(&command, Duration::from_secs(planner_timeout));
+            planners::check(&dir, &mut seat, known.as_deref())
         }
+        Command::Check { dir, connector: Some(command), send_timeout, known, .. } => {
+            let mut seat = planners::Seat::connector(&command, Duration::from_secs(send_timeout))?;
+            planners::check(&dir, &mut seat, known.as_deref())
+        }
+        Command::Check { known: Some(_), .. } => bail!("--known lists differences of a --planner or a --connector"),
         Command::Check { dir, golden, fabric, .. } => check(&dir, &golden, &fabric.fabric("sim")?),
         Command::Certify(args) => certify::certify(&args),
         Command::Replay(args) => replay::replay(&args),

@@ -1,5 +1,6 @@
 //! `kvrelay check --planner CMD [--known FILE]`: every scenario with an external planner in the prefill ranks' seat,
-//! judged by the oracle and the expectation; one line per scenario. `--known` lists the cases where the planner is
+//! judged by the oracle and the expectation; one line per scenario. `kvrelay check --connector CMD` is the same
+//! table with a connector in the seat: a transport child that sends every room itself through its engine. `--known` lists the cases where the planner is
 //! known to differ from kvrelay's rules (a known upstream difference: its reason, the upstream source lines behind
 //! it, and a substring of the failure it causes); such a case is reported as known instead of failing the run, and
 //! the run fails if a listed case passes (the difference is gone) or fails otherwise than recorded.
@@ -16,9 +17,13 @@ use anyhow::Context as _;
 use serde::Deserialize;
 
 use super::{scenario_files, Found};
+use crate::engine::live::LiveOptions;
 use crate::engine::seat::SharedPlanner;
+use crate::external::connector::ChildSeat;
 use crate::external::ProcessPlanner;
-use crate::harness::{self, Budget};
+use crate::fabric::child::ChildTransport;
+use crate::fabric::transport::Transport as _;
+use crate::harness::{self, Budget, Run};
 use crate::scenario;
 
 /// One known upstream difference, as written in a `--known` file.
@@ -125,12 +130,7 @@ fn judge(outcome: Result<(), Vec<String>>, known: Option<&KnownDifference>, file
 
 /// Runs every scenario under `dir` with `command` as the planner; the verdict per scenario. With `known`, the cases
 /// it lists are judged against their recorded failure.
-pub(super) fn check(
-    dir: &Path,
-    command: &str,
-    case_timeout: Duration,
-    known: Option<&Path>,
-) -> anyhow::Result<ExitCode> {
+pub(super) fn check(dir: &Path, seat: &mut Seat, known: Option<&Path>) -> anyhow::Result<ExitCode> {
     let differences = known.map(load_known).transpose()?.unwrap_or_default();
     let by_file: BTreeMap<PathBuf, &KnownDifference> =
         differences.iter().map(|entry| (canonical(&entry.scenario), entry)).collect();
@@ -142,11 +142,10 @@ pub(super) fn check(
         anyhow::bail!("no *.yaml or *.yml scenarios under {}", dir.display());
     }
     let budget = Budget::from_env()?;
-    let planner = Rc::new(RefCell::new(ProcessPlanner::new(command, case_timeout)));
     let (mut failed, mut known_cases) = (0, 0);
     for file in &files {
         let entry = by_file.get(&canonical(file)).copied();
-        let verdict = judge(case(file, &planner, &budget), entry, file);
+        let verdict = judge(seat.case(file, &budget), entry, file);
         let name = match file.strip_prefix(dir) {
             Ok(relative) if !relative.as_os_str().is_empty() => relative.display().to_string(),
             _ => file.display().to_string(),
@@ -164,20 +163,20 @@ pub(super) fn check(
                 for line in &lines[1..] {
                     outln!("        {line}");
                 }
-                outln!("        reproduce: cargo run --release -- check {} --planner '{command}'", file.display());
+                outln!("        reproduce: {}", seat.reproduce(file));
             }
         }
     }
-    let name = planner.borrow().name.clone().unwrap_or_else(|| "a planner that never said hello".to_owned());
+    let (name, place) = seat.name();
     let passed = files.len() - failed - known_cases;
     match known {
         Some(path) => outln!(
-            "{passed} of {} scenarios pass with {name} in the planner's seat; {known_cases} known upstream \
-             differences ({}); {failed} fail",
+            "{passed} of {} scenarios pass with {name} in the {place}; {known_cases} known upstream differences ({}); \
+             {failed} fail",
             files.len(),
             path.display()
         ),
-        None => outln!("{passed} of {} scenarios pass with {name} in the planner's seat", files.len()),
+        None => outln!("{passed} of {} scenarios pass with {name} in the {place}", files.len()),
     }
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
@@ -186,22 +185,98 @@ fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// One scenario with the planner in the seat: `Err` holds the verdict's lines (the first is the summary).
-fn case(file: &Path, planner: &Rc<RefCell<ProcessPlanner>>, budget: &Budget) -> Result<(), Vec<String>> {
-    let scenario = scenario::load(file).map_err(|error| vec![error.to_string()])?;
-    planner.borrow_mut().start_case(&file.display().to_string());
-    let seat = SharedPlanner(planner.clone());
-    let outcome = harness::run_with_planner(&scenario, budget, seat).map_err(|error| vec![error.to_string()])?;
-    if let Some(reason) = planner.borrow().failure() {
-        return Err(vec![reason.reason()]);
+/// Who sits in the prefill ranks' seat for a `check` run.
+pub(super) enum Seat {
+    /// An external planner (`--planner CMD`, the plan protocol): kvrelay's engines post its copies on the
+    /// in-memory fabric.
+    Planner { command: String, planner: Rc<RefCell<ProcessPlanner>> },
+    /// A connector (`--connector CMD`): a transport child that is also in the seat and sends every room itself
+    /// through its engine (`crate::external::connector`).
+    Connector { command: String, child: ChildTransport, live: LiveOptions, send_timeout: Duration },
+}
+
+impl Seat {
+    /// `sh -c command` as the planner, each case answered within `case_timeout` in all.
+    pub(super) fn planner(command: &str, case_timeout: Duration) -> Seat {
+        let planner = Rc::new(RefCell::new(ProcessPlanner::new(command, case_timeout)));
+        Seat::Planner { command: command.to_owned(), planner }
     }
-    if outcome.passed() {
-        return Ok(());
+
+    /// `command` (split on whitespace) as the transport child and the seat; a room's send may take `send_timeout`.
+    pub(super) fn connector(command: &str, send_timeout: Duration) -> anyhow::Result<Seat> {
+        let child = ChildTransport::start(ChildTransport::argv(command))
+            .with_context(|| format!("starting the connector `{command}`"))?;
+        // A connector sends a whole room while the engines wait: the rooms' deadlines cover the longest send.
+        let wait = send_timeout.saturating_mul(2);
+        let live = LiveOptions {
+            waiting_timeout_ns: u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX),
+            time_limit: wait.saturating_mul(2),
+            planner: None,
+            trace: false,
+        };
+        Ok(Seat::Connector { command: command.to_owned(), child, live, send_timeout })
     }
-    let mut lines = vec![outcome.failure_text("; ")];
-    lines.extend(outcome.violations.iter().take(5).map(ToString::to_string));
-    if outcome.violations.len() > 5 {
-        lines.push(format!("... {} more violations", outcome.violations.len() - 5));
+
+    /// What sits in the seat and where, for the summary line.
+    fn name(&self) -> (String, &'static str) {
+        match self {
+            Seat::Planner { planner, .. } => {
+                let name = planner.borrow().name.clone();
+                (name.unwrap_or_else(|| "a planner that never said hello".to_owned()), "planner's seat")
+            }
+            Seat::Connector { child, .. } => {
+                let identity = child.identity();
+                (format!("{} {}", identity.name, identity.version), "connector seat")
+            }
+        }
     }
-    Err(lines)
+
+    /// The one-line command that runs `file` alone with this seat.
+    fn reproduce(&self, file: &Path) -> String {
+        match self {
+            Seat::Planner { command, .. } => {
+                format!("cargo run --release -- check {} --planner '{command}'", file.display())
+            }
+            Seat::Connector { command, .. } => {
+                format!("cargo run --release -- check {} --connector '{command}'", file.display())
+            }
+        }
+    }
+
+    /// One scenario with this seat: `Err` holds the verdict's lines (the first is the summary).
+    fn case(&mut self, file: &Path, budget: &Budget) -> Result<(), Vec<String>> {
+        let scenario = scenario::load(file).map_err(|error| vec![error.to_string()])?;
+        let case = file.display().to_string();
+        let outcome = match self {
+            Seat::Planner { planner, .. } => {
+                planner.borrow_mut().start_case(&case);
+                let seat = SharedPlanner(planner.clone());
+                let outcome = harness::run_with_planner(&scenario, budget, seat).map_err(|error| vec![error.to_string()])?;
+                if let Some(reason) = planner.borrow().failure() {
+                    return Err(vec![reason.reason()]);
+                }
+                outcome
+            }
+            Seat::Connector { child, live, send_timeout, .. } => {
+                child.reset();
+                let seat = ChildSeat::new(child.handle(), &scenario.problem, &case, *send_timeout);
+                let seat = SharedPlanner(Rc::new(RefCell::new(seat)));
+                let run = Run::new(&scenario, budget).on_transport(child).planner(Some(seat)).live_options(live);
+                let outcome = run.execute().map_err(|error| vec![error.to_string()])?;
+                if let Some(reason) = child.broken() {
+                    return Err(vec![reason]);
+                }
+                outcome
+            }
+        };
+        if outcome.passed() {
+            return Ok(());
+        }
+        let mut lines = vec![outcome.failure_text("; ")];
+        lines.extend(outcome.violations.iter().take(5).map(ToString::to_string));
+        if outcome.violations.len() > 5 {
+            lines.push(format!("... {} more violations", outcome.violations.len() - 5));
+        }
+        Err(lines)
+    }
 }

@@ -1090,6 +1090,49 @@ impl ChildTransport {
     }
 }
 
+/// Why an op outside the seam (the connector seat's, `crate::external::connector`) got no answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpError {
+    /// The child refused the op (`"ok": false`), in its words.
+    #[error("{0}")]
+    Refused(String),
+    /// The child is broken (it exited, timed out or answered malformed): the whole text.
+    #[error("{0}")]
+    Broken(String),
+}
+
+impl ChildTransport {
+    /// Sends `op` (an op the seam does not use) with `fields` and waits up to `timeout` for the answer's fields.
+    pub fn call(&self, op: &'static str, fields: Value, timeout: Duration) -> Result<Map<String, Value>, OpError> {
+        let mut session = self.session.borrow_mut();
+        let call = session.timeouts.call;
+        session.timeouts.call = timeout;
+        let answer = session.call(op, fields);
+        session.timeouts.call = call;
+        answer.map_err(|error| match error {
+            CallError::Refused { message, .. } => OpError::Refused(message),
+            CallError::Broken(text) => OpError::Broken(text),
+        })
+    }
+
+    /// Marks the child broken by a malformed answer to `op` (`problem` says which field) and returns the text.
+    pub fn break_with(&self, op: &str, problem: &str) -> String {
+        let mut session = self.session.borrow_mut();
+        let text = format!("{}: op `{op}`: {problem}", session.who());
+        session.break_with(text)
+    }
+
+    /// Another handle on the same child (its session is shared, and ends with the last handle).
+    pub fn handle(&self) -> ChildTransport {
+        ChildTransport { session: Rc::clone(&self.session) }
+    }
+
+    /// The child's default deadline of an op.
+    pub fn call_timeout(&self) -> Duration {
+        self.session.borrow().timeouts.call
+    }
+}
+
 impl Transport for ChildTransport {
     fn identity(&self) -> Identity {
         let session = self.session.borrow();

@@ -11,6 +11,8 @@ mod certify;
 mod child_transport;
 /// The `kvrelay` binary end to end.
 mod cli;
+/// The connector seat: a transport child that sends every room itself, judged by the oracle.
+mod connector;
 /// The fabric seam's conformance suite (`certify::conformance`) on every backend, and proof its cases can fail.
 mod conformance;
 /// Determinism and replay: seeded placement, the trace hash, `--check-determinism`, `--trace-out`, `KVRELAY_SEED`.

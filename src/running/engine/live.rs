@@ -16,6 +16,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use super::seat::SharedPlanner;
 use super::sim::{self, kind_name, message_line, note_line, Node, SimRun};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
 use crate::fabric::seam::{NodeId, SeamError, TransferEngine};
@@ -36,11 +37,18 @@ pub struct LiveOptions {
     pub time_limit: Duration,
     /// Record the message sequence and engine events.
     pub trace: bool,
+    /// Another planner in every local prefill rank's seat (`None`: kvrelay's own).
+    pub planner: Option<SharedPlanner>,
 }
 
 impl Default for LiveOptions {
     fn default() -> LiveOptions {
-        LiveOptions { waiting_timeout_ns: 60_000_000_000, time_limit: Duration::from_secs(120), trace: false }
+        LiveOptions {
+            waiting_timeout_ns: 60_000_000_000,
+            time_limit: Duration::from_secs(120),
+            trace: false,
+            planner: None,
+        }
     }
 }
 
@@ -121,9 +129,12 @@ pub fn run_local<N: TransferEngine>(
         endpoints.push_back(open(NodeId(node as u32)).map_err(LiveError::Open)?);
     }
     let mut names = BTreeMap::new();
-    let (prefill, decode) = sim::build_nodes(problem, &mut names, |_| {
+    let (mut prefill, decode) = sim::build_nodes(problem, &mut names, |_| {
         Ok(endpoints.pop_front().expect("one endpoint per node, opened above"))
     })?;
+    for node in &mut prefill {
+        node.engine.set_planner(options.planner.clone());
+    }
     let published = sim::published_topology(&sim::prefill_info(problem).encode());
     let mut live = Live::new(prefill, decode, LocalControl::default(), names, options);
     live.start(published, &sim::directory(problem));

@@ -12,6 +12,7 @@
 
 #![allow(clippy::disallowed_methods, reason = "the external planner is a process edge: its deadlines are wall time")]
 
+pub mod connector;
 pub mod protocol;
 pub mod reference;
 

@@ -126,8 +126,9 @@ impl<'a> Run<'a> {
     fn drive(&mut self) -> Result<SimRun, String> {
         let problem = &self.scenario.problem;
         let faults = self.fault_plan();
+        let live = LiveOptions { planner: self.planner.clone().or(self.live.planner.clone()), ..self.live.clone() };
         if let Some(transport) = self.transport.as_deref_mut() {
-            return live::run_local(problem, &self.live, |node| transport.engine(node, RDMA_CAPS))
+            return live::run_local(problem, &live, |node| transport.engine(node, RDMA_CAPS))
                 .map_err(|error| error.to_string());
         }
         if !self.fabric.simulated() {
@@ -137,7 +138,7 @@ impl<'a> Run<'a> {
             }
             let mut transport = self.fabric.transport().map_err(|error| error.to_string())?;
             let name = self.fabric.name();
-            return live::run_local(problem, &self.live, |node| transport.engine(node, RDMA_CAPS))
+            return live::run_local(problem, &live, |node| transport.engine(node, RDMA_CAPS))
                 .map_err(|error| format!("the {name} fabric failed: {error}"));
         }
         let options =

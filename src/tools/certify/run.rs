@@ -9,7 +9,7 @@
 )]
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
@@ -215,8 +215,7 @@ pub struct Options {
 impl Options {
     /// Defaults: every case, scenario deadlines of 60 s, 64 MiB of throughput in 64 KiB messages.
     pub fn new(budget: Budget, reproduce: &str) -> Options {
-        let live =
-            LiveOptions { waiting_timeout_ns: 60_000_000_000, time_limit: Duration::from_secs(120), trace: false };
+        let live = LiveOptions::default();
         Options {
             only: Vec::new(),
             budget,
