@@ -132,8 +132,10 @@ class Seat:
         args.is_hybrid_mla_backend = local.is_hybrid_mla
         args.pp_rank = local.pp_rank
         args.prefill_start_layer = local.start_layer
-        stage_layers = len(set(region["layer"] for region in q["local"]["regions"] if region["kind"].startswith("Kv(")))
-        args.prefill_end_layer = local.start_layer + stage_layers
+        # get_pp_indices (domain.md section 4.1), as adapter.Local computes the start: the later stages take the
+        # remainder.
+        base, rem = divmod(model["layers"], local.pp)
+        args.prefill_end_layer = local.start_layer + base + (local.pp_rank >= local.pp - rem)
         args.mla_compression_ratios = None
         args.system_dp_rank = 0
         args.swa_kv_cache_layout = "nhd"
