@@ -551,7 +551,7 @@ type Named = (&'static str, List);
 /// SGLang's DCP path builds (one descriptor per token row), a page-granular list of the same bytes (one descriptor
 /// per prefill page and layer, as a page-run list without merges), and one contiguous transfer. Also the two
 /// buffers' sizes.
-fn engine_lists(tokens: u32) -> anyhow::Result<(Vec<Named>, u64, u64)> {
+fn engine_lists(tokens: u32) -> anyhow::Result<(Vec<Named>, List, u64, u64)> {
     let problem = bench_problem(tokens, true)?;
     let plan = plan::plan(&problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
     let (mut sources, mut targets) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
@@ -593,13 +593,47 @@ fn engine_lists(tokens: u32) -> anyhow::Result<(Vec<Named>, u64, u64)> {
     let bytes: u64 = rows.iter().map(|row| row.2).sum();
     let page = 64 * rows.first().map_or(1, |row| row.2);
     let pages: List = (0..bytes / page).map(|k| (k * page, ((k * 7919) % (bytes / page)) * page, page)).collect();
+    let (gather, packed) = pack(&rows);
     let lists = vec![
         ("kvrelay (seam entries)", merged),
+        (PACKED, packed),
         ("per-token (SGLang DCP)", rows),
         ("per-page", pages),
         ("contiguous", vec![(0, 0, bytes)]),
     ];
-    Ok((lists, source_len, target_len))
+    Ok((lists, gather, source_len, target_len))
+}
+
+/// The name of kvrelay's packed list in the list benchmark.
+const PACKED: &str = "kvrelay packed (2.8)";
+
+/// kvrelay's copies packed (domain.md §2.8): the rows gathered on the sending side into one buffer in target order,
+/// so that the engine sees one entry per run of contiguous target bytes. `(gather, entries)`: the gather's copies
+/// (source offset, pack offset, length), merged where contiguous, and the engine's entries (pack offset, target
+/// offset, length).
+fn pack(rows: &List) -> (List, List) {
+    let mut order: Vec<(u64, u64, u64)> = rows.clone();
+    order.sort_by_key(|row| row.1);
+    let (mut gather, mut entries): (List, List) = (Vec::new(), Vec::new());
+    let mut at = 0;
+    for (source, target, length) in order {
+        for (list, from, to) in [(&mut gather, source, at), (&mut entries, at, target)] {
+            match list.last_mut() {
+                Some(last) if last.0 + last.2 == from && last.1 + last.2 == to => last.2 += length,
+                _ => list.push((from, to, length)),
+            }
+        }
+        at += length;
+    }
+    (gather, entries)
+}
+
+/// Applies `list`'s copies (from, to, length) from `source` into `target`.
+fn apply(list: &List, source: &[u8], target: &mut [u8]) {
+    for &(from, to, length) in list {
+        let (from, to, length) = (from as usize, to as usize, length as usize);
+        target[to..to + length].copy_from_slice(&source[from..from + length]);
+    }
 }
 
 /// `kvrelay bench --fabric F` on an engine that meets only the transfer-engine seam (NIXL, Mooncake, a child):
@@ -608,13 +642,32 @@ fn engine_lists(tokens: u32) -> anyhow::Result<(Vec<Named>, u64, u64)> {
 /// the same run. Numbers only.
 pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32) -> anyhow::Result<()> {
     use crate::fabric::seam::{Batch, Entry, Event, MemoryKind, NodeId};
-    let (lists, source_len, target_len) = engine_lists(32768)?;
+    let (lists, gather, source_len, target_len) = engine_lists(32768)?;
     let mut transport = fabric.transport().map_err(anyhow::Error::msg)?;
     let mut sender = transport.engine(NodeId(0), harness::RDMA_CAPS).map_err(anyhow::Error::msg)?;
     let mut receiver = transport.engine(NodeId(1), harness::RDMA_CAPS).map_err(anyhow::Error::msg)?;
     let fill = std::sync::Arc::new(|offset: u64, out: &mut [u8]| {
         out.iter_mut().enumerate().for_each(|(index, byte)| *byte = ((offset + index as u64) % 251) as u8)
     });
+    let bytes: u64 = lists.last().map_or(0, |(_, list)| list.iter().map(|entry| entry.2).sum());
+    // The packed list's sending side: the pack buffer, gathered from the same source bytes (its gather is timed
+    // below on host memory, as the sending rank would run it before posting: a GPU gather kernel in production).
+    let host: Vec<u8> = {
+        let mut host = vec![0u8; source_len as usize];
+        fill(0, &mut host);
+        host
+    };
+    let mut scratch = vec![0u8; bytes as usize];
+    apply(&gather, &host, &mut scratch);
+    let packed = std::sync::Arc::new(scratch.clone());
+    let pack_fill = {
+        let packed = packed.clone();
+        std::sync::Arc::new(move |offset: u64, out: &mut [u8]| {
+            let at = offset as usize;
+            out.copy_from_slice(&packed[at..at + out.len()]);
+        })
+    };
+    let pack = sender.register(MemoryKind::Host, bytes.max(1), 0, pack_fill)?;
     let source = sender.register(MemoryKind::Host, source_len, 0, fill)?;
     let zero = std::sync::Arc::new(|_: u64, out: &mut [u8]| out.fill(0));
     let target = receiver.register(MemoryKind::Host, target_len.max(source_len), 0, zero)?;
@@ -622,7 +675,6 @@ pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32) -> a
     let (_, address) = receiver.open()?;
     sender.connect(conn, &address, &[target.remote()])?;
     let limits = sender.limits();
-    let bytes: u64 = lists.last().map_or(0, |(_, list)| list.iter().map(|entry| entry.2).sum());
     outln!(
         "bench: the Kimi-K3 32K request's KV ({bytes} B) through {} as descriptor lists, best of {}",
         fabric.name(),
@@ -630,15 +682,24 @@ pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32) -> a
     );
     outln!("{:<24} {:>12} {:>10} {:>10} {:>16}", "list", "descriptors", "seconds", "GB/s", "x contiguous");
     let mut results = Vec::new();
+    let mut gathered = f64::INFINITY;
     for (name, list) in &lists {
+        let local = if *name == PACKED { pack.id } else { source.id };
         let mut best = f64::INFINITY;
         for _ in 0..iterations.max(1) {
+            if *name == PACKED {
+                scratch.fill(0);
+            }
             let start = Instant::now();
+            if *name == PACKED {
+                apply(&gather, &host, &mut scratch);
+                gathered = gathered.min(start.elapsed().as_secs_f64());
+            }
             for chunk in list.chunks(limits.max_entries.clamp(1, 1 << 20)) {
                 let entries = chunk
                     .iter()
                     .map(|&(local_offset, remote_offset, len)| Entry {
-                        local: source.id,
+                        local,
                         local_offset,
                         remote: 0,
                         remote_offset,
@@ -673,12 +734,41 @@ pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32) -> a
         results.push((*name, list.len(), best));
     }
     let contiguous = results.last().map_or(1.0, |result| result.2);
-    for (name, count, seconds) in results {
+    for &(name, count, seconds) in &results {
         outln!(
             "{name:<24} {count:>12} {seconds:>10.3} {:>10.3} {:>16.2}",
             bytes as f64 / seconds.max(1e-12) / 1e9,
             seconds / contiguous.max(1e-12)
         );
     }
+    let per_token = results.iter().find(|result| result.0.starts_with("per-token")).map_or(f64::NAN, |result| result.2);
+    let packed_seconds = results.iter().find(|result| result.0 == PACKED).map_or(f64::NAN, |result| result.2);
+    outln!(
+        "{PACKED}: {gathered:.3} s of its time is the sending side's gather into the pack buffer (host memcpy here; a \
+         GPU gather kernel in production, ../shared/docs/engines.md section 4); {:.2}x faster than the per-token list",
+        per_token / packed_seconds.max(1e-12)
+    );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The packed list (gather, then the pack buffer's entries) writes exactly the bytes the per-token rows write.
+    #[test]
+    fn packed_lists_write_what_the_rows_write() {
+        let (lists, gather, source_len, target_len) = engine_lists(1024).unwrap();
+        let list = |wanted: &str| lists.iter().find(|(name, _)| name.starts_with(wanted)).unwrap().1.clone();
+        let source: Vec<u8> = (0..source_len).map(|at| (at % 251) as u8 ^ (at >> 8) as u8).collect();
+        let bytes: u64 = list("per-token").iter().map(|row| row.2).sum();
+        let mut by_rows = vec![0u8; target_len as usize];
+        apply(&list("per-token"), &source, &mut by_rows);
+        let mut pack = vec![0u8; bytes as usize];
+        apply(&gather, &source, &mut pack);
+        let mut by_pack = vec![0u8; target_len as usize];
+        apply(&list(PACKED), &pack, &mut by_pack);
+        assert!(by_rows == by_pack, "the packed list writes other bytes than the rows");
+        assert!(list(PACKED).len() * 8 < list("per-token").len(), "packing merged too little");
+    }
 }

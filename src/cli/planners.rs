@@ -251,7 +251,8 @@ impl Seat {
             Seat::Planner { planner, .. } => {
                 planner.borrow_mut().start_case(&case);
                 let seat = SharedPlanner(planner.clone());
-                let outcome = harness::run_with_planner(&scenario, budget, seat).map_err(|error| vec![error.to_string()])?;
+                let outcome =
+                    harness::run_with_planner(&scenario, budget, seat).map_err(|error| vec![error.to_string()])?;
                 if let Some(reason) = planner.borrow().failure() {
                     return Err(vec![reason.reason()]);
                 }

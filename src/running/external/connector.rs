@@ -45,7 +45,9 @@ impl ChildSeat {
             return Err(SeatError::Broken(format!("prefill rank {rank} is not a rank of this scenario")));
         };
         match self.child.call(op, json!({"node": node, "query": query}), timeout) {
-            Ok(answer) => verdict(&answer).unwrap_or_else(|problem| Err(SeatError::Broken(self.child.break_with(op, &problem)))),
+            Ok(answer) => {
+                verdict(&answer).unwrap_or_else(|problem| Err(SeatError::Broken(self.child.break_with(op, &problem))))
+            }
             Err(OpError::Refused(message)) => {
                 Err(SeatError::Broken(format!("the connector refused op `{op}` for prefill {rank}: {message}")))
             }
