@@ -30,7 +30,10 @@ fn a_connector_that_loses_a_copy_is_caught_with_coordinates() {
     assert!(!passed, "{out}");
     assert!(out.contains("FAIL") && out.contains("oracle violations"), "{out}");
     assert!(out.contains("found sentinel (never written)") && out.contains("decode pp0/tp"), "{out}");
-    assert!(out.contains("reproduce: cargo run --release -- check scenarios/basic/mla-tp2-to-tp4.yaml --connector"), "{out}");
+    assert!(
+        out.contains("reproduce: cargo run --release -- check scenarios/basic/mla-tp2-to-tp4.yaml --connector"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -11,10 +11,10 @@ mod certify;
 mod child_transport;
 /// The `kvrelay` binary end to end.
 mod cli;
-/// The connector seat: a transport child that sends every room itself, judged by the oracle.
-mod connector;
 /// The fabric seam's conformance suite (`certify::conformance`) on every backend, and proof its cases can fail.
 mod conformance;
+/// The connector seat: a transport child that sends every room itself, judged by the oracle.
+mod connector;
 /// Determinism and replay: seeded placement, the trace hash, `--check-determinism`, `--trace-out`, `KVRELAY_SEED`.
 mod determinism;
 /// Real transfer engines in the seat: NIXL (feature `nixl`), a missing library's error.
