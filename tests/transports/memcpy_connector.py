@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from kvrelay_child import Refusal
-from memcpy_engine import Child as MemcpyChild, sweep
+from memcpy_engine import Child as MemcpyChild, run
 
 
 class Planner:
@@ -96,14 +96,7 @@ def main():
     args = sys.argv[1:]
     program = args[args.index("--kvrelay") + 1] if "--kvrelay" in args else "kvrelay"
     planner = os.environ.get("KVRELAY_SEAT_PLANNER") or f"{program} planner"
-    sweep()
-    child = Child(planner, "--plant-lost-copy" in args, "--plant-malformed-verdict" in args)
-    try:
-        from kvrelay_child import serve
-        serve(child)
-    finally:
-        for engine in child.engines.values():
-            engine.unshare()
+    run(Child(planner, "--plant-lost-copy" in args, "--plant-malformed-verdict" in args))
 
 
 if __name__ == "__main__":

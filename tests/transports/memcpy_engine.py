@@ -306,14 +306,18 @@ def sweep():
             pass
 
 
-def main():
+def run(child):
+    """Serves kvrelay with `child` (this file's `Child` or a subclass), then withdraws every engine's shared list."""
     sweep()
-    child = Child("--plant-dropped-tail" in sys.argv[1:])
     try:
         serve(child)
     finally:
         for engine in child.engines.values():
             engine.unshare()
+
+
+def main():
+    run(Child("--plant-dropped-tail" in sys.argv[1:]))
 
 
 if __name__ == "__main__":
