@@ -52,31 +52,17 @@ import logging
 import os
 import sys
 import time
-import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "transports"))
 sys.path.insert(0, HERE)
 
+import seat as shared  # noqa: E402  (also puts tests/transports and tests/planners/sglang on sys.path)
 import mooncake_engine  # noqa: E402  (tests/transports: the Mooncake child this one extends)
 from kvrelay_child import Refusal, serve  # noqa: E402
 import sglang_modules  # noqa: E402
 import wire  # noqa: E402
-import adapter  # noqa: E402  (tests/planners/sglang: the query in SGLang's kv_args terms, the dummy rule)
-import load_helpers  # noqa: E402
 
 DEFAULT_VERSION = "0.5.23"
-
-
-class Errors(logging.Handler):
-    """SGLang's logged errors and warnings while a seat op runs (the cause of a failed room is logged, mostly)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
 
 
 class Seat:
@@ -93,89 +79,15 @@ class Seat:
     def configure(self, q):
         """kv_args and the rank's attributes from the query (the same for every query of a case)."""
         sgl, mc, mgr = self.sgl, self.sgl.mooncake, self.mgr
-        local = adapter.Local(q)
-        regions = list(self.node_engine.regions.values())
-        if len(regions) != len(q["local"]["regions"]):
-            raise Refusal("engine", f"node {self.node_engine.node} has {len(regions)} registrations, the query "
-                                    f"lists {len(q['local']['regions'])} regions")
-        for region, described in zip(regions, q["local"]["regions"]):
-            if region.len != described["item_len"] * described["item_count"]:
-                raise Refusal("engine", f"a registration of {region.len} bytes stands for a region of "
-                                        f"{described['item_count']} x {described['item_len']} bytes")
-        addr = [region.addr for region in regions]
-        size = [region.len for region in regions]
-        key = (tuple(addr), local.tp, local.tp_rank, local.pp, local.pp_rank)
+        regions = shared.registrations(self.node_engine, q)
+        local, args = shared.kv_args(sgl, q, regions)
+        key = (tuple(region.addr for region in regions), local.tp, local.tp_rank, local.pp, local.pp_rank)
         if self.configured == key:
             return local
-        model = q["local"]["model"]
-        args = sgl.base.KVArgs()
-        args.engine_rank = local.tp_rank
-        args.kv_data_ptrs = [addr[i] for i in local.kv]
-        args.kv_data_lens = [size[i] for i in local.kv]
-        args.kv_item_lens = list(local.kv_item_lens)
-        args.kv_layer_ids = list(local.kv_layer_ids)
-        args.num_draft_entries = local.num_draft
-        args.aux_data_ptrs = [addr[i] for i in local.aux]
-        args.aux_data_lens = [size[i] for i in local.aux]
-        args.aux_item_lens = list(local.aux_item_lens)
-        args.state_types = [sgl.base.StateType(kind) for kind in local.state_types]
-        args.state_data_ptrs = [[addr[i] for i in comp] for comp in local.state]
-        args.state_data_lens = [[size[i] for i in comp] for comp in local.state]
-        args.state_item_lens = [list(lens) for lens in local.state_item_lens]
-        args.state_layer_ids = [list(ids) for ids in local.state_layer_ids]
-        args.state_dim_per_tensor = [list(dims) for dims in local.state_dims]
-        args.state_slice_outer_counts = [list(counts) for counts in local.state_outer]
-        args.state_conv_shard_groups = [list(groups) for groups in local.state_groups]
-        args.page_size = local.page_size
-        args.total_kv_head_num = local.total_kv_heads
-        args.kv_head_num = max(1, local.total_kv_heads // local.tp)
-        args.is_hybrid_mla_backend = local.is_hybrid_mla
-        args.pp_rank = local.pp_rank
-        args.prefill_start_layer = local.start_layer
-        # get_pp_indices (domain.md section 4.1), as adapter.Local computes the start: the later stages take the
-        # remainder.
-        base, rem = divmod(model["layers"], local.pp)
-        args.prefill_end_layer = local.start_layer + base + (local.pp_rank >= local.pp - rem)
-        args.mla_compression_ratios = None
-        args.system_dp_rank = 0
-        args.swa_kv_cache_layout = "nhd"
-        args.kv_layout = None
-        args.kv_cache_dtype_str = f"{model['dtype_bytes']}-byte"
         mgr.kv_args = args
-        # CommonKVManager.__init__ (common/conn.py:323-475), a prefill rank.
-        mgr.is_mla_backend = local.is_mla
-        mgr.is_hybrid_mla_backend = local.is_hybrid_mla
-        mgr.disaggregation_mode = sgl.utils.DisaggregationMode.PREFILL
-        mgr.enable_deferred_decode_kv_release = (
-            sgl.mooncake.envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
-            and mc.MooncakeKVManager.supports_deferred_decode_kv_release)
-        mgr._dcp_pack_buffers = None
-        mgr.bootstrap_port = 0  # only named in the dying transfer thread's message
-        mgr.attn_tp_size, mgr.attn_tp_rank = local.tp, local.tp_rank
-        mgr.attn_cp_size, mgr.attn_cp_rank = 1, 0
-        mgr.state_tp_size = local.tp  # linear_attn_tp_size() without CP/TP group sharing
-        mgr.dcp_size, mgr.dcp_rank = local.dcp, local.dcp_rank
-        mgr.attn_dp_size, mgr.attn_dp_rank = 1, 0
-        mgr.pp_size, mgr.pp_rank = local.pp, local.pp_rank
-        mgr.enable_all_cp_ranks_for_transfer = False
-        mgr.is_dummy_cp_rank = False
-        # A PP>1 prefill keeps request_status in a PPConsensusStore (common/conn.py:459) that agrees across stages over
-        # torch.distributed; one stage's own view of its room is what its transfer worker reads.
-        mgr.request_status = {}
-        mgr._socket_cache, mgr._monitor_cache = {}, {}
-        mgr.failure_records = {}
-        mgr.failure_lock = sgl.common.threading.Lock()
-        mgr._staging_outstanding = sgl.common.defaultdict(int)
-        mgr._deferred_ack_targets = {}
-        mgr._deferred_ack_poisoned_rooms = set()
-        mgr.deferred_bootstrap = None
-        mgr.transfer_infos = {}
-        mgr.req_to_decode_prefix_len = {}
-        mgr.decode_kv_args_table = {}
+        shared.common_manager_state(sgl, mgr, local)
         # MooncakeKVManager.__init__ (mooncake/conn.py:277-353), a prefill rank.
         mgr.engine = self.wrapper()
-        mgr.enable_staging = False
-        mgr._staging_ctx = None
         mgr.max_transfer_batch_indices = sgl.mooncake.envs.SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES.get()
         mgr.enable_trace = False
         mgr._stopped = False
@@ -261,10 +173,7 @@ class Seat:
         return local, info
 
     def is_dummy(self, local, reg):
-        """Decode's choice of dummy prefill ranks (common/conn.py:1432-1530 then 2635-2640), as adapter.py makes it with
-        the wheel's real CommonKVManager methods."""
-        peer = types.SimpleNamespace(tp=reg.decode_tp_size, tp_rank=reg.decode_tp_rank)
-        return self.sgl.dummy_rule.is_dummy(local, peer)
+        return self.sgl.dummy_rule.is_dummy(local, reg.decode_tp_size, reg.decode_tp_rank)
 
     def send(self, q):
         """The room's chunks through SGLang's transfer worker; returns None (success) or the rejection text."""
@@ -298,46 +207,25 @@ class Seat:
         mgr.req_to_decode_prefix_len[room] = meta.decode_prefix_len or 0
         queue = self.sgl.common_utils.FastQueue()
         mgr.transfer_queues = [queue]
-        np = self.sgl.np
-        P = local.page_size
-        pages = request["prefill_pages"]
-        first = (meta.decode_prefix_len or 0) // P
-        done = 0
-        chunks = request["chunks"]
-        for index, tokens in enumerate(chunks):
-            # The scheduler's chunks (prefill.py:1731-1779): each chunk's pages after the decode's prefix, its
-            # index_slice counted from there (common/conn.py:2270).
-            count = -(-tokens // P)
-            kv_indices = np.asarray(pages[first + done: first + done + count], dtype=np.int32)
-            last = index + 1 == len(chunks)
-            mgr.add_transfer_request(
-                room, kv_indices, slice(done, done + count), last,
-                aux_index=request["prefill_state"]["aux"] if last else None,
-                state_indices=(adapter.Adapter.prefill_state_indices(None, local, request) or None) if last else None,
-                num_kv_tokens=tokens)
-            done += count
+        for chunk in shared.chunk_requests(self.sgl.np, local, request, meta.decode_prefix_len):
+            mgr.add_transfer_request(room, chunk["kv_indices"], chunk["index_slice"], chunk["is_last_chunk"],
+                                     aux_index=chunk["aux_index"], state_indices=chunk["state_indices"],
+                                     num_kv_tokens=chunk["num_kv_tokens"])
         queue.put(None)
         self.statuses.clear()
-        errors = Errors()
-        logger = logging.getLogger("sglang.srt.disaggregation")
-        logger.addHandler(errors)
-        try:
-            mgr.transfer_worker(queue, self.executor, None, 0)
-        except Exception as error:  # noqa: BLE001 - the transfer thread dies with it (mooncake/conn.py:2877-2883)
-            cause = error.__context__ or error
-            mgr.request_status[room] = self.sgl.base.KVPoll.Failed
-            mgr.failure_records.setdefault(room, str(cause))
-            return str(cause) or type(cause).__name__
-        finally:
-            logger.removeHandler(errors)
-            for record in errors.records:
-                print(f"sglang {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+        with shared.Errors() as errors:
+            try:
+                mgr.transfer_worker(queue, self.executor, None, 0)
+            except Exception as error:  # noqa: BLE001 - the transfer thread dies with it (mooncake/conn.py:2877-2883)
+                cause = error.__context__ or error
+                mgr.request_status[room] = self.sgl.base.KVPoll.Failed
+                mgr.failure_records.setdefault(room, str(cause))
+                return str(cause) or type(cause).__name__
         status = mgr.request_status.get(room)
         if status == self.sgl.base.KVPoll.Success:
             return None
         if status == self.sgl.base.KVPoll.Failed:
-            causes = [record.getMessage() for record in errors.records if record.levelno >= logging.ERROR
-                      and not record.getMessage().startswith("Session ")]
+            causes = errors.causes(skip=("Session ",))
             return causes[0] if causes else mgr.failure_records.get(room, "failed")
         return f"SGLang's transfer worker left room {room} {status!r} after its last chunk"
 
@@ -399,20 +287,6 @@ class Child(mooncake_engine.Child):
         return {} if text is None else {"rejected": text}
 
 
-class DummyRule:
-    """adapter.py's `is_dummy` with the wheel's real CommonKVManager methods in place of the planner's extracted
-    copies (load_helpers.make_manager_view reads only `manager_view_class`)."""
-
-    def __init__(self, common):
-        methods = {name: getattr(common.CommonKVManager, name) for name in (
-            "_resolve_rank_mapping", "get_mha_kv_ptrs_with_pp", "get_mla_kv_ptrs_with_pp", "requires_dcp_relayout")}
-        helpers = types.SimpleNamespace(manager_view_class=type("CommonKVManagerView", (), methods))
-        self.adapter = adapter.Adapter(helpers, load_helpers)
-
-    def is_dummy(self, local, peer):
-        return self.adapter.is_dummy(local, peer)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--version", default=DEFAULT_VERSION, help="SGLang version whose wheel to load")
@@ -432,7 +306,7 @@ def main():
 
     sgl.np = numpy
     wire.install(sgl.mori)
-    sgl.dummy_rule = DummyRule(sgl.common)
+    sgl.dummy_rule = shared.DummyRule(sgl.common)
     logging.getLogger("sglang").setLevel(logging.WARNING)
     limits = {"max_entries": args.max_entries, "max_batch_bytes": args.max_batch_bytes,
               "batches_in_flight": args.batches_in_flight}

@@ -226,8 +226,9 @@ class Settings:
         raise AttributeError(f"kvrelay: SGLang read {self._name}.{attr}, which the harness does not set")
 
 
-def load(wheel):
-    """Imports the connector modules from `wheel`; returns a namespace of them."""
+def load(wheel, nixl=False):
+    """Imports the connector modules from `wheel` (with `nixl`, also disaggregation/nixl/conn.py: NIXL's Python API
+    must be importable as `nixl_cu12` by then); returns a namespace of them."""
     source = load_helpers.WheelSource(wheel)
     importer = WheelImporter(source)
     sys.meta_path.insert(0, importer)
@@ -242,6 +243,19 @@ def load(wheel):
     import sglang.srt.disaggregation.utils as disagg_utils  # noqa: PLC0415
     import sglang.srt.distributed.device_communicators.mooncake_transfer_engine as engine_wrapper  # noqa: PLC0415
 
+    nixl_conn = None
+    if nixl:
+        # SGLang imports `nixl` (the meta package that picks nixl_cu12 or nixl_cu13 and re-exports it); here the
+        # pinned nixl_cu12 wheel is that package.
+        import nixl_cu12  # noqa: PLC0415
+        import nixl_cu12._api  # noqa: PLC0415
+        import nixl_cu12._bindings  # noqa: PLC0415
+
+        sys.modules.setdefault("nixl", nixl_cu12)
+        sys.modules.setdefault("nixl._api", nixl_cu12._api)
+        sys.modules.setdefault("nixl._bindings", nixl_cu12._bindings)
+        import sglang.srt.disaggregation.nixl.conn as nixl_conn  # noqa: PLC0415
+
     # `logger.warning_once` (mooncake/conn.py:2364, 2456) is not the standard library's: transformers adds it to
     # logging.Logger when imported (transformers/utils/logging.py), which every SGLang server does. The same here:
     # each text once.
@@ -253,11 +267,14 @@ def load(wheel):
     parallel = Settings("get_parallel()", enable_kv_cache_sharding=False, enable_dsa_cache_layer_split=False,
                         enable_cp_tp_group_sharing=False)
     observability = Settings("get_observability()", enable_trace=False)
-    for module in (mooncake, common, disagg_utils):
+    # The device: this process has no GPU (NIXL's prepared state transfers need "cuda", nixl/conn.py:693).
+    device = Settings("get_device()", device="cpu")
+    for module in (mooncake, common, disagg_utils) + ((nixl_conn,) if nixl_conn else ()):
         for name, value in (("get_memory", memory), ("get_spec", spec), ("get_parallel", parallel),
-                            ("get_observability", observability)):
+                            ("get_observability", observability), ("get_device", device)):
             if name in module.__dict__:
                 module.__dict__[name] = lambda value=value: value
     return types.SimpleNamespace(mooncake=mooncake, mori=mori, common=common, common_utils=common_utils, base=base,
-                                 utils=disagg_utils, engine_wrapper=engine_wrapper, version=source.version(),
+                                 utils=disagg_utils, engine_wrapper=engine_wrapper, nixl=nixl_conn,
+                                 version=source.version(),
                                  stand_ins=list(importer.stand_ins_used))
