@@ -284,6 +284,9 @@ class Child(mooncake_engine.Child):
         if seconds > 5:
             print(f"seat_send {msg['query'].get('case')} room {msg['query']['meta']['room']}: {seconds:.1f} s",
                   file=sys.stderr)
+        if text is not None:
+            print(f"seat_send {msg['query'].get('case')} room {msg['query']['meta']['room']} node {msg['node']}: "
+                  f"rejected: {text}", file=sys.stderr)
         return {} if text is None else {"rejected": text}
 
 
