@@ -3,7 +3,8 @@
 # `kvrelay check scenarios --connector CHILD --known FILE` runs every scenario with SGLang 0.5.23's
 # MooncakeKVManager send path in each prefill rank's seat, moving the bytes through Mooncake's Transfer Engine, and
 # prints the per-scenario table; tests/connectors/sglang/known-differences.yaml pins the known upstream differences
-# (a listed case must fail exactly as recorded; anything else that fails, fails the stage).
+# (a listed case must fail exactly as recorded; anything else that fails, fails the stage). Then the same with
+# SGLang's NixlKVManager on NIXL 1.5.1 (tests/connectors/sglang/nixl_connector.py, nixl-known-differences.yaml).
 #
 # Needs what ci/engines.sh made (target/engines/venv with Mooncake's wheel and numpy; target/engines/env.sh) and the
 # SGLang wheel ci/sglang.sh fetched into tests/planners/sglang/wheels. This script adds to that venv the pinned
@@ -22,6 +23,7 @@ PACKAGES=(
 VENV=target/engines/venv
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
 KNOWN=tests/connectors/sglang/known-differences.yaml
+NIXL_KNOWN=tests/connectors/sglang/nixl-known-differences.yaml
 start=$(date +%s)
 took() { printf 'ci/connectors.sh: %s after %d s\n' "$1" $(($(date +%s) - start)); }
 
@@ -50,4 +52,11 @@ target/release/kvrelay check scenarios \
     --connector "$KVRELAY_MOONCAKE_PYTHON tests/connectors/sglang/mooncake_connector.py --version $SGLANG_VERSION" \
     --known "$KNOWN" || status=$?
 took "corpus with SGLang $SGLANG_VERSION's Mooncake connector in the connector seat (exit $status)"
-exit "$status"
+# SGLang's NIXL connector on NIXL 1.5.1 (the wheel ci/engines.sh unzipped at target/engines/nixl), same venv.
+nixl_status=0
+target/release/kvrelay check scenarios \
+    --connector "$KVRELAY_MOONCAKE_PYTHON tests/connectors/sglang/nixl_connector.py --version $SGLANG_VERSION" \
+    --known "$NIXL_KNOWN" || nixl_status=$?
+took "corpus with SGLang $SGLANG_VERSION's NIXL connector in the connector seat (exit $nixl_status)"
+[ "$status" = 0 ] || exit "$status"
+exit "$nixl_status"
