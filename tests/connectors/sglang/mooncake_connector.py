@@ -186,6 +186,8 @@ class Seat:
         room = meta.room
         if mgr.request_status.get(room) == self.sgl.base.KVPoll.Failed:
             return mgr.failure_records.get(room, "the room already failed on this prefill rank")
+        if not q["request"]["chunks"]:
+            return None  # nothing of this room is this rank's to send (as the planner adapter answers no copies)
         request = q["request"]
         dummy = self.is_dummy(local, reg)
         transfer = mc.TransferInfo(

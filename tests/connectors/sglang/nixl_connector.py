@@ -155,6 +155,8 @@ class Seat:
         room = meta.room
         if mgr.request_status.get(room) == sgl.base.KVPoll.Failed:
             return mgr.failure_records.get(room, "the room already failed on this prefill rank")
+        if not q["request"]["chunks"]:
+            return None  # nothing of this room is this rank's to send (as the planner adapter answers no copies)
         dummy = sgl.dummy_rule.is_dummy(local, reg.decode_tp_size, reg.decode_tp_rank)
         # NIXL's decode sends no KV indices for a dummy rank (nixl/conn.py:3519) and its prefill skips the peer.
         transfer = nx.TransferInfo(
