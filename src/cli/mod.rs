@@ -102,6 +102,10 @@ pub enum Command {
         /// its requests within the deadlines instead of hanging. Repeatable.
         #[arg(long, value_parser = parse_rank_spec)]
         omit: Vec<(crate::process::Role, u32)>,
+        /// Inject a fault a real process suffers, seeded by the scenario's seed (`--seed`), and judge the run by the
+        /// fault guarantee: every request Success byte-exact or Failed with a reason, within the deadlines.
+        #[arg(long, value_enum)]
+        chaos: Option<crate::process::chaos::Chaos>,
     },
     /// Show what landed where on each decode rank (run-length encoded).
     Layout {
@@ -344,9 +348,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             let scenario = load(&scenario, seed)?;
             ranks::hub(&scenario, &bootstrap, &deadlines)
         }
-        Command::Launch { scenario, fabric, deadlines, omit } => {
+        Command::Launch { scenario, fabric, deadlines, omit, chaos } => {
             let loaded = load(&scenario, seed)?;
-            ranks::launch(&scenario, &loaded, &launch_options(&fabric, &deadlines, omit, seed)?)
+            ranks::launch(&scenario, &loaded, &launch_options(&fabric, &deadlines, omit, chaos, seed)?)
         }
         Command::Check { .. }
         | Command::Bench { .. }
@@ -478,6 +482,7 @@ fn launch_options(
     fabric: &FabricArgs,
     deadlines: &Deadlines,
     omit: Vec<(crate::process::Role, u32)>,
+    chaos: Option<crate::process::chaos::Chaos>,
     seed: Option<u64>,
 ) -> anyhow::Result<crate::process::LaunchOptions> {
     Ok(crate::process::LaunchOptions {
@@ -486,6 +491,7 @@ fn launch_options(
         connect_timeout: Duration::from_secs(deadlines.connect_timeout),
         live: deadlines.live(),
         omit,
+        chaos,
     })
 }
 

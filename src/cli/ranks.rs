@@ -143,8 +143,14 @@ pub(super) fn launch(
             Err(why) => outln!("decode {index}: {why}"),
         }
     }
+    if let Some((injected, struck, succeeded, failed)) = &launched.chaos {
+        outln!("chaos {injected}; {struck}");
+        outln!("chaos: {succeeded} requests succeeded byte-exact, {failed} failed with a reason");
+    }
+    let chaos =
+        options.chaos.map(|chaos| format!(" --chaos {}", crate::process::chaos::name(chaos))).unwrap_or_default();
     if launched.failures.is_empty() {
-        outln!("pass {} ({} processes, {})", scenario.name, launched.exits.len(), options.fabric.name());
+        outln!("pass {}{chaos} ({} processes, {})", scenario.name, launched.exits.len(), options.fabric.name());
         Ok(ExitCode::SUCCESS)
     } else {
         eprintln!(
@@ -153,7 +159,7 @@ pub(super) fn launch(
             launched.failures.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
         );
         eprintln!(
-            "reproduce: {} launch {} {} --seed {}",
+            "reproduce: {} launch {} {}{chaos} --seed {}",
             cargo_run(&options.fabric),
             scenario.file,
             fabric_flag(&options.fabric),

@@ -28,6 +28,9 @@ use crate::scenario::Scenario;
 use crate::verify;
 use crate::wire::KvPoll;
 
+pub mod chaos;
+use chaos::{Chaos, ChaosPlan, Striker};
+
 /// Which side a process serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Role {
@@ -206,6 +209,9 @@ pub struct LaunchOptions {
     pub live: LiveOptions,
     /// Ranks not started (a rank that never connects).
     pub omit: Vec<(Role, u32)>,
+    /// A process fault to inject (`--chaos`), seeded by the scenario's seed; the run is then judged by the fault
+    /// guarantee instead of the expectation.
+    pub chaos: Option<Chaos>,
 }
 
 /// What `launch` gathered.
@@ -216,8 +222,12 @@ pub struct Launched {
     /// Per process, `role index: exit status`.
     pub exits: Vec<String>,
     pub hub: HubReport,
-    /// Why the run does not meet the scenario's expectation; empty means pass.
+    /// Why the run does not meet the scenario's expectation (under `--chaos`: the fault guarantee); empty means
+    /// pass.
     pub failures: Vec<Failure>,
+    /// Under `--chaos`: what was injected and what the striker did, and the requests that succeeded byte-exact and
+    /// failed with a reason.
+    pub chaos: Option<(String, String, u64, u64)>,
 }
 
 /// Starts the hub and one `serve` child per rank of the scenario at `path`, waits for them (killing any that
@@ -226,18 +236,32 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> Resu
     let problem = &scenario.problem;
     let hub = Hub::bind("127.0.0.1:0")?;
     let addr = hub.local_addr().ok_or(ProcessError::NoAddress)?.to_string();
-    let plan = hub_plan(problem, options.connect_timeout, options.live.time_limit);
+    let mut plan = hub_plan(problem, options.connect_timeout, options.live.time_limit);
+    let counts = (problem.prefill.ranks.len() as u32, problem.decode.ranks.len() as u32);
+    let chaos =
+        options.chaos.map(|chaos| ChaosPlan::draw(chaos, crate::seed::Seed(scenario.seed), counts, &options.omit));
+    let started = chaos.as_ref().and_then(|chaos| chaos.arm(&mut plan));
     let mut children = Vec::new();
-    for (role, count) in [(Role::Prefill, problem.prefill.ranks.len()), (Role::Decode, problem.decode.ranks.len())] {
-        for index in (0..count as u32).filter(|index| !options.omit.contains(&(role, *index))) {
+    // Decode ranks first, so their verdicts are gathered before a stalled prefill process is put down.
+    for (role, count) in [(Role::Decode, counts.1), (Role::Prefill, counts.0)] {
+        for index in (0..count).filter(|index| !options.omit.contains(&(role, *index))) {
             children.push((role, index, spawn_rank(path, role, index, &addr, options)?));
         }
     }
+    let striker = chaos.as_ref().zip(started).and_then(|(chaos, started)| {
+        let (_, _, victim) = children.iter().find(|(role, index, _)| chaos.victim == Some((*role, *index)))?;
+        Some(Striker::arm(chaos, victim.id(), started, options.connect_timeout + Duration::from_secs(5)))
+    });
     let report = hub.run(&plan);
+    let struck = striker.map(Striker::finish);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut verdicts = BTreeMap::new();
     let mut exits = Vec::new();
-    for (role, index, child) in children {
+    for (role, index, mut child) in children {
+        if chaos.as_ref().is_some_and(|chaos| chaos.chaos == Chaos::StallPrefill && chaos.victim == Some((role, index)))
+        {
+            chaos::release_victim(&mut child);
+        }
         let (status, verdict) = gather(child, deadline);
         exits.push(format!("{} {index}: {status}", role_name(role)));
         if role == Role::Decode {
@@ -247,11 +271,17 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> Resu
     for &(_, index) in options.omit.iter().filter(|(role, _)| *role == Role::Decode) {
         verdicts.insert(index, Err(ProcessError::Omitted));
     }
-    let failures = launch_failures(scenario, &verdicts, &report);
-    Ok(Launched { verdicts, exits, hub: report, failures })
+    let Some(chaos) = chaos else {
+        let failures = launch_failures(scenario, &verdicts, &report);
+        return Ok(Launched { verdicts, exits, hub: report, failures, chaos: None });
+    };
+    let ranks: Vec<String> = problem.decode.ranks.iter().map(|layout| layout.rank.to_string()).collect();
+    let (succeeded, failed, failures) = chaos::guarantee_failures(&chaos, &ranks, &verdicts, &report);
+    let struck = struck.unwrap_or_else(|| format!("{} messages cut short", report.truncated));
+    Ok(Launched { verdicts, exits, hub: report, failures, chaos: Some((chaos.describe(), struck, succeeded, failed)) })
 }
 
-fn role_name(role: Role) -> &'static str {
+pub(crate) fn role_name(role: Role) -> &'static str {
     match role {
         Role::Prefill => "prefill",
         Role::Decode => "decode",
@@ -272,7 +302,7 @@ pub fn hub_plan(problem: &Problem, connect_timeout: Duration, run_limit: Duratio
             }
         }
     }
-    HubPlan { nodes, decode, connect_timeout, time_limit: connect_timeout + run_limit }
+    HubPlan { nodes, decode, connect_timeout, time_limit: connect_timeout + run_limit, faults: None, started: None }
 }
 
 fn spawn_rank(path: &Path, role: Role, index: u32, addr: &str, options: &LaunchOptions) -> Result<Child, ProcessError> {
@@ -352,6 +382,6 @@ fn launch_failures(
     failures
 }
 
-fn poll(code: u8) -> KvPoll {
+pub(crate) fn poll(code: u8) -> KvPoll {
     KvPoll::ALL.into_iter().find(|poll| *poll as u8 == code).unwrap_or(KvPoll::Failed)
 }

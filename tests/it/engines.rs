@@ -109,4 +109,34 @@ mod nixl {
         }
         assert!(stderr.contains("failed: timed out after 6000000000 ns waiting for the prefill side"), "{stderr}");
     }
+
+    /// `launch --chaos` on NIXL: `kind` on the Kimi-K3 scenario's 16 processes keeps the fault guarantee (every
+    /// surviving decode rank's requests Success byte-exact or Failed with a reason, within the deadlines), and the
+    /// output says what was injected.
+    fn chaos(kind: &str, injected: &str) {
+        if nixl().is_none() {
+            return;
+        }
+        let scenario = "scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml";
+        let out = kvrelay(&["launch", scenario, "--fabric", "nixl", "--chaos", kind, "--timeout", "15"]);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+        assert!(stdout.contains(&format!("chaos {kind}: {injected}")), "{stdout}");
+        assert!(
+            stdout.contains(&format!("pass kimi-k3-pp8-tp1-to-tp8-dcp8 --chaos {kind} (16 processes, nixl)")),
+            "{stdout}"
+        );
+        let failed = stdout.lines().find(|line| line.starts_with("chaos: ")).unwrap_or_default();
+        assert!(failed.contains("failed with a reason"), "{stdout}");
+    }
+
+    #[test]
+    fn a_prefill_process_killed_mid_transfer_keeps_the_fault_guarantee_over_nixl() {
+        chaos("kill-prefill", "SIGKILL to prefill");
+    }
+
+    #[test]
+    fn truncated_control_messages_keep_the_fault_guarantee_over_nixl() {
+        chaos("truncate-messages", "100 per mille of routed messages cut short");
+    }
 }

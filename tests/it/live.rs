@@ -73,6 +73,8 @@ fn hub(nodes: u32, decode: u32, connect: Duration) -> (String, std::thread::Join
         decode: (nodes - decode..nodes).map(NodeId).collect(),
         connect_timeout: connect,
         time_limit: Duration::from_secs(20),
+        faults: None,
+        started: None,
     };
     (addr, std::thread::spawn(move || hub.run(&plan)))
 }

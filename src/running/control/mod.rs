@@ -110,6 +110,19 @@ pub struct HubPlan {
     pub connect_timeout: Duration,
     /// Wall time after which the hub stops the run whatever its state.
     pub time_limit: Duration,
+    /// Seeded faults on the messages it routes (`kvrelay launch --chaos truncate-messages`); `None`: none.
+    pub faults: Option<MessageFaults>,
+    /// Told once when the run starts (every rank connected, or the connect deadline passed).
+    pub started: Option<Sender<()>>,
+}
+
+/// The hub's seeded message faults: each routed message is hit with probability `per_mille / 1000`, drawn from the
+/// named stream `chaos.messages` of `seed`; a hit message has one of its wire frames cut short at a drawn length
+/// (a truncated control message: the receiving rank's decoder must refuse it with a reason, never panic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageFaults {
+    pub seed: crate::seed::Seed,
+    pub per_mille: u32,
 }
 
 /// What the hub saw.
@@ -126,6 +139,8 @@ pub struct HubReport {
     pub dropped: u64,
     /// The run hit the hub's time limit.
     pub timed_out: bool,
+    /// Messages the seeded message faults cut short.
+    pub truncated: u64,
     /// One line per notable event (connections, losses, drops), in order.
     pub log: Vec<String>,
 }
@@ -221,6 +236,8 @@ struct HubState<'a> {
     started: bool,
     begun: Instant,
     report: HubReport,
+    /// The message faults' stream, when the plan has faults.
+    faults: Option<crate::seed::SimRng>,
 }
 
 impl<'a> HubState<'a> {
@@ -233,6 +250,7 @@ impl<'a> HubState<'a> {
             started: false,
             begun: Instant::now(),
             report: HubReport::default(),
+            faults: plan.faults.map(|faults| faults.seed.stream("chaos.messages")),
         }
     }
 
@@ -329,6 +347,9 @@ impl<'a> HubState<'a> {
         }
         let published = self.published.clone();
         self.broadcast(FrameKind::Start, &published);
+        if let Some(started) = &self.plan.started {
+            let _ = started.send(());
+        }
     }
 
     fn stop(&mut self) {
@@ -342,7 +363,8 @@ impl<'a> HubState<'a> {
         }
     }
 
-    fn route(&mut self, frame: ControlFrame) {
+    fn route(&mut self, mut frame: ControlFrame) {
+        self.truncate(&mut frame);
         let Some((_, stream)) = self.nodes.get_mut(&frame.to) else {
             self.report.dropped += 1;
             return;
@@ -352,6 +374,27 @@ impl<'a> HubState<'a> {
         } else {
             self.report.dropped += 1;
         }
+    }
+}
+
+impl HubState<'_> {
+    /// Cuts one wire frame of `frame` short when the seeded message faults hit it (logged with the drawn numbers).
+    fn truncate(&mut self, frame: &mut ControlFrame) {
+        use rand::RngExt as _;
+        let (Some(faults), Some(rng)) = (self.plan.faults, self.faults.as_mut()) else { return };
+        let filled: Vec<usize> = (0..frame.parts.len()).filter(|part| !frame.parts[*part].is_empty()).collect();
+        if filled.is_empty() || rng.random_range(0..1000) >= faults.per_mille {
+            return;
+        }
+        let part = filled[rng.random_range(0..filled.len())];
+        let was = frame.parts[part].len();
+        let cut = rng.random_range(0..was);
+        frame.parts[part].truncate(cut);
+        let (from, to) = (self.name(frame.from), self.name(frame.to));
+        self.report.truncated += 1;
+        self.report
+            .log
+            .push(format!("truncated a message from {from} to {to}: frame {part} cut from {was} to {cut} bytes"));
     }
 }
 
