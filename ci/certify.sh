@@ -56,7 +56,7 @@ expect() {
             failed+=("$label: the planted bug left no failed case in junit.xml and manifest.txt")
         else
             say "  the planted bug is caught: $(grep -c '^case: fail ' "$dir/manifest.txt") failed cases, e.g."
-            grep '^case: fail ' "$dir/manifest.txt" | head -n 3 | sed 's/^/certify:     /'
+            grep '^case: fail ' "$dir/manifest.txt" | sed -n '1,3s/^/certify:     /p'
         fi
     fi
 }

@@ -70,7 +70,7 @@ pub struct Run {
 }
 
 /// A verbs endpoint met at the transfer-engine seam (module docs).
-pub struct VerbsEngine<E> {
+pub struct VerbsEngine<E: Endpoint> {
     nic: E,
     caps: Caps,
     memory: Vec<Option<MemoryRegion>>,
@@ -84,6 +84,17 @@ pub struct VerbsEngine<E> {
     /// The node was seen crashed: its state is forgotten when it comes back.
     restarted: bool,
     runs: Vec<Run>,
+}
+
+/// An engine that goes away takes its memory with it, as a process that dies does: every region still registered is
+/// deregistered (its keys revoked), so a peer's later write to it fails instead of landing in memory nobody owns
+/// (certification case `a_peer_that_dies_mid_transfer_fails_within_the_deadline`).
+impl<E: Endpoint> Drop for VerbsEngine<E> {
+    fn drop(&mut self) {
+        for region in self.memory.iter_mut().filter_map(Option::take) {
+            let _ = self.nic.deregister_sparse(&region);
+        }
+    }
 }
 
 impl<E: Endpoint> VerbsEngine<E> {

@@ -159,7 +159,7 @@ fn the_cli_lists_the_case_set_and_refuses_unknown_cases_and_transports() {
     let listed = kvrelay(&["certify", "--list", "--scenarios", "scenarios/engines"]);
     assert!(listed.status.success(), "{}", text(&listed.stderr));
     let out = text(&listed.stdout);
-    assert!(out.starts_with("case set kvrelay-certify-3 ("), "{out}");
+    assert!(out.starts_with("case set kvrelay-certify-4 ("), "{out}");
     assert!(out.contains("seam/batch_lands_exactly_and_notifies_after_its_bytes"), "{out}");
     assert!(out.contains("scenario/legacy-registration"), "{out}");
     let unknown = kvrelay(&["certify", "--case", "scenario/nothing-here", "--scenarios", "scenarios/engines"]);

@@ -98,7 +98,7 @@ class Engine:
     def advance(self):
         still = []
         for batch, conn, handle, cancelled in self.posted:
-            state = "DONE" if handle is None else self.agent.check_xfer_state(handle)
+            state = "DONE" if handle is None else self.state(handle)
             if state == "PROC":
                 still.append([batch, conn, handle, cancelled])
                 continue
@@ -122,10 +122,18 @@ class Engine:
                 if conn.isdigit() and tag.isdigit() and int(conn) < len(self.conns):
                     self.events.append({"event": "notified", "conn": int(conn), "tag": int(tag)})
 
+    def state(self, handle):
+        """`check_xfer_state`, with NIXL's exceptions (a peer that went away: NIXL_ERR_REMOTE_DISCONNECT) as the
+        error state they are."""
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as error:  # nixl_cu12._bindings.nixl*Error: the request ended in error
+            return f"ERR ({type(error).__name__}: {error})"
+
     def close(self):
         for handle in [posted[2] for posted in self.posted if posted[2] is not None]:
             deadline = time.monotonic() + 5
-            while self.agent.check_xfer_state(handle) == "PROC" and time.monotonic() < deadline:
+            while self.state(handle) == "PROC" and time.monotonic() < deadline:
                 time.sleep(0.001)
         for region, descs in self.regions.values():
             self.agent.deregister_memory(descs)
@@ -263,12 +271,18 @@ class Child(Children):
             except Exception as error:  # noqa: BLE001
                 raise Refusal("engine", f"initialize_xfer: {error}: NIXL refused the request, writing nothing (a "
                                         f"descriptor outside the memory {peer} registered, or stale metadata)") from error
-            state = engine.agent.transfer(handle)
-            if state == "ERR":
+            try:
+                state = engine.agent.transfer(handle)
+            except Exception as error:  # noqa: BLE001 (nixl*Error: e.g. NIXL_ERR_REMOTE_DISCONNECT, a peer gone)
+                state = f"ERR ({type(error).__name__}: {error})"
+            if state != "DONE" and state != "PROC":
                 engine.agent.release_xfer_handle(handle)
-                raise Refusal("engine", "NIXL's transfer refused to post the request")
+                raise Refusal("engine", f"NIXL's transfer refused to post the request: {state}")
         elif notify is not None:
-            engine.agent.send_notif(peer, text)
+            try:
+                engine.agent.send_notif(peer, text)
+            except Exception as error:  # noqa: BLE001
+                raise Refusal("engine", f"NIXL's send_notif: {type(error).__name__}: {error}") from error
         batch = engine.next_batch
         engine.next_batch += 1
         engine.posted.append([batch, conn, handle, False])

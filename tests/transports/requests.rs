@@ -61,6 +61,8 @@ struct Region {
 /// One agent's state in the shared fabric.
 #[derive(Default)]
 struct AgentState {
+    /// The agent instance this state belongs to (a node's agent may be opened again before the old one is dropped).
+    instance: u64,
     regions: Vec<Option<Region>>,
     /// Notifications received: (initiator agent, tag), in arrival order.
     notifications: VecDeque<(String, u32)>,
@@ -70,6 +72,7 @@ struct AgentState {
 struct Fabric {
     agents: BTreeMap<String, AgentState>,
     next_addr: u64,
+    instances: u64,
     plant_dropped_tail: bool,
 }
 
@@ -104,6 +107,7 @@ struct Request {
 pub(crate) struct Agent {
     node: NodeId,
     name: String,
+    instance: u64,
     fabric: Rc<RefCell<Fabric>>,
     memory: Vec<Option<Memory>>,
     ends: Vec<End>,
@@ -315,6 +319,17 @@ impl TransferEngine for Agent {
     }
 }
 
+/// An agent that goes away takes its registrations with it, as a process that dies does: a request to it then
+/// finds no memory and fails (certification case `a_peer_that_dies_mid_transfer_fails_within_the_deadline`).
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let mut fabric = self.fabric.borrow_mut();
+        if fabric.agents.get(&self.name).is_some_and(|state| state.instance == self.instance) {
+            fabric.agents.remove(&self.name);
+        }
+    }
+}
+
 /// The transport: one fabric per case, agents opened onto it.
 pub(crate) struct Requests {
     fabric: Rc<RefCell<Fabric>>,
@@ -323,7 +338,7 @@ pub(crate) struct Requests {
 
 impl Requests {
     pub(crate) fn new(plant_dropped_tail: bool) -> Requests {
-        let fabric = Fabric { agents: BTreeMap::new(), next_addr: 1 << 32, plant_dropped_tail };
+        let fabric = Fabric { agents: BTreeMap::new(), next_addr: 1 << 32, instances: 0, plant_dropped_tail };
         Requests { fabric: Rc::new(RefCell::new(fabric)), plant_dropped_tail }
     }
 }
@@ -348,10 +363,15 @@ impl Transport for Requests {
 
     fn engine(&mut self, node: NodeId, _caps: Caps) -> Result<Box<dyn TransferEngine>, TransportError> {
         let name = format!("agent-{}", node.0);
-        self.fabric.borrow_mut().agents.insert(name.clone(), AgentState::default());
+        let mut fabric = self.fabric.borrow_mut();
+        fabric.instances += 1;
+        let instance = fabric.instances;
+        fabric.agents.insert(name.clone(), AgentState { instance, ..AgentState::default() });
+        drop(fabric);
         Ok(Box::new(Agent {
             node,
             name,
+            instance,
             fabric: Rc::clone(&self.fabric),
             memory: Vec::new(),
             ends: Vec::new(),

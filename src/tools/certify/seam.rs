@@ -441,6 +441,94 @@ fn queue_full_leaves_the_peer_usable(transport: &mut dyn Transport) -> Result<()
     Ok(())
 }
 
+/// Polls `sender` alone (settling the transport between rounds) until `batch` completes: its completion, or `None`
+/// after [`ROUNDS`] rounds.
+fn complete_alone(
+    transport: &mut dyn Transport,
+    sender: &mut dyn TransferEngine,
+    batch: BatchId,
+) -> Option<crate::fabric::seam::Completion> {
+    let mut events = Vec::new();
+    for _ in 0..ROUNDS {
+        sender.flush();
+        transport.settle();
+        sender.poll(&mut events, usize::MAX);
+        let done = events.drain(..).find_map(|event| match event {
+            Event::Completed(completion) if completion.batch == batch => Some(completion),
+            _ => None,
+        });
+        if done.is_some() {
+            return done;
+        }
+        transport.step();
+    }
+    None
+}
+
+/// A peer that dies mid-transfer: the receiver's engine is dropped (its memory with it) right after a batch of many
+/// entries to it was submitted. The sender's batch must complete within the deadline, whatever its status (bytes may
+/// have landed before the death), never hang; a batch to the dead peer must be refused or fail, never report Success
+/// (its memory is gone: nothing can land there); and the sender stays usable: a new peer takes a batch that lands.
+fn a_peer_that_dies_mid_transfer_fails_within_the_deadline(transport: &mut dyn Transport) -> Result<(), CaseError> {
+    let Pair { mut sender, receiver, source, conn, .. } = pair(transport)?;
+    let width = sender.limits().max_entries.clamp(1, 4096);
+    let entry = |i: u64| Entry {
+        local: source.id,
+        local_offset: i * 16 % 60000,
+        remote: 0,
+        remote_offset: i * 16 % 60000,
+        len: 16,
+    };
+    let entries = (0..width as u64).map(entry).collect();
+    let id =
+        sender.submit(conn, Batch { entries, notify: Some(5) }).map_err(|e| failed("the batch before the death", e))?;
+    sender.flush();
+    drop(receiver);
+    if complete_alone(transport, sender.as_mut(), id).is_none() {
+        return Err(CaseError::Failed(format!(
+            "a batch of {width} entries to a peer that died after the submit never completed ({ROUNDS} rounds): a hang"
+        )));
+    }
+    match sender.submit(conn, Batch { entries: vec![entry(1)], notify: None }) {
+        Err(_) => {}
+        Ok(late) => match complete_alone(transport, sender.as_mut(), late) {
+            None => return Err(CaseError::Failed("a batch to a dead peer never completed: a hang".to_owned())),
+            Some(completion) if completion.status == BatchStatus::Success => {
+                return Err(CaseError::Failed(
+                    "a batch to a peer whose engine and memory are gone completed Success".to_owned(),
+                ))
+            }
+            Some(_) => {}
+        },
+    }
+    let mut fresh = transport.engine(NodeId(2), ASK).map_err(|e| failed("opening a new peer after the death", e))?;
+    let zero = Arc::new(|_: u64, out: &mut [u8]| out.fill(0));
+    let target =
+        fresh.register(MemoryKind::Host, REGION, 0, zero).map_err(|e| failed("registering the new peer", e))?;
+    let (next, next_address) = sender.open().map_err(|e| failed("opening a connection to the new peer", e))?;
+    let (back, address) = fresh.open().map_err(|e| failed("opening the new peer's end", e))?;
+    sender.connect(next, &address, &[target.remote()]).map_err(|e| failed("connecting to the new peer", e))?;
+    fresh.connect(back, &next_address, &[]).map_err(|e| failed("connecting the new peer back", e))?;
+    let copy = [(2048, 4096, 1024)];
+    let batch = Batch {
+        entries: vec![Entry { local: source.id, local_offset: 2048, remote: 0, remote_offset: 4096, len: 1024 }],
+        notify: None,
+    };
+    let after = sender.submit(next, batch).map_err(|e| failed("a batch to a new peer after the death", e))?;
+    let completion = complete_alone(transport, sender.as_mut(), after)
+        .ok_or_else(|| CaseError::Failed("after a peer died, a batch to a new peer never completed".to_owned()))?;
+    let mut bytes = vec![0u8; REGION as usize];
+    fresh.read(&target, 0, &mut bytes).map_err(|e| failed("reading the new peer", e))?;
+    if completion.status != BatchStatus::Success || !landed(&bytes, &copy) {
+        return Err(CaseError::Failed(format!(
+            "after a peer died, a batch to a new peer completed {} ({}) or did not land: the sender is wedged",
+            completion.status.name(),
+            completion.detail
+        )));
+    }
+    Ok(())
+}
+
 /// Caps these cases need below the seam (none: a verbs transport lowers within what it grants).
 const ANY: Caps = Caps { max_sge: 1, max_message: 1, sq_depth: 1 };
 
@@ -503,6 +591,12 @@ static CASES: std::sync::LazyLock<Vec<ConformanceCase>> = std::sync::LazyLock::n
             ErrorPath,
             "after more batches than the engine queues (refused at submit or failed), a batch to the same peer succeeds and lands",
             queue_full_leaves_the_peer_usable,
+        ),
+        case(
+            "a_peer_that_dies_mid_transfer_fails_within_the_deadline",
+            ErrorPath,
+            "a batch to a peer whose engine dies right after the submit completes within the deadline, a later batch to it never reports Success, and a new peer then takes a batch that lands",
+            a_peer_that_dies_mid_transfer_fails_within_the_deadline,
         ),
         case(
             "over_limits_is_refused",
