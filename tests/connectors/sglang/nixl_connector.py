@@ -40,7 +40,6 @@ import logging
 import os
 import sys
 import threading
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -208,7 +207,7 @@ class Seat:
         return f"SGLang's NIXL transfer worker left room {room} {status!r} after its last chunk"
 
 
-class Child(nixl_engine.Child):
+class Child(shared.SeatOps, nixl_engine.Child):
     def __init__(self, limits, directory, sgl):
         super().__init__(limits, directory)
         self.sgl = sgl
@@ -234,44 +233,8 @@ class Child(nixl_engine.Child):
         self.seats.pop(msg["engine"], None)
         return super().op_close(msg)
 
-    def seat(self, msg):
-        node = msg["node"]
-        matches = [ident for ident, engine in self.engines.items() if engine.node == node]
-        if len(matches) != 1:
-            raise Refusal("engine", f"{len(matches)} open engines of node {node}")
-        ident = matches[0]
-        if ident not in self.seats:
-            self.seats[ident] = Seat(self.sgl, self.engines[ident], self)
-        return self.seats[ident]
-
-    def op_seat_link(self, msg):
-        seat = self.seat(msg)
-        try:
-            with shared.Errors():
-                seat.link(msg["query"])
-        except Refusal:
-            raise
-        except Exception as error:  # noqa: BLE001 - it would kill NIXL's bootstrap thread; the peer is refused
-            return {"rejected": str(error) or type(error).__name__}
-        return {}
-
-    def op_seat_send(self, msg):
-        seat = self.seat(msg)
-        started = time.monotonic()
-        try:
-            text = seat.send(msg["query"])
-        except Refusal:
-            raise
-        except Exception as error:  # noqa: BLE001 - a failure outside the transfer worker (registration, decoding)
-            text = f"{type(error).__name__}: {error}"
-        seconds = time.monotonic() - started
-        if seconds > 5:
-            print(f"seat_send {msg['query'].get('case')} room {msg['query']['meta']['room']}: {seconds:.1f} s",
-                  file=sys.stderr)
-        if text is not None:
-            print(f"seat_send {msg['query'].get('case')} room {msg['query']['meta']['room']} node {msg['node']}: "
-                  f"rejected: {text}", file=sys.stderr)
-        return {} if text is None else {"rejected": text}
+    def make_seat(self, engine):
+        return Seat(self.sgl, engine, self)
 
 
 def main():

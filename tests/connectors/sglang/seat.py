@@ -6,6 +6,7 @@ connector's logged errors.
 import logging
 import os
 import sys
+import time
 import traceback
 import types
 
@@ -172,3 +173,47 @@ def common_manager_state(sgl, mgr, local):
     mgr.decode_kv_args_table = {}
     mgr.enable_staging = False
     mgr._staging_ctx = None
+
+
+class SeatOps:
+    """The connector seat's ops (src/fabric/child/README.md, "Connector seat") for a child whose `make_seat(engine)`
+    builds a node's seat (with `link(query)` and `send(query)` -> rejection text or None); mixed in before the
+    engine child's class. `seats` maps an engine id to its seat."""
+
+    def seat(self, msg):
+        node = msg["node"]
+        matches = [ident for ident, engine in self.engines.items() if engine.node == node]
+        if len(matches) != 1:
+            raise Refusal("engine", f"{len(matches)} open engines of node {node}")
+        ident = matches[0]
+        if ident not in self.seats:
+            self.seats[ident] = self.make_seat(self.engines[ident])
+        return self.seats[ident]
+
+    def op_seat_link(self, msg):
+        seat = self.seat(msg)
+        try:
+            with Errors():
+                seat.link(msg["query"])
+        except Refusal:
+            raise
+        except Exception as error:  # noqa: BLE001 - it would kill the connector's bootstrap thread; the peer is refused
+            return {"rejected": str(error) or type(error).__name__}
+        return {}
+
+    def op_seat_send(self, msg):
+        seat = self.seat(msg)
+        started = time.monotonic()
+        try:
+            text = seat.send(msg["query"])
+        except Refusal:
+            raise
+        except Exception as error:  # noqa: BLE001 - a failure outside the transfer worker (registration, decoding)
+            text = f"{type(error).__name__}: {error}"
+        seconds = time.monotonic() - started
+        room = f"seat_send {msg['query'].get('case')} room {msg['query']['meta']['room']}"
+        if seconds > 5:
+            print(f"{room}: {seconds:.1f} s", file=sys.stderr)
+        if text is not None:
+            print(f"{room} node {msg['node']}: rejected: {text}", file=sys.stderr)
+        return {} if text is None else {"rejected": text}
