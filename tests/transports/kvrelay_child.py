@@ -64,6 +64,12 @@ class Children:
             raise Refusal("unknown_connection", f"connection {conn} was never opened")
         return conn
 
+    def op_reset(self, msg):
+        """Every engine closed (`op_close` of each): a certification case starts."""
+        for ident in list(self.engines):
+            self.op_close({"engine": ident})
+        return {}
+
     @staticmethod
     def check_hello(msg):
         if msg.get("protocol") != PROTOCOL or msg.get("version") != VERSION:
@@ -92,3 +98,16 @@ def serve(child, errors=(KeyError, TypeError, ValueError, OSError)):
         except errors as error:
             response.update(ok=False, error={"kind": "engine", "message": f"{type(error).__name__}: {error}"})
         print(json.dumps(response), flush=True)
+
+
+def add_limit_arguments(parser, max_entries, max_batch_bytes, batches_in_flight):
+    """`--max-entries`, `--max-batch-bytes`, `--batches-in-flight`: the limits a child declares in `hello`."""
+    parser.add_argument("--max-entries", type=int, default=max_entries)
+    parser.add_argument("--max-batch-bytes", type=int, default=max_batch_bytes)
+    parser.add_argument("--batches-in-flight", type=int, default=batches_in_flight)
+
+
+def limits_of(args):
+    """The `hello` limits from the arguments `add_limit_arguments` added."""
+    return {"max_entries": args.max_entries, "max_batch_bytes": args.max_batch_bytes,
+            "batches_in_flight": args.batches_in_flight}

@@ -44,6 +44,7 @@ for name, value in [("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535"),
     os.environ.setdefault(name, value)
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode  # noqa: E402
+import kvrelay_child  # noqa: E402
 from kvrelay_child import PROTOCOL, VERSION, Children, Refusal, Region, serve  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -275,20 +276,13 @@ class Child(Children):
                     engine.idle.wait(timeout=max(0.0, deadline - time.monotonic()))
         return {"idle": all(not engine.in_flight for engine in self.engines.values())}
 
-    def op_reset(self, msg):
-        for ident in list(self.engines):
-            self.op_close({"engine": ident})
-        return {}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--max-entries", type=int, default=1024)
-    parser.add_argument("--max-batch-bytes", type=int, default=1 << 30)
-    parser.add_argument("--batches-in-flight", type=int, default=8)
+    kvrelay_child.add_limit_arguments(parser, 1024, 1 << 30, 8)
     args = parser.parse_args()
-    limits = {"max_entries": args.max_entries, "max_batch_bytes": args.max_batch_bytes,
-              "batches_in_flight": args.batches_in_flight}
+    limits = kvrelay_child.limits_of(args)
     serve(Child(limits), errors=(KeyError, TypeError, ValueError, OSError, RuntimeError))
     # Mooncake's threads may outlive the interpreter's teardown; leave at once.
     sys.stdout.flush()

@@ -37,6 +37,7 @@ DEFAULT_NIXL = os.path.join(HERE, "..", "..", "target", "engines", "nixl")
 ADDRESS_MAGIC = b"kvrelay-nixl/1\0"
 NOTIFY_PREFIX = "kvrelay:"
 
+import kvrelay_child  # noqa: E402
 from kvrelay_child import PROTOCOL, VERSION, Children, Refusal, Region, serve  # noqa: E402
 
 nixl_api = None  # nixl_cu12._api, imported by load()
@@ -314,22 +315,15 @@ class Child(Children):
             time.sleep(0.0005)
         return {"idle": not any(engine.posted for engine in self.engines.values())}
 
-    def op_reset(self, msg):
-        for ident in list(self.engines):
-            self.op_close({"engine": ident})
-        return {}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nixl", default=DEFAULT_NIXL, help="the unzipped nixl-cu12 wheel (ci/engines.sh)")
-    parser.add_argument("--max-entries", type=int, default=1 << 20)
-    parser.add_argument("--max-batch-bytes", type=int, default=1 << 40)
-    parser.add_argument("--batches-in-flight", type=int, default=64)
+    kvrelay_child.add_limit_arguments(parser, 1 << 20, 1 << 40, 64)
     args = parser.parse_args()
     load(args.nixl)
-    limits = {"max_entries": args.max_entries, "max_batch_bytes": args.max_batch_bytes,
-              "batches_in_flight": args.batches_in_flight}
+    limits = kvrelay_child.limits_of(args)
     serve(Child(limits, args.nixl), errors=(KeyError, TypeError, ValueError, OSError, RuntimeError))
     sys.stdout.flush()
     os._exit(0)

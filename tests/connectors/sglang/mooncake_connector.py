@@ -57,6 +57,7 @@ sys.path.insert(0, HERE)
 
 import seat as shared  # noqa: E402  (also puts tests/transports and tests/planners/sglang on sys.path)
 import mooncake_engine  # noqa: E402  (tests/transports: the Mooncake child this one extends)
+import kvrelay_child  # noqa: E402
 from kvrelay_child import serve  # noqa: E402
 import sglang_modules  # noqa: E402
 import wire  # noqa: E402
@@ -260,9 +261,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--version", default=DEFAULT_VERSION, help="SGLang version whose wheel to load")
     parser.add_argument("--wheel", default=None, help="the wheel (default: tests/planners/sglang/wheels/sglang-VERSION-*)")
-    parser.add_argument("--max-entries", type=int, default=1024)
-    parser.add_argument("--max-batch-bytes", type=int, default=1 << 30)
-    parser.add_argument("--batches-in-flight", type=int, default=8)
+    kvrelay_child.add_limit_arguments(parser, 1024, 1 << 30, 8)
     args = parser.parse_args()
     wheel = args.wheel or next(iter(sorted(glob.glob(os.path.join(
         HERE, "..", "..", "planners", "sglang", "wheels", f"sglang-{args.version}-*.whl")))), None)
@@ -277,8 +276,7 @@ def main():
     wire.install(sgl.mori)
     sgl.dummy_rule = shared.DummyRule(sgl.common)
     logging.getLogger("sglang").setLevel(logging.WARNING)
-    limits = {"max_entries": args.max_entries, "max_batch_bytes": args.max_batch_bytes,
-              "batches_in_flight": args.batches_in_flight}
+    limits = kvrelay_child.limits_of(args)
     serve(Child(limits, sgl), errors=(KeyError, TypeError, ValueError, OSError, RuntimeError))
     sys.stdout.flush()
     os._exit(0)
