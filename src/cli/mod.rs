@@ -579,7 +579,15 @@ fn check(dir: &Path, golden_dir: &Path, fabric: &harness::Fabric) -> anyhow::Res
             continue;
         }
         let outcome = match run_checked(&scenario, fabric) {
-            Ok(outcome) => outcome,
+            // Judged where it lives; the golden's layout picture is drawn from the bytes read back.
+            Ok(mut outcome) => match outcome.observation.materialise() {
+                Ok(()) => outcome,
+                Err(error) => {
+                    eprintln!("FAIL {}: reading device memory back: {error}", relative.display());
+                    failed += 1;
+                    continue;
+                }
+            },
             Err(error) => {
                 eprintln!("FAIL {}: {error}", relative.display());
                 eprintln!("{}", check_reproduce(file, scenario.seed));

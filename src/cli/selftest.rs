@@ -25,6 +25,9 @@ pub struct SelftestArgs {
     /// Plant only this mutant (repeatable; default: every mutant).
     #[arg(long, value_parser = parse_mutant)]
     pub mutant: Vec<Mutant>,
+    /// Run the mutants on this fabric (default `sim`; e.g. `cuda`: the bytes moved and judged on the GPU).
+    #[arg(long, default_value = "sim")]
+    pub fabric: String,
 }
 
 pub(super) fn parse_mutant(name: &str) -> Result<Mutant, super::CliError> {
@@ -86,8 +89,15 @@ impl Row {
 
 pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
     let budget = Budget::from_env()?;
+    let fabric = harness::Fabric::parse(&args.fabric, None).map_err(anyhow::Error::msg)?;
+    // A planner in the seat runs without the scenario's faults on every fabric (`harness::Run::fault_plan`).
     let (scenarios, left_out) = select(&args.dir, args.max_bytes)?;
-    outln!("selftest: {} scenarios under {} (expected rejections skipped)", scenarios.len(), args.dir.display());
+    outln!(
+        "selftest: {} scenarios under {} (expected rejections skipped), on the {} fabric",
+        scenarios.len(),
+        args.dir.display(),
+        fabric.name()
+    );
     for (file, why) in &left_out {
         outln!("skipped {file}: {why}");
     }
@@ -96,7 +106,7 @@ pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
     }
     let mut false_alarms = 0;
     for scenario in &scenarios {
-        let case = selftest::run_case(scenario, &budget, None)?;
+        let case = selftest::run_case_on(scenario, &budget, None, &fabric)?;
         if !matches!(case.verdict, Verdict::Survived { changed: false }) {
             false_alarms += 1;
             outln!("FALSE ALARM {}: kvrelay's own plans fail in the seat: {:?}", case.scenario, case.verdict);
@@ -106,7 +116,7 @@ pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
     let mutants = if args.mutant.is_empty() { selftest::ALL.to_vec() } else { args.mutant.clone() };
     let mut rows = Vec::new();
     for mutant in mutants {
-        let cases = scenarios.iter().map(|scenario| selftest::run_case(scenario, &budget, Some(mutant)));
+        let cases = scenarios.iter().map(|scenario| selftest::run_case_on(scenario, &budget, Some(mutant), &fabric));
         rows.push(Row { mutant, cases: cases.collect::<Result<_, _>>()? });
     }
     let survivors = print_table(&rows)?;

@@ -1,6 +1,7 @@
 //! The fabric seam, shaped like RDMA verbs ([`verbs`]), the in-memory fabric behind it ([`world`]), C ABI transport
 //! plug-ins loaded as shared objects ([`plugin`], header `kvrelay_transport.h`) and, with the cargo feature `rdma`,
-//! the RDMA verbs fabric (`rdma`). `plugin` and `rdma` are the crate's only `unsafe` code.
+//! the RDMA verbs fabric (`rdma`); with `nixl`, NIXL; with `cuda`, GPU memory (`cuda`). `plugin`, `rdma`, `nixl` and
+//! `cuda` are the crate's only `unsafe` code.
 //! `shell` is the QP bookkeeping the two real fabrics share, in safe code. [`child`] puts a transfer engine in
 //! another process (spec `child/README.md`): an engine with no C API meets the seam over JSON lines and shared files.
 //!
@@ -8,6 +9,8 @@
 //! The RDMA fabric (feature `rdma`) implements the same [`verbs::Endpoint`] and passes the same conformance suite.
 
 pub mod child;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod faults;
 mod gather;
 mod memory;

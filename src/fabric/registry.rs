@@ -1,5 +1,5 @@
 //! The one place every fabric is named: [`Fabric`] parses `--fabric` (`sim`, `live-sim`, `rdma`, `nixl`, `plugin:PATH`,
-//! `child:COMMAND`, `mooncake`),
+//! `child:COMMAND`, `mooncake`, `cuda`),
 //! prints it back, and opens the [`Transport`] whose per-node engines a run uses ([`Fabric::transport`]). A new
 //! fabric adds its variant here, its own file (its engine or endpoint, and its `Transport`), and its tests.
 
@@ -24,6 +24,9 @@ pub enum Fabric {
     /// The live driver on engines living in a child process speaking `kvrelay-transport-1` (`fabric::child`):
     /// `command` split on whitespace, one child per transport (per process when ranks are processes).
     Child { command: String },
+    /// The live driver on GPU memory (cargo feature `cuda`): every rank's regions in device memory of one GPU,
+    /// batches executed and decode memory judged on it (`fabric::cuda`).
+    Cuda,
     /// Mooncake's Transfer Engine behind the child protocol: `python3 tests/transports/mooncake_engine.py` (the
     /// interpreter from `$KVRELAY_MOONCAKE_PYTHON`, else `$KVRELAY_PYTHON`, else `python3`).
     Mooncake,
@@ -50,6 +53,7 @@ impl Fabric {
             "rdma" => Ok(Fabric::Rdma { device }),
             "nixl" => Ok(Fabric::Nixl),
             "mooncake" => Ok(Fabric::Mooncake),
+            "cuda" => Ok(Fabric::Cuda),
             other => {
                 if let Some(path) = other.strip_prefix("plugin:") {
                     Ok(Fabric::Plugin { path: path.to_owned() })
@@ -72,6 +76,7 @@ impl Fabric {
             Fabric::Nixl => "nixl".to_owned(),
             Fabric::Child { command } => format!("child:{command}"),
             Fabric::Mooncake => "mooncake".to_owned(),
+            Fabric::Cuda => "cuda".to_owned(),
         };
         let mut flags = vec!["--fabric".to_owned(), name];
         if let Fabric::Rdma { device: Some(device) } = self {
@@ -90,6 +95,7 @@ impl Fabric {
             Fabric::Nixl => "nixl".to_owned(),
             Fabric::Child { command } => format!("child:{command}"),
             Fabric::Mooncake => "mooncake".to_owned(),
+            Fabric::Cuda => "cuda".to_owned(),
         }
     }
 }
@@ -112,6 +118,7 @@ impl Fabric {
                 Ok(Box::new(plugin))
             }
             Fabric::Nixl => nixl(),
+            Fabric::Cuda => cuda(),
             Fabric::Child { command } => {
                 Ok(Box::new(super::child::ChildTransport::start(super::child::ChildTransport::argv(command))?))
             }
@@ -148,6 +155,20 @@ fn nixl() -> Result<Box<dyn Transport>, TransportError> {
 fn nixl() -> Result<Box<dyn Transport>, TransportError> {
     Err(TransportError::Unavailable(NIXL_MISSING.to_owned()))
 }
+
+#[cfg(feature = "cuda")]
+fn cuda() -> Result<Box<dyn Transport>, TransportError> {
+    Ok(Box::new(super::cuda::CudaTransport::new()?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda() -> Result<Box<dyn Transport>, TransportError> {
+    Err(TransportError::Unavailable(CUDA_MISSING.to_owned()))
+}
+
+/// Why `--fabric cuda` cannot run in a build without the feature.
+pub const CUDA_MISSING: &str =
+    "this kvrelay was built without GPU memory (fix: cargo build --release --features cuda; builds anywhere, runs where an NVIDIA GPU, its driver and CUDA 13's libnvrtc are)";
 
 /// Why `--fabric nixl` cannot run in a build without the feature.
 pub const NIXL_MISSING: &str =

@@ -38,6 +38,66 @@ impl fmt::Display for NodeId {
 /// region's bytes from byte `offset` on into `out` (any offset, any length; the same bytes every time).
 pub type Fill = std::sync::Arc<dyn Fn(u64, &mut [u8]) + Send + Sync>;
 
+/// Contents an engine can generate where its memory lives (on the GPU for device memory) instead of being handed
+/// bytes: the self-describing source pattern or the decode sentinel (`crate::verify::pattern`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Pattern {
+    /// Source region `number`'s pattern (word `w` is `1 << 63 | number << 40 | w`).
+    Source { number: u32 },
+    /// The decode sentinel.
+    Sentinel,
+}
+
+impl Pattern {
+    /// The same contents as a [`Fill`], for engines that are handed bytes.
+    pub fn fill(self) -> Fill {
+        use crate::verify::pattern;
+        match self {
+            Pattern::Source { number } => {
+                std::sync::Arc::new(move |offset, out: &mut [u8]| pattern::fill_source_at(number, offset, out))
+            }
+            Pattern::Sentinel => std::sync::Arc::new(pattern::fill_sentinel_at),
+        }
+    }
+}
+
+/// One comparison of kept memory with a pattern: `len` bytes of kept memory `handle` from `start` on hold
+/// `pattern`'s bytes from its byte `pattern_offset` on (ignored for the sentinel, which is the same everywhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Check {
+    pub handle: u64,
+    pub start: u64,
+    pub len: u64,
+    pub pattern: Pattern,
+    pub pattern_offset: u64,
+}
+
+/// Memory that compares itself with patterns where it lives (a GPU compares its own memory) and reads parts back.
+pub trait Compare: Send + Sync {
+    /// Whether each check holds, in order (`Err`: the device failed; its words).
+    fn compare(&self, checks: &[Check]) -> Result<Vec<bool>, String>;
+    /// Copies `out.len()` bytes of kept memory `handle` from `start` on into `out`.
+    fn read(&self, handle: u64, start: u64, out: &mut [u8]) -> Result<(), String>;
+    /// Where it lives, for reports (`cuda GPU 0`).
+    fn name(&self) -> String;
+}
+
+/// Memory an engine deregistered but kept where it lives ([`TransferEngine::resident`]): compared through
+/// `compare` under `handle`; freed when the last clone of `keep` goes.
+#[derive(Clone)]
+pub struct Kept {
+    pub compare: std::sync::Arc<dyn Compare>,
+    pub handle: u64,
+    pub len: u64,
+    pub keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl fmt::Debug for Kept {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Kept({} bytes on {})", self.len, self.compare.name())
+    }
+}
+
 /// Where registered memory lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub enum MemoryKind {
@@ -323,6 +383,27 @@ pub trait TransferEngine {
     /// used in (a page of one layer, a state slot; 0 when none): an engine that materialises memory lazily sizes its
     /// chunks in whole items.
     fn register(&mut self, kind: MemoryKind, len: u64, item_len: u64, fill: Fill) -> Result<Memory, SeamError>;
+    /// [`TransferEngine::register`] of memory holding `pattern`, which an engine may generate where the memory
+    /// lives (by default it is handed the pattern's bytes).
+    fn register_pattern(
+        &mut self,
+        kind: MemoryKind,
+        len: u64,
+        item_len: u64,
+        pattern: Pattern,
+    ) -> Result<Memory, SeamError> {
+        self.register(kind, len, item_len, pattern.fill())
+    }
+    /// The kind of memory this engine's ranks register their regions in (host by default; a device fabric's GPU).
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+    /// Deregisters `memory` but keeps its bytes where they live, to be compared there with patterns ([`Kept`]);
+    /// `None` when this engine has no such path (the caller releases it and reads its bytes).
+    fn resident(&mut self, memory: &Memory) -> Option<Kept> {
+        let _ = memory;
+        None
+    }
     /// Copies `out.len()` bytes of this engine's memory `memory` from `offset` into `out` (through the device for
     /// device memory).
     fn read(&self, memory: &Memory, offset: u64, out: &mut [u8]) -> Result<(), SeamError>;
@@ -368,6 +449,21 @@ impl<T: TransferEngine + ?Sized> TransferEngine for Box<T> {
     }
     fn register(&mut self, kind: MemoryKind, len: u64, item_len: u64, fill: Fill) -> Result<Memory, SeamError> {
         (**self).register(kind, len, item_len, fill)
+    }
+    fn register_pattern(
+        &mut self,
+        kind: MemoryKind,
+        len: u64,
+        item_len: u64,
+        pattern: Pattern,
+    ) -> Result<Memory, SeamError> {
+        (**self).register_pattern(kind, len, item_len, pattern)
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        (**self).memory_kind()
+    }
+    fn resident(&mut self, memory: &Memory) -> Option<Kept> {
+        (**self).resident(memory)
     }
     fn read(&self, memory: &Memory, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
         (**self).read(memory, offset, out)

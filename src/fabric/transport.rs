@@ -28,7 +28,7 @@ error_kinds! {
 pub enum TransportError {
     #[error("this transport is not verbs-shaped: it meets the transfer-engine seam only")]
     NotVerbs,
-    #[error("unknown fabric `{name}` (fix: sim, live-sim, rdma, nixl, plugin:PATH, child:COMMAND or mooncake)")]
+    #[error("unknown fabric `{name}` (fix: sim, live-sim, rdma, nixl, cuda, plugin:PATH, child:COMMAND or mooncake)")]
     UnknownFabric { name: String },
     /// Its own words, naming the fix.
     #[error("{0}")]

@@ -237,6 +237,7 @@ pub(crate) fn judge(scenario: &Scenario, engine: Result<SimRun, Failure>, whose:
             .collect(),
     };
     failures.extend(run_error);
+    failures.extend(cross_check(scenario, engine.as_ref(), &observation));
     if !violations.is_empty() && whose != Judge::Guarantee {
         failures.push(Failure::new(FailureKind::Oracle, format!("{} oracle violations", violations.len())));
     }
@@ -250,6 +251,28 @@ pub fn oracle(scenario: &Scenario, run: &SimRun, observation: &Observation) -> V
     let ranks: Vec<_> =
         problem.decode.ranks.iter().map(|layout| (layout.rank, verdicts(&scenario.expect, run, layout.rank))).collect();
     check_ranks(problem, observation, &ranks)
+}
+
+/// Regions read back whole per decode rank to cross-check the oracle on device memory, at most this large.
+const CROSS_CHECK_BYTES: u64 = 256 << 20;
+
+/// Where decode memory was judged where it lives (device memory), the host read-back path over one region per
+/// decode rank (its first, or its smallest when the first is over [`CROSS_CHECK_BYTES`]): both verdicts must be
+/// identical, violation for violation. Nothing for a run whose memory came back to the host.
+pub fn cross_check(scenario: &Scenario, run: Option<&SimRun>, observation: &Observation) -> Vec<Failure> {
+    let Some(run) = run.filter(|_| !observation.resident.is_empty()) else { return Vec::new() };
+    let problem = &scenario.problem;
+    let mut failures = Vec::new();
+    for layout in &problem.decode.ranks {
+        let keys = observation.resident.iter().filter(|(key, _)| key.rank == layout.rank);
+        let first = keys.clone().next().filter(|(_, region)| region.len <= CROSS_CHECK_BYTES);
+        let Some((key, _)) = first.or_else(|| keys.min_by_key(|(_, region)| region.len)) else { continue };
+        let verdicts = verdicts(&scenario.expect, run, layout.rank);
+        if let Some(text) = verify::cross_check_region(problem, observation, *key, &verdicts) {
+            failures.push(Failure::new(FailureKind::Oracle, text));
+        }
+    }
+    failures
 }
 
 /// [`verify::check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores; the
@@ -308,7 +331,11 @@ pub struct DiffReport {
 /// Runs `scenario` on the in-memory fabric and on `fabric`, and compares every decode rank's final image.
 pub fn diff(scenario: &Scenario, budget: &Budget, fabric: &Fabric) -> Result<DiffReport, RunError> {
     let reference = run_on(scenario, budget, &Fabric::Sim, false)?;
-    let other = run_on(scenario, budget, fabric, false)?;
+    let mut other = run_on(scenario, budget, fabric, false)?;
+    // Device memory is compared on the host: read back whole.
+    if let Err(error) = other.observation.materialise() {
+        other.failures.push(Failure::new(FailureKind::Fabric, format!("reading device memory back: {error}")));
+    }
     let differences = verify::compare_images(&scenario.problem, &reference.observation, &other.observation);
     let bytes = reference.observation.images.values().map(|image| image.len() as u64).sum();
     Ok(DiffReport { reference, other, differences, bytes })

@@ -98,6 +98,7 @@ pub fn violation_signature(violation: &Violation) -> Signature {
         ViolationKind::Geometry { .. } => "rows differ".to_owned(),
         ViolationKind::OutsideRegion { .. } => "past the region".to_owned(),
         ViolationKind::IndexLengths { .. } => "state index lengths differ".to_owned(),
+        ViolationKind::Unjudged { .. } => "device memory not judged".to_owned(),
     };
     Signature { class: "oracle", detail: format!("{}: {class}", without_numbers(&violation.region)) }
 }

@@ -8,8 +8,12 @@
 mod decode;
 mod expect;
 pub mod pattern;
+mod resident;
 
 pub use decode::{item_noun, rank_heads, tensor_name, Described, Origin, Run, Sources};
+pub use resident::{Expect, Judge, Query, ResidentRegion};
+
+use resident::Asker;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -39,7 +43,21 @@ pub struct Observation {
     pub images: BTreeMap<RegionKey, Vec<u8>>,
     /// Decode regions held sparsely instead (a region is in `images` or here): the oracle judges them alike.
     pub sparse: BTreeMap<RegionKey, SparseImage>,
+    /// Decode regions that stayed where they live (device memory), judged there (`resident.rs`).
+    pub resident: BTreeMap<RegionKey, ResidentRegion>,
     pub writes: Vec<WriteRecord>,
+}
+
+impl Observation {
+    /// Reads every resident region back into [`Observation::images`] (for consumers of host bytes: `diff`, the
+    /// layout picture); the first region that cannot be read names the failure.
+    pub fn materialise(&mut self) -> Result<(), String> {
+        for (key, region) in std::mem::take(&mut self.resident) {
+            let bytes = region.read_all().map_err(|error| format!("decode {} region {}: {error}", key.rank, key.region))?;
+            self.images.insert(key, bytes);
+        }
+        Ok(())
+    }
 }
 
 /// A decode region's bytes as a lazily materialising fabric held them: `len` bytes of which only `chunks` (by
@@ -56,6 +74,8 @@ pub struct SparseImage {
 enum Image<'a> {
     Dense(&'a [u8]),
     Sparse(Chunks<'a>),
+    /// Asked, not read: the region's owner answers (`resident.rs`).
+    Resident(&'a ResidentRegion, &'a Asker),
 }
 
 /// A sparse image's chunks as sorted vectors (a region judged piece by piece looks chunks up by binary search
@@ -79,6 +99,7 @@ impl<'a> Image<'a> {
         match self {
             Image::Dense(bytes) => bytes.len() as u64,
             Image::Sparse(chunks) => chunks.len,
+            Image::Resident(region, _) => region.len,
         }
     }
 
@@ -87,6 +108,7 @@ impl<'a> Image<'a> {
         let image = match self {
             Image::Dense(bytes) => return Cow::Borrowed(&bytes[start as usize..end as usize]),
             Image::Sparse(chunks) => chunks,
+            Image::Resident(region, asker) => return Cow::Owned(asker.read(region, start, end)),
         };
         if let Some((chunk_start, chunk)) = Self::overlapping(image, start, end).next() {
             if chunk_start <= start && end <= chunk_start + chunk.len() as u64 {
@@ -112,6 +134,10 @@ impl<'a> Image<'a> {
                 return pattern::matches_source(number, source_offset, &bytes[start as usize..end as usize]);
             }
             Image::Sparse(chunks) => chunks,
+            Image::Resident(region, asker) => {
+                let expect = resident::Expect::Source { number, offset: source_offset };
+                return asker.ask(region.handle, resident::Query { start, end, expect });
+            }
         };
         let hole_matches = |from: u64, to: u64| {
             let mut hole = vec![0u8; (to - from) as usize];
@@ -150,7 +176,7 @@ impl<'a> Image<'a> {
     /// materialised chunks' parts, since an absent chunk is untouched memory.
     fn materialised(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
         match self {
-            Image::Dense(_) => vec![(start, end)],
+            Image::Dense(_) | Image::Resident(..) => vec![(start, end)],
             Image::Sparse(image) => Self::overlapping(image, start, end)
                 .map(|(chunk_start, chunk)| (start.max(chunk_start), end.min(chunk_start + chunk.len() as u64)))
                 .collect(),
@@ -217,6 +243,8 @@ pub enum ViolationKind {
     OutsideRegion { end: u64, region_len: u64 },
     /// A position-indexed state component has index lists of different lengths.
     IndexLengths { request: u32, prefill: usize, decode: usize },
+    /// Resident memory could not be judged (its owner failed to answer or to read back).
+    Unjudged { why: String },
 }
 
 impl fmt::Display for Violation {
@@ -239,6 +267,7 @@ impl fmt::Display for Violation {
             ViolationKind::IndexLengths { request, prefill, decode } => {
                 write!(f, "request {request} has {prefill} prefill and {decode} decode state indices")
             }
+            ViolationKind::Unjudged { why } => write!(f, "could not be judged: {why}"),
         }
     }
 }
@@ -293,8 +322,13 @@ pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankI
 pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, verdicts: &Verdicts) -> Vec<Violation> {
     let sources = Sources::new(problem);
     let mut violations = Vec::new();
+    let mut resident = Vec::new();
     for index in 0..problem.decode.rank(rank).regions.len() as u32 {
         let key = RegionKey { side: Side::Decode, rank, region: index };
+        if let Some(region) = observation.resident.get(&key) {
+            resident.push((key, region));
+            continue;
+        }
         let bytes = match (observation.images.get(&key), observation.sparse.get(&key)) {
             (Some(bytes), _) => Image::Dense(bytes),
             (None, Some(image)) => Image::Sparse(Chunks::new(image)),
@@ -303,8 +337,73 @@ pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, ve
         let region = RegionCheck { problem, sources: &sources, key, bytes, verdicts };
         region.run(&mut violations);
     }
+    judge_resident(problem, &sources, &resident, verdicts, &mut violations);
     check_writes(problem, observation, rank, verdicts, &mut violations);
     violations
+}
+
+/// The resident regions of one rank (one judge, the fabric's), judged in rounds (`resident.rs`): walked with every
+/// unknown answer assumed yes, the recorded queries answered in one call, walked again only while an answer was no.
+fn judge_resident(
+    problem: &Problem,
+    sources: &Sources<'_>,
+    regions: &[(RegionKey, &ResidentRegion)],
+    verdicts: &Verdicts,
+    violations: &mut Vec<Violation>,
+) {
+    let Some((first_key, first)) = regions.first() else { return };
+    let mut asker = Asker::default();
+    loop {
+        let mut round = Vec::new();
+        for (key, region) in regions {
+            let bytes = Image::Resident(region, &asker);
+            RegionCheck { problem, sources, key: *key, bytes, verdicts }.run(&mut round);
+        }
+        let settled = if asker.pending() { asker.answer(first.judge.as_ref()) } else { Ok(true) };
+        let errors = std::mem::take(asker.errors.get_mut());
+        let error = settled.as_ref().err().cloned().or_else(|| errors.first().cloned());
+        if let Some(why) = error {
+            let region = &problem.decode.rank(first_key.rank).regions[first_key.region as usize];
+            violations.push(Violation {
+                rank: first_key.rank,
+                region: format!("layer {} {}", region.layer, tensor_name(problem, region)),
+                place: format!("device memory ({})", first.judge.name()),
+                kind: ViolationKind::Unjudged { why },
+            });
+            return;
+        }
+        if settled == Ok(true) {
+            violations.extend(round);
+            return;
+        }
+    }
+}
+
+/// Judges resident decode region `key` twice, through its judge and through a host read-back of every byte, and
+/// says how the two verdicts differ (`None`: identical). The `cuda` fabric's cross-check of its device oracle.
+pub fn cross_check_region(problem: &Problem, observation: &Observation, key: RegionKey, verdicts: &Verdicts) -> Option<String> {
+    let region = observation.resident.get(&key)?;
+    let sources = Sources::new(problem);
+    let mut on_device = Vec::new();
+    judge_resident(problem, &sources, &[(key, region)], verdicts, &mut on_device);
+    let bytes = match region.read_all() {
+        Ok(bytes) => bytes,
+        Err(error) => return Some(format!("decode {} region {}: read-back failed: {error}", key.rank, key.region)),
+    };
+    let mut on_host = Vec::new();
+    RegionCheck { problem, sources: &sources, key, bytes: Image::Dense(&bytes), verdicts }.run(&mut on_host);
+    (on_device != on_host).then(|| {
+        let show = |list: &[Violation]| list.iter().take(2).map(ToString::to_string).collect::<Vec<_>>().join("; ");
+        format!(
+            "decode {} region {}: the device oracle found {} violations ({}), the host read-back {} ({})",
+            key.rank,
+            key.region,
+            on_device.len(),
+            show(&on_device),
+            on_host.len(),
+            show(&on_host)
+        )
+    })
 }
 
 /// One decode region under judgement.
@@ -422,6 +521,23 @@ impl RegionCheck<'_> {
     /// image is untouched, so it holds the sentinel without being read).
     fn check_sentinel(&self, start: u64, end: u64, violations: &mut Vec<Violation>) {
         let row_len = self.region().row_len();
+        if let Image::Resident(region, asker) = &self.bytes {
+            // The whole range first; only where it fails, row by row (as the dense walk reports), each failing row
+            // read back.
+            let sentinel = |start, end| asker.ask(region.handle, resident::Query { start, end, expect: resident::Expect::Sentinel });
+            if sentinel(start, end) {
+                return;
+            }
+            let mut offset = start;
+            while offset < end {
+                let row_end = ((offset / row_len + 1) * row_len).min(end);
+                if !sentinel(offset, row_end) {
+                    self.report(offset, row_end - offset, Content::Sentinel, violations);
+                }
+                offset = row_end;
+            }
+            return;
+        }
         let mut done = start;
         for (from, to) in self.bytes.materialised(start, end) {
             // Whole rows where the materialised part starts or ends inside one, as a dense image reports them,

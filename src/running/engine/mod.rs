@@ -18,6 +18,7 @@ mod decode;
 mod handshake;
 pub mod live;
 mod prefill;
+mod resident;
 pub mod seat;
 pub mod sim;
 pub mod tasks;

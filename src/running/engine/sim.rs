@@ -6,7 +6,6 @@
 //! know they are simulated; a process driver with real sockets and verbs is the next step (ARCHITECTURE.md).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use super::decode::RoomState;
 use super::handshake::{classify, Kind};
@@ -14,13 +13,13 @@ use super::trace::{TraceEvent, NOTE};
 use super::{DecodeEngine, Envelope, Outbox, PrefillEngine};
 use crate::fabric::faults::{FaultKind, FaultPlan, Injector, MESSAGE_DELAY_NS, REORDER_NS};
 use crate::fabric::seam::BatchId;
-use crate::fabric::seam::{Event, Fill, Memory, MemoryKind, NodeId, SeamError, TransferEngine};
+use crate::fabric::seam::{Event, Memory, NodeId, Pattern, SeamError, TransferEngine};
 use crate::fabric::verbs::Caps;
 use crate::fabric::verbs_engine::{Run, VerbsEngine};
 use crate::fabric::world::{SimEndpoint, SimWorld};
 use crate::model::{Problem, RankId, RankLayout, Side, Topology};
 use crate::plan::peer;
-use crate::verify::{pattern, Observation, RegionKey, Sources, SparseImage, Verdicts, WriteRecord};
+use crate::verify::{Observation, RegionKey, Sources, SparseImage, Verdicts, WriteRecord};
 use crate::wire::{KvPoll, MemoryDesc, PrefillInfo, RequestMeta, Status};
 
 /// One-way latency of a control message (ZMQ over TCP), in nanoseconds.
@@ -495,10 +494,8 @@ pub(super) fn prefill_node<N: TransferEngine>(
     layout: &RankLayout,
     mut nic: N,
 ) -> Result<Node<PrefillEngine, N>, SeamError> {
-    let regions = register_regions(&mut nic, layout, |index| {
-        let number = sources.number(layout.rank, index);
-        Arc::new(move |offset, out: &mut [u8]| pattern::fill_source_at(number, offset, out))
-    })?;
+    let regions =
+        register_regions(&mut nic, layout, |index| Pattern::Source { number: sources.number(layout.rank, index) })?;
     let engine = PrefillEngine::new(
         layout.rank,
         problem.model.clone(),
@@ -519,7 +516,7 @@ pub(super) fn decode_node<N: TransferEngine>(
     layout: &RankLayout,
     mut nic: N,
 ) -> Result<Node<DecodeEngine, N>, SeamError> {
-    let regions = register_regions(&mut nic, layout, |_| Arc::new(pattern::fill_sentinel_at))?;
+    let regions = register_regions(&mut nic, layout, |_| Pattern::Sentinel)?;
     let descs: Vec<MemoryDesc> = regions
         .iter()
         .map(|memory| MemoryDesc { address: memory.addr, length_bytes: memory.len, rkey: memory.key })
@@ -556,7 +553,9 @@ pub(super) fn finish_nodes<N: TransferEngine>(
         let rank = node.engine.rank();
         for (index, region) in node.regions.iter().enumerate() {
             let key = RegionKey { side: Side::Decode, rank, region: index as u32 };
-            if sparse {
+            if let Some(resident) = node.nic.resident(region) {
+                observation.resident.insert(key, super::resident::resident(resident));
+            } else if sparse {
                 let image = SparseImage { len: region.len, chunks: node.nic.release(region, true)? };
                 observation.sparse.insert(key, image);
             } else {
@@ -613,16 +612,18 @@ pub(super) fn directory(problem: &Problem) -> BTreeMap<RankId, NodeId> {
     problem.prefill.ranks.iter().enumerate().map(|(index, layout)| (layout.rank, NodeId(index as u32))).collect()
 }
 
-/// Registers every region of `layout` on `nic`, each holding what `fill(region index)` gives (generated in place:
-/// the in-memory fabric materialises only the chunks written to, and reads the rest from the fill).
+/// Registers every region of `layout` on `nic`, in the engine's kind of memory, each holding the pattern
+/// `pattern(region index)` gives (generated in place: the in-memory fabric materialises only the chunks written to,
+/// and reads the rest from the pattern; a device fabric generates it on the device).
 fn register_regions<N: TransferEngine>(
     nic: &mut N,
     layout: &RankLayout,
-    mut fill: impl FnMut(u32) -> Fill,
+    mut pattern: impl FnMut(u32) -> Pattern,
 ) -> Result<Vec<Memory>, SeamError> {
     let mut regions = Vec::new();
+    let kind = nic.memory_kind();
     for (index, region) in layout.regions.iter().enumerate() {
-        regions.push(nic.register(MemoryKind::Host, region.len_bytes(), region.item_len, fill(index as u32))?);
+        regions.push(nic.register_pattern(kind, region.len_bytes(), region.item_len, pattern(index as u32))?);
     }
     Ok(regions)
 }

@@ -15,6 +15,7 @@ use std::collections::BTreeSet;
 use std::rc::Rc;
 
 use crate::engine::seat::{kvrelay_link, LinkQuery, Planner, SeatCopy, SeatError, SeatQuery, SharedPlanner};
+use crate::fabric::registry::Fabric;
 use crate::harness::{self, Budget, RunError};
 use crate::plan::{self, PlanError, TransferGroup, TransferKind};
 use crate::scenario::Scenario;
@@ -101,12 +102,23 @@ pub struct Case {
 
 /// Runs `scenario` with `mutant` planted (none: kvrelay's own plans) and judges it.
 pub fn run_case(scenario: &Scenario, budget: &Budget, mutant: Option<Mutant>) -> Result<Case, RunError> {
+    run_case_on(scenario, budget, mutant, &Fabric::Sim)
+}
+
+/// [`run_case`] on `fabric` (the live driver on its engines for every fabric but `sim`).
+pub fn run_case_on(
+    scenario: &Scenario,
+    budget: &Budget,
+    mutant: Option<Mutant>,
+    fabric: &Fabric,
+) -> Result<Case, RunError> {
     let name = scenario.file.clone();
     if let Some(Err(reason)) = mutant.map(|mutant| mutant.applies(&scenario.problem)) {
         return Ok(Case { scenario: name, verdict: Verdict::NotApplicable(reason), kinds: BTreeSet::new() });
     }
     let planner = Rc::new(RefCell::new(MutantPlanner::new(mutant)));
-    let outcome = harness::run_with_planner(scenario, budget, SharedPlanner(planner.clone()))?;
+    let seat = Some(SharedPlanner(planner.clone()));
+    let outcome = harness::Run::new(scenario, budget).on(fabric).planner(seat).execute()?;
     let kinds = std::mem::take(&mut planner.borrow_mut().changed);
     let verdict = if outcome.passed() {
         Verdict::Survived { changed: !kinds.is_empty() }

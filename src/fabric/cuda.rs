@@ -1,0 +1,944 @@
+//! `--fabric cuda` (cargo feature `cuda`): every rank's regions in device memory of one GPU, batches executed on
+//! that GPU, decode memory judged there.
+//!
+//! - **Memory.** A region is one device allocation (`cuMemAlloc`); its pattern is generated on the device (a fill
+//!   kernel for the source pattern, `cuMemsetD8` for the sentinel), so nothing is staged through host memory. A
+//!   peer is told the allocation's device address; a write lands at that address plus its offset.
+//! - **A batch** is validated on the host (local ranges, the peer's advertised ranges, that the peer's memory is
+//!   still registered), then runs on the GPU's one stream as either one `cuMemcpyDtoDAsync` per entry (few large
+//!   entries: the copy engines) or one launch of a row-gather kernel over a descriptor table (many entries; the
+//!   table, 24 bytes an entry, is the only thing uploaded). Which of the two: [`copy_engine_wins`], measured. A CUDA
+//!   event recorded after the batch is its completion; the peer's notification is handed out only after that
+//!   event completed.
+//! - **Comparing on the device.** [`CudaEngine::resident`] keeps a decode region where it is, with a [`Compare`]
+//!   that checks it against patterns in one compare launch per batch of checks (the oracle's questions, asked
+//!   through the running layer): bytes come back to the host only where they differ.
+//! - **Where it runs.** cudarc loads `libcuda` and `libnvrtc` at run time: a machine without them gets a clear
+//!   error at [`CudaTransport::new`], never a panic. Every engine of one transport shares one CUDA context on GPU
+//!   `$KVRELAY_CUDA_DEVICE` (default 0), so ranks are engines of one process; a peer in another process is refused
+//!   at connect (its device addresses would need CUDA IPC handles, which this fabric does not advertise yet).
+
+#![allow(unsafe_code, reason = "kernel launches and raw device copies (cudarc's unsafe calls), bounds checked first")]
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::seam::{
+    Batch, BatchId, BatchStatus, Cancelled, Check, Compare, Completion, ConnId, Event, Fill, Image, Kept, Landed,
+    Memory, MemoryKind, NodeId, Pattern, PeerAddress, RemoteMemory, SeamError, SeamLimits, TransferEngine,
+};
+use super::transport::{Identity, Transport, TransportError};
+use super::verbs::Caps;
+
+/// The environment variable naming the GPU (its ordinal) the fabric runs on.
+pub const DEVICE_ENV: &str = "KVRELAY_CUDA_DEVICE";
+
+/// The kernels, compiled by NVRTC when the transport starts (no toolkit needed where kvrelay is built).
+const KERNELS: &str = r#"
+typedef unsigned long long u64;
+typedef unsigned int u32;
+struct Copy { u64 src; u64 dst; u64 len; };
+struct Check { u64 addr; u64 source; u64 len; };
+
+#define SENTINEL 0x5E5E5E5E5E5E5E5Eull
+#define LANE (threadIdx.x & 31u)
+#define WARP (((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5)
+#define WARPS (((u64)gridDim.x * blockDim.x) >> 5)
+
+// One warp per descriptor, 16-byte moves where source, target and length allow, 8-byte or single bytes otherwise.
+extern "C" __global__ void kv_gather(const Copy* copies, u64 count) {
+    for (u64 i = WARP; i < count; i += WARPS) {
+        const Copy c = copies[i];
+        const u64 align = c.src | c.dst | c.len;
+        if ((align & 15) == 0) {
+            const uint4* s = (const uint4*)c.src; uint4* d = (uint4*)c.dst;
+            for (u64 k = LANE; k < c.len / 16; k += 32) d[k] = s[k];
+        } else if ((align & 7) == 0) {
+            const u64* s = (const u64*)c.src; u64* d = (u64*)c.dst;
+            for (u64 k = LANE; k < c.len / 8; k += 32) d[k] = s[k];
+        } else {
+            const unsigned char* s = (const unsigned char*)c.src; unsigned char* d = (unsigned char*)c.dst;
+            for (u64 k = LANE; k < c.len; k += 32) d[k] = s[k];
+        }
+    }
+}
+
+// Source region `number`'s pattern over a whole allocation (8-byte aligned): word w is 1<<63 | number<<40 | w.
+extern "C" __global__ void kv_fill_source(unsigned char* dst, u64 len, u64 number) {
+    const u64 base = (1ull << 63) | (number << 40);
+    const u64 words = len / 8;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 w = (u64)blockIdx.x * blockDim.x + threadIdx.x; w < words; w += stride) ((u64*)dst)[w] = base | w;
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < len % 8) dst[words * 8 + t] = (unsigned char)((base | words) >> (8 * t));
+}
+
+__device__ __forceinline__ unsigned char expected_byte(u64 source, u64 sentinel, u64 at) {
+    if (sentinel) return 0x5E;
+    const u64 word = (1ull << 63) | ((source >> 40) << 40) | (at / 8);
+    return (unsigned char)(word >> (8 * (at % 8)));
+}
+
+// One warp per check: whether `len` bytes at `addr` are source `number`'s from byte `offset` on (source packs
+// number << 40 | offset), or the sentinel (len's top bit). A failing check sets bad[i] and *any.
+extern "C" __global__ void kv_judge(const Check* checks, u64 count, u32* bad, u32* any) {
+    for (u64 i = WARP; i < count; i += WARPS) {
+        const Check c = checks[i];
+        const u64 sentinel = c.len >> 63;
+        const u64 len = c.len & ~(1ull << 63);
+        const u64 offset = c.source & ((1ull << 40) - 1);
+        const u64 base = sentinel ? 0 : ((1ull << 63) | ((c.source >> 40) << 40));
+        u64 diff = 0;
+        if (((c.addr | offset | len) & 15) == 0) {
+            const uint4* found = (const uint4*)c.addr;
+            for (u64 k = LANE; k < len / 16; k += 32) {
+                const uint4 f = found[k];
+                const u64 w0 = sentinel ? SENTINEL : (base | (offset / 8 + 2 * k));
+                const u64 w1 = sentinel ? SENTINEL : (base | (offset / 8 + 2 * k + 1));
+                diff |= ((((u64)f.y << 32) | f.x) ^ w0) | ((((u64)f.w << 32) | f.z) ^ w1);
+            }
+        } else if (((c.addr | offset | len) & 7) == 0) {
+            const u64* found = (const u64*)c.addr;
+            for (u64 k = LANE; k < len / 8; k += 32) diff |= found[k] ^ (sentinel ? SENTINEL : (base | (offset / 8 + k)));
+        } else {
+            const unsigned char* found = (const unsigned char*)c.addr;
+            for (u64 k = LANE; k < len; k += 32) diff |= found[k] ^ expected_byte(c.source, sentinel, offset + k);
+        }
+        if (__any_sync(0xffffffffu, diff != 0) && LANE == 0) { bad[i] = 1; *any = 1; }
+    }
+}
+"#;
+
+/// Entries up to which a batch runs as one `cuMemcpyDtoDAsync` per entry instead of a gather launch, and the
+/// average entry size above which it does so whatever the count: see [`copy_engine_wins`].
+const COPY_ENGINE_ENTRIES: usize = 4;
+const COPY_ENGINE_MIN_AVERAGE: u64 = 4 << 20;
+
+/// Whether a batch of `entries` entries moving `bytes` runs on the copy engines (one async copy per entry) rather
+/// than as one gather launch. A copy costs a few microseconds to issue whatever its size, so the copy engines win
+/// only for a handful of entries or for entries of megabytes; measured on the H200 by `kvrelay bench --fabric cuda`
+/// (its `gather` and `copy engine` lines).
+pub fn copy_engine_wins(entries: usize, bytes: u64) -> bool {
+    entries <= COPY_ENGINE_ENTRIES || bytes / (entries.max(1) as u64) >= COPY_ENGINE_MIN_AVERAGE
+}
+
+/// Pieces a gather or judge descriptor is cut into, at most, so that one warp's share stays short.
+const PIECE_BYTES: u64 = 256 << 10;
+
+/// Warps launched per grid (a grid-stride loop covers the rest): enough to fill 132 SMs several times over.
+const GRID_BLOCKS: u32 = 132 * 8;
+const BLOCK_THREADS: u32 = 256;
+
+/// How a CUDA call failed, in words.
+fn driver(call: &'static str, error: impl std::fmt::Debug) -> SeamError {
+    SeamError::Engine { call, message: format!("{error:?}") }
+}
+
+/// What every engine of one transport shares: the context, its stream and kernels, the live allocations (so a
+/// write to memory whose owner is gone fails instead of landing), notifications waiting for their engine, and the
+/// device-memory accounting.
+struct Shared {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    gather: CudaFunction,
+    fill: CudaFunction,
+    judge: CudaFunction,
+    state: Mutex<State>,
+    /// The oracle's own stream and lock (its calls come from the harness's threads).
+    judge_stream: Arc<CudaStream>,
+    judge_lock: Mutex<()>,
+    gpu: u32,
+}
+
+#[derive(Default)]
+struct State {
+    /// Live allocations by device address: (length, owning engine).
+    live: BTreeMap<u64, (u64, u32)>,
+    /// Resident regions handed to the oracle, by device address: their length.
+    resident: BTreeMap<u64, u64>,
+    /// Notifications for each engine: (its connection end, tag), in the order their batches completed.
+    mail: BTreeMap<u32, VecDeque<(ConnId, u32)>>,
+    next_engine: u32,
+    allocated: u64,
+    peak: u64,
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn launch_config(items: u64) -> LaunchConfig {
+        let warps_per_block = u64::from(BLOCK_THREADS / 32);
+        let blocks = items.div_ceil(warps_per_block).clamp(1, u64::from(GRID_BLOCKS)) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Allocates `len` bytes (at least one) of device memory for engine `owner`, accounted.
+    fn alloc(&self, len: u64, owner: u32) -> Result<(CudaSlice<u8>, u64), SeamError> {
+        let size = usize::try_from(len.max(1)).map_err(|_| SeamError::Exhausted("device memory"))?;
+        let (free, _) = self.ctx.mem_get_info().map_err(|error| driver("cuMemGetInfo", error))?;
+        if size > free {
+            return Err(SeamError::Engine {
+                call: "cuMemAlloc",
+                message: format!("{size} bytes asked, {free} free on GPU {} (fix: a smaller scenario)", self.gpu),
+            });
+        }
+        // SAFETY: the memory is filled (a pattern, a fill, or the sentinel) before anything reads it.
+        let slice = unsafe { self.stream.alloc::<u8>(size) }.map_err(|error| driver("cuMemAlloc", error))?;
+        let ptr = slice.device_ptr(&self.stream).0;
+        let mut state = self.state();
+        state.live.insert(ptr, (len, owner));
+        state.allocated += size as u64;
+        state.peak = state.peak.max(state.allocated);
+        Ok((slice, ptr))
+    }
+
+    fn forget(&self, ptr: u64, len: u64) {
+        let mut state = self.state();
+        state.live.remove(&ptr);
+        state.allocated = state.allocated.saturating_sub(len.max(1));
+    }
+
+    /// Writes `pattern` over `len` bytes at `ptr`, on the stream.
+    fn generate(&self, ptr: u64, len: u64, pattern: Pattern) -> Result<(), SeamError> {
+        match pattern {
+            Pattern::Sentinel => {
+                let mut byte = [0u8];
+                Pattern::Sentinel.fill()(0, &mut byte);
+                let byte = byte[0];
+                // SAFETY: `ptr` is a live allocation of at least `len` bytes.
+                unsafe { result::memset_d8_async(ptr, byte, len as usize, self.stream.cu_stream()) }
+                    .map_err(|error| driver("cuMemsetD8Async", error))
+            }
+            Pattern::Source { number } => {
+                let number = u64::from(number);
+                let mut launch = self.stream.launch_builder(&self.fill);
+                launch.arg(&ptr).arg(&len).arg(&number);
+                let blocks = (len / 8).div_ceil(u64::from(BLOCK_THREADS)).clamp(1, u64::from(GRID_BLOCKS) * 4) as u32;
+                let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: the kernel writes `len` bytes from `ptr`, a live allocation of that length.
+                unsafe { launch.launch(config) }.map(drop).map_err(|error| driver("kv_fill_source", error))
+            }
+        }
+    }
+
+    /// Uploads `table` (24 bytes an item) to a fresh device buffer on `stream`.
+    fn upload(stream: &Arc<CudaStream>, table: &[u64]) -> Result<CudaSlice<u64>, SeamError> {
+        stream.clone_htod(table).map_err(|error| driver("cuMemcpyHtoDAsync", error))
+    }
+}
+
+/// The `cuda` fabric as a [`Transport`]: engines sharing one GPU.
+pub struct CudaTransport {
+    shared: Arc<Shared>,
+    name: String,
+}
+
+impl std::fmt::Debug for CudaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaTransport({}, GPU {})", self.name, self.shared.gpu)
+    }
+}
+
+impl CudaTransport {
+    /// Opens GPU `$KVRELAY_CUDA_DEVICE` (default 0) and compiles the kernels (once per process and GPU); an error
+    /// names what is missing.
+    pub fn new() -> Result<CudaTransport, TransportError> {
+        let gpu = match std::env::var(DEVICE_ENV) {
+            Ok(text) if !text.trim().is_empty() => text.trim().parse::<u32>().map_err(|_| {
+                TransportError::Unavailable(format!("{DEVICE_ENV}={text} is not a GPU ordinal (fix: 0, 1, ...)"))
+            })?,
+            _ => 0,
+        };
+        let device = Device::open(gpu).map_err(TransportError::Unavailable)?;
+        let name = device.ctx.name().unwrap_or_else(|_| "unknown GPU".to_owned());
+        let shared = Shared {
+            ctx: device.ctx.clone(),
+            stream: device.stream.clone(),
+            gather: device.gather.clone(),
+            fill: device.fill.clone(),
+            judge: device.judge.clone(),
+            state: Mutex::default(),
+            judge_stream: device.judge_stream.clone(),
+            judge_lock: Mutex::new(()),
+            gpu,
+        };
+        Ok(CudaTransport { shared: Arc::new(shared), name })
+    }
+
+    /// The most device memory this transport's engines held at once, in bytes.
+    pub fn peak_bytes(&self) -> u64 {
+        self.shared.state().peak
+    }
+
+    /// The GPU's name.
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    /// Measures, on this GPU: device-to-device copy (GB/s of payload over `bytes`), pinned host-to-device copy, and
+    /// the gather kernel and compare kernel over `rows` rows of `row` bytes scattered by a fixed permutation
+    /// (GB/s of payload). For `kvrelay bench --fabric cuda`: the ceilings measured in the same run.
+    pub fn ceilings(&self, bytes: u64, row: u64) -> Result<Ceilings, SeamError> {
+        ceilings(&self.shared, bytes, row)
+    }
+}
+
+/// One GPU's context, streams and compiled kernels, made once per process (NVRTC takes 20 to 300 ms).
+struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    judge_stream: Arc<CudaStream>,
+    gather: CudaFunction,
+    fill: CudaFunction,
+    judge: CudaFunction,
+}
+
+/// The devices opened so far, by ordinal (or why one could not be).
+static DEVICES: std::sync::OnceLock<Mutex<BTreeMap<u32, Result<Arc<Device>, String>>>> = std::sync::OnceLock::new();
+
+impl Device {
+    fn open(gpu: u32) -> Result<Arc<Device>, String> {
+        let devices = DEVICES.get_or_init(Mutex::default);
+        let mut devices = devices.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        devices.entry(gpu).or_insert_with(|| Device::start(gpu).map(Arc::new)).clone()
+    }
+
+    fn start(gpu: u32) -> Result<Device, String> {
+        let unavailable = |what: &str, error: String| {
+            format!(
+                "{what}: {error} (fix: run on a machine with an NVIDIA GPU, its driver and CUDA 13's libnvrtc; {DEVICE_ENV} picks the GPU)"
+            )
+        };
+        let ctx = quietly(|| CudaContext::new(gpu as usize))
+            .map_err(|error| unavailable(&format!("no CUDA device {gpu}"), error))?
+            .map_err(|error| unavailable(&format!("no CUDA device {gpu}"), format!("{error:?}")))?;
+        // SAFETY: one stream per purpose and no slice shared across streams: nothing for cudarc's events to order.
+        unsafe { ctx.disable_event_tracking() };
+        let ptx = quietly(|| cudarc::nvrtc::compile_ptx(KERNELS))
+            .map_err(|error| unavailable("NVRTC did not load", error))?
+            .map_err(|error| unavailable("the kernels did not compile", format!("{error:?}")))?;
+        let module = ctx.load_module(ptx).map_err(|error| unavailable("the kernels did not load", format!("{error:?}")))?;
+        let function = |name: &str| {
+            module.load_function(name).map_err(|error| unavailable(&format!("kernel {name}"), format!("{error:?}")))
+        };
+        let (gather, fill, judge) = (function("kv_gather")?, function("kv_fill_source")?, function("kv_judge")?);
+        let stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
+        let judge_stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
+        Ok(Device { ctx, stream, judge_stream, gather, fill, judge })
+    }
+}
+
+/// Runs `call` with the panic hook silenced: cudarc's dynamic loading panics when a library is missing, which is a
+/// machine without a GPU, an error here, not a crash.
+fn quietly<T>(call: impl FnOnce() -> T + std::panic::UnwindSafe) -> Result<T, String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let outcome = std::panic::catch_unwind(call);
+    std::panic::set_hook(hook);
+    outcome.map_err(|panic| {
+        panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|text| (*text).to_owned()))
+            .unwrap_or_else(|| "the CUDA libraries did not load".to_owned())
+    })
+}
+
+impl Transport for CudaTransport {
+    fn identity(&self) -> Identity {
+        let mut identity = Identity { name: "cuda".to_owned(), version: "cudarc 0.19.10".to_owned(), ..Identity::default() };
+        let facts = &mut identity.facts;
+        facts.insert("device".to_owned(), format!("GPU {}: {}", self.shared.gpu, self.name));
+        if let Ok((major, minor)) = self.shared.ctx.compute_capability() {
+            facts.insert("compute_capability".to_owned(), format!("{major}.{minor}"));
+        }
+        if let Ok(total) = self.shared.ctx.total_mem() {
+            facts.insert("memory".to_owned(), format!("{} GiB", total >> 30));
+        }
+        facts.insert("memory_kind".to_owned(), MemoryKind::Device { gpu: self.shared.gpu }.to_string());
+        identity
+    }
+
+    fn verbs(&self) -> bool {
+        false
+    }
+
+    fn engine(&mut self, node: NodeId, _caps: Caps) -> Result<Box<dyn TransferEngine>, TransportError> {
+        Ok(Box::new(CudaEngine::new(node, self.shared.clone())))
+    }
+
+    fn step(&mut self) {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+
+    fn settle(&mut self) {
+        let _ = self.shared.stream.synchronize();
+    }
+
+    fn reset(&mut self) {
+        let _ = self.shared.stream.synchronize();
+        self.shared.state().mail.clear();
+    }
+}
+
+/// A region this engine registered.
+struct Region {
+    slice: CudaSlice<u8>,
+    ptr: u64,
+    len: u64,
+}
+
+/// A connection end's peer once connected: its engine, the end it opened, its advertised memory.
+#[derive(Clone)]
+struct Peer {
+    engine: u32,
+    conn: ConnId,
+    remote: Vec<RemoteMemory>,
+}
+
+/// A connection end.
+#[derive(Default)]
+struct Conn {
+    peer: Option<Peer>,
+}
+
+/// A batch on the stream.
+struct InFlight {
+    conn: ConnId,
+    batch: BatchId,
+    event: CudaEvent,
+    /// Its descriptor table, kept until the kernel ran.
+    _table: Option<CudaSlice<u64>>,
+    notify: Option<(u32, ConnId, u32)>,
+}
+
+/// One rank's engine on the `cuda` fabric.
+pub struct CudaEngine {
+    node: NodeId,
+    id: u32,
+    shared: Arc<Shared>,
+    regions: BTreeMap<u32, Region>,
+    next_region: u32,
+    conns: BTreeMap<ConnId, Conn>,
+    in_flight: VecDeque<InFlight>,
+    ready: VecDeque<Event>,
+    next_batch: u64,
+    operations: u64,
+}
+
+impl CudaEngine {
+    fn new(node: NodeId, shared: Arc<Shared>) -> CudaEngine {
+        let id = {
+            let mut state = shared.state();
+            state.next_engine += 1;
+            let id = state.next_engine;
+            state.mail.insert(id, VecDeque::new());
+            id
+        };
+        CudaEngine {
+            node,
+            id,
+            shared,
+            regions: BTreeMap::new(),
+            next_region: 0,
+            conns: BTreeMap::new(),
+            in_flight: VecDeque::new(),
+            ready: VecDeque::new(),
+            next_batch: 0,
+            operations: 0,
+        }
+    }
+
+    fn region(&self, memory: &Memory) -> Result<&Region, SeamError> {
+        self.regions.get(&memory.id).ok_or(SeamError::UnknownMemory(memory.id))
+    }
+
+    fn add_region(&mut self, slice: CudaSlice<u8>, ptr: u64, len: u64) -> Memory {
+        let id = self.next_region;
+        self.next_region += 1;
+        self.regions.insert(id, Region { slice, ptr, len });
+        Memory { id, kind: MemoryKind::Device { gpu: self.shared.gpu }, addr: ptr, len, key: self.id }
+    }
+
+    /// The copies of `batch` as (source address, target address, length), checked against this engine's regions
+    /// and the peer's advertised memory; a remote range outside it, or memory no longer registered, is the
+    /// completion status instead.
+    fn lower(&self, peer: &Peer, batch: &Batch) -> Result<Result<Vec<[u64; 3]>, BatchStatus>, SeamError> {
+        let mut copies = Vec::with_capacity(batch.entries.len());
+        let state = self.shared.state();
+        for entry in &batch.entries {
+            let region = self.regions.get(&entry.local).ok_or(SeamError::UnknownMemory(entry.local))?;
+            let local_end = entry.local_offset.checked_add(entry.len);
+            if local_end.is_none_or(|end| end > region.len) {
+                return Ok(Err(BatchStatus::LocalProtection));
+            }
+            let Some(remote) = peer.remote.get(entry.remote as usize) else { return Ok(Err(BatchStatus::RemoteAccess)) };
+            let remote_end = entry.remote_offset.checked_add(entry.len);
+            let alive = state.live.get(&remote.addr).is_some_and(|(len, owner)| *len == remote.len && *owner == remote.key);
+            if !alive || remote_end.is_none_or(|end| end > remote.len) {
+                return Ok(Err(BatchStatus::RemoteAccess));
+            }
+            if entry.len > 0 {
+                copies.push([region.ptr + entry.local_offset, remote.addr + entry.remote_offset, entry.len]);
+            }
+        }
+        Ok(Ok(copies))
+    }
+
+    /// Puts `copies` on the stream: the copy engines or one gather launch ([`copy_engine_wins`]); the uploaded
+    /// table, if any.
+    fn issue(&mut self, copies: &[[u64; 3]]) -> Result<Option<CudaSlice<u64>>, SeamError> {
+        let bytes: u64 = copies.iter().map(|copy| copy[2]).sum();
+        if copies.is_empty() {
+            return Ok(None);
+        }
+        if copy_engine_wins(copies.len(), bytes) {
+            for [src, dst, len] in copies {
+                // SAFETY: both ranges were checked against live allocations of this context.
+                unsafe { result::memcpy_dtod_async(*dst, *src, *len as usize, self.shared.stream.cu_stream()) }
+                    .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;
+            }
+            self.operations += copies.len() as u64;
+            return Ok(None);
+        }
+        let mut table = Vec::with_capacity(copies.len() * 3);
+        for [src, dst, len] in copies {
+            let mut done = 0;
+            while done < *len {
+                let piece = (*len - done).min(PIECE_BYTES);
+                table.extend([src + done, dst + done, piece]);
+                done += piece;
+            }
+        }
+        let count = (table.len() / 3) as u64;
+        let device = Shared::upload(&self.shared.stream, &table)?;
+        let mut launch = self.shared.stream.launch_builder(&self.shared.gather);
+        launch.arg(&device).arg(&count);
+        // SAFETY: every descriptor's source and target were checked against live allocations.
+        unsafe { launch.launch(Shared::launch_config(count)) }.map_err(|error| driver("kv_gather", error))?;
+        self.operations += count;
+        Ok(Some(device))
+    }
+
+    /// Moves completed batches (in stream order) to `ready`, handing their notifications to the peers.
+    fn reap(&mut self) {
+        while let Some(front) = self.in_flight.front() {
+            let (status, detail) = match front.event.try_is_complete() {
+                Ok(false) => return,
+                Ok(true) => (BatchStatus::Success, String::new()),
+                Err(error) => (BatchStatus::Aborted, format!("the GPU reported {error:?}")),
+            };
+            let done = self.in_flight.pop_front().expect("front exists");
+            if let (BatchStatus::Success, Some((peer, conn, tag))) = (status, done.notify) {
+                if let Some(mail) = self.shared.state().mail.get_mut(&peer) {
+                    mail.push_back((conn, tag));
+                }
+            }
+            let landed = if status == BatchStatus::Success { Landed::All } else { Landed::Unknown };
+            self.ready.push_back(Event::Completed(Completion { conn: done.conn, batch: done.batch, status, landed, detail }));
+        }
+    }
+
+    fn complete_now(&mut self, conn: ConnId, batch: BatchId, status: BatchStatus, detail: String) {
+        let landed = if status == BatchStatus::Success { Landed::All } else { Landed::Entries(Vec::new()) };
+        self.ready.push_back(Event::Completed(Completion { conn, batch, status, landed, detail }));
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        let mut state = self.shared.state();
+        for region in self.regions.values() {
+            state.live.remove(&region.ptr);
+            state.allocated = state.allocated.saturating_sub(region.len.max(1));
+        }
+        state.mail.remove(&self.id);
+    }
+}
+
+/// The address an engine advertises: the process (device addresses mean nothing in another) and the engine.
+fn address(engine: u32, conn: ConnId) -> PeerAddress {
+    PeerAddress(format!("cuda/1 pid={} engine={engine} conn={}", std::process::id(), conn.0).into_bytes())
+}
+
+/// The engine and connection end an address names, if it is this process's.
+fn parse_address(peer: &PeerAddress) -> Result<(u32, ConnId), SeamError> {
+    let text = String::from_utf8_lossy(&peer.0).into_owned();
+    let bad = |why: String| SeamError::BadAddress { address: text.clone(), why };
+    let mut fields = text.strip_prefix("cuda/1 ").ok_or_else(|| bad("not a cuda fabric address".to_owned()))?.split(' ');
+    let mut field = |name: &str| {
+        fields
+            .next()
+            .and_then(|field| field.strip_prefix(name))
+            .and_then(|value| value.parse::<u32>().ok())
+            .ok_or_else(|| bad(format!("no `{name}` field")))
+    };
+    let (pid, engine, conn) = (field("pid=")?, field("engine=")?, field("conn=")?);
+    if pid != std::process::id() {
+        return Err(bad(format!(
+            "the peer is process {pid}: device memory of another process needs CUDA IPC handles, which the cuda fabric does not advertise (run the ranks in one process: `kvrelay check --fabric cuda`)"
+        )));
+    }
+    Ok((engine, ConnId(conn)))
+}
+
+impl TransferEngine for CudaEngine {
+    fn node(&self) -> NodeId {
+        self.node
+    }
+
+    fn limits(&self) -> SeamLimits {
+        SeamLimits { max_entries: 1 << 22, max_batch_bytes: u64::MAX, batches_in_flight: 1024 }
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device { gpu: self.shared.gpu }
+    }
+
+    fn register(&mut self, kind: MemoryKind, len: u64, _item_len: u64, fill: Fill) -> Result<Memory, SeamError> {
+        let _ = kind;
+        let (mut slice, ptr) = self.shared.alloc(len, self.id)?;
+        // Arbitrary contents (the conformance cases' fills) go up in 64 MiB pieces; patterns never take this path.
+        let mut offset = 0u64;
+        let mut piece = vec![0u8; len.min(64 << 20) as usize];
+        while offset < len {
+            let take = (len - offset).min(piece.len() as u64) as usize;
+            fill(offset, &mut piece[..take]);
+            let mut view = slice.slice_mut(offset as usize..offset as usize + take);
+            self.shared.stream.memcpy_htod(&piece[..take], &mut view).map_err(|error| driver("cuMemcpyHtoD", error))?;
+            self.shared.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
+            offset += take as u64;
+        }
+        Ok(self.add_region(slice, ptr, len))
+    }
+
+    fn register_pattern(&mut self, _kind: MemoryKind, len: u64, _item_len: u64, pattern: Pattern) -> Result<Memory, SeamError> {
+        let (slice, ptr) = self.shared.alloc(len, self.id)?;
+        if let Err(error) = self.shared.generate(ptr, len, pattern) {
+            self.shared.forget(ptr, len);
+            return Err(error);
+        }
+        Ok(self.add_region(slice, ptr, len))
+    }
+
+    fn read(&self, memory: &Memory, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
+        let region = self.region(memory)?;
+        let end = offset.checked_add(out.len() as u64);
+        if end.is_none_or(|end| end > region.len) {
+            return Err(SeamError::OutOfRange { offset, len: out.len() as u64, region_len: region.len });
+        }
+        let view = region.slice.slice(offset as usize..offset as usize + out.len());
+        self.shared.stream.memcpy_dtoh(&view, out).map_err(|error| driver("cuMemcpyDtoH", error))?;
+        self.shared.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))
+    }
+
+    fn release(&mut self, memory: &Memory, _sparse: bool) -> Result<Image, SeamError> {
+        let mut bytes = vec![0u8; self.region(memory)?.len as usize];
+        self.read(memory, 0, &mut bytes)?;
+        let region = self.regions.remove(&memory.id).ok_or(SeamError::UnknownMemory(memory.id))?;
+        self.shared.forget(region.ptr, region.len);
+        Ok(Image::from([(0, bytes)]))
+    }
+
+    fn resident(&mut self, memory: &Memory) -> Option<Kept> {
+        // Everything submitted has run before the oracle looks.
+        self.shared.stream.synchronize().ok()?;
+        let region = self.regions.remove(&memory.id)?;
+        let mut state = self.shared.state();
+        state.live.remove(&region.ptr);
+        state.resident.insert(region.ptr, region.len);
+        drop(state);
+        let (handle, len) = (region.ptr, region.len);
+        let keep = Holder { shared: self.shared.clone(), region: Some(region) };
+        Some(Kept { compare: Arc::new(DeviceCompare(self.shared.clone())), handle, len, keep: Arc::new(keep) })
+    }
+
+    fn open(&mut self) -> Result<(ConnId, PeerAddress), SeamError> {
+        let conn = ConnId(self.conns.len() as u32);
+        self.conns.insert(conn, Conn::default());
+        Ok((conn, address(self.id, conn)))
+    }
+
+    fn connect(&mut self, conn: ConnId, peer: &PeerAddress, remote: &[RemoteMemory]) -> Result<(), SeamError> {
+        let (engine, peer_conn) = parse_address(peer)?;
+        let end = self.conns.get_mut(&conn).ok_or(SeamError::UnknownConnection(conn))?;
+        if end.peer.is_some() {
+            return Err(SeamError::AlreadyConnected(conn));
+        }
+        end.peer = Some(Peer { engine, conn: peer_conn, remote: remote.to_vec() });
+        Ok(())
+    }
+
+    fn submit(&mut self, conn: ConnId, batch: Batch) -> Result<BatchId, SeamError> {
+        SeamError::check_limits(&batch, self.limits())?;
+        let end = self.conns.get(&conn).ok_or(SeamError::UnknownConnection(conn))?;
+        let peer = end.peer.clone().ok_or(SeamError::NotConnected(conn))?;
+        for entry in &batch.entries {
+            if !self.regions.contains_key(&entry.local) {
+                return Err(SeamError::UnknownMemory(entry.local));
+            }
+        }
+        let id = BatchId(self.next_batch);
+        self.next_batch += 1;
+        let copies = match self.lower(&peer, &batch)? {
+            Ok(copies) => copies,
+            Err(status) => {
+                self.complete_now(conn, id, status, format!("{}: a range outside registered memory", status.name()));
+                return Ok(id);
+            }
+        };
+        let table = self.issue(&copies)?;
+        let event = self.shared.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?;
+        // The notification goes to the end the peer opened (the address it gave names it).
+        let notify = batch.notify.map(|tag| (peer.engine, peer.conn, tag));
+        self.in_flight.push_back(InFlight { conn, batch: id, event, _table: table, notify });
+        Ok(id)
+    }
+
+    fn cancel(&mut self, batch: BatchId) -> Cancelled {
+        if self.in_flight.iter().any(|flight| flight.batch == batch) {
+            Cancelled::Draining
+        } else {
+            Cancelled::Ended
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
+        self.reap();
+        if let Some(mail) = self.shared.state().mail.get_mut(&self.id) {
+            while let Some((conn, tag)) = mail.pop_front() {
+                self.ready.push_back(Event::Notified { conn, tag });
+            }
+        }
+        let take = self.ready.len().min(max);
+        out.extend(self.ready.drain(..take));
+        take
+    }
+
+    fn wait(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.reap();
+            let mail = self.shared.state().mail.get(&self.id).is_some_and(|mail| !mail.is_empty());
+            if !self.ready.is_empty() || mail {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+
+    fn operations(&self) -> u64 {
+        self.operations
+    }
+}
+
+/// A kept region's memory, freed when the last handle goes.
+struct Holder {
+    shared: Arc<Shared>,
+    region: Option<Region>,
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            let mut state = self.shared.state();
+            state.resident.remove(&region.ptr);
+            state.allocated = state.allocated.saturating_sub(region.len.max(1));
+            drop(state);
+            drop(region.slice);
+        }
+    }
+}
+
+/// Kept memory compared on the GPU: a batch of checks is one compare launch.
+struct DeviceCompare(Arc<Shared>);
+
+impl Compare for DeviceCompare {
+    fn compare(&self, checks: &[Check]) -> Result<Vec<bool>, String> {
+        let shared = &self.0;
+        let _lock = shared.judge_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut table = Vec::with_capacity(checks.len() * 3);
+        let mut owner = Vec::with_capacity(checks.len());
+        {
+            let state = shared.state();
+            for (index, check) in checks.iter().enumerate() {
+                let handle = check.handle;
+                let len = state.resident.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
+                if check.start.checked_add(check.len).is_none_or(|end| end > len) || check.len >= 1 << 62 {
+                    return Err(format!("bytes {}.. ({} bytes) are outside the {len}-byte memory", check.start, check.len));
+                }
+                let (source, flag) = match check.pattern {
+                    Pattern::Source { number } => {
+                        let offset = check.pattern_offset;
+                        if offset.checked_add(check.len).is_none_or(|end| end >= 1 << 40) || number >= 1 << 23 {
+                            return Err(format!("source {number} bytes {offset}.. are outside the pattern's range"));
+                        }
+                        (u64::from(number) << 40 | offset, 0)
+                    }
+                    Pattern::Sentinel => (0, 1u64 << 63),
+                };
+                let mut done = 0;
+                while done < check.len {
+                    let piece = (check.len - done).min(PIECE_BYTES);
+                    let source = if flag == 0 { source + done } else { 0 };
+                    table.extend([handle + check.start + done, source, piece | flag]);
+                    owner.push(index as u32);
+                    done += piece;
+                }
+            }
+        }
+        let count = owner.len() as u64;
+        let mut answers = vec![true; checks.len()];
+        if count == 0 {
+            return Ok(answers);
+        }
+        let stream = &shared.judge_stream;
+        let failed = |call: &str, error: cudarc::driver::DriverError| format!("{call}: {error:?}");
+        let checks = stream.clone_htod(&table).map_err(|error| failed("cuMemcpyHtoD", error))?;
+        let mut bad = stream.alloc_zeros::<u32>(owner.len()).map_err(|error| failed("cuMemAlloc", error))?;
+        let mut any = stream.alloc_zeros::<u32>(1).map_err(|error| failed("cuMemAlloc", error))?;
+        let mut launch = stream.launch_builder(&shared.judge);
+        launch.arg(&checks).arg(&count).arg(&mut bad).arg(&mut any);
+        // SAFETY: every check lies inside kept memory (checked above) that its `Holder` keeps alive.
+        unsafe { launch.launch(Shared::launch_config(count)) }.map_err(|error| failed("kv_judge", error))?;
+        let any = stream.clone_dtoh(&any).map_err(|error| failed("cuMemcpyDtoH", error))?;
+        if any.first().copied().unwrap_or(1) != 0 {
+            let bad = stream.clone_dtoh(&bad).map_err(|error| failed("cuMemcpyDtoH", error))?;
+            for (flag, index) in bad.iter().zip(&owner) {
+                if *flag != 0 {
+                    answers[*index as usize] = false;
+                }
+            }
+        }
+        Ok(answers)
+    }
+
+    fn read(&self, handle: u64, start: u64, out: &mut [u8]) -> Result<(), String> {
+        let shared = &self.0;
+        let len = shared.state().resident.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
+        if start.checked_add(out.len() as u64).is_none_or(|end| end > len) {
+            return Err(format!("bytes {start}.. ({} bytes) are outside the {len}-byte region", out.len()));
+        }
+        let _lock = shared.judge_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // SAFETY: the range lies inside kept memory that its `Holder` keeps alive.
+        unsafe { result::memcpy_dtoh_async(out, handle + start, shared.judge_stream.cu_stream()) }
+            .map_err(|error| format!("cuMemcpyDtoHAsync: {error:?}"))?;
+        shared.judge_stream.synchronize().map_err(|error| format!("cuStreamSynchronize: {error:?}"))
+    }
+
+    fn name(&self) -> String {
+        format!("cuda GPU {}", self.0.gpu)
+    }
+}
+
+/// Ceilings and kernel rates measured on the GPU (GB/s of payload).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ceilings {
+    /// One large device-to-device copy.
+    pub device_copy: f64,
+    /// Pinned host to device.
+    pub host_to_device: f64,
+    /// The gather kernel over scattered rows.
+    pub gather: f64,
+    /// One `cuMemcpyDtoDAsync` per row, same rows.
+    pub copy_engine_rows: f64,
+    /// The compare kernel over the gathered rows.
+    pub judge: f64,
+}
+
+/// Times `run` between two events on `stream` (milliseconds), best of `reps`.
+fn timed(stream: &Arc<CudaStream>, reps: u32, mut run: impl FnMut() -> Result<(), SeamError>) -> Result<f64, SeamError> {
+    let mut best = f64::MAX;
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    for _ in 0..reps {
+        let start = stream.record_event(timing).map_err(|error| driver("cuEventRecord", error))?;
+        run()?;
+        let end = stream.record_event(timing).map_err(|error| driver("cuEventRecord", error))?;
+        let ms = start.elapsed_ms(&end).map_err(|error| driver("cuEventElapsedTime", error))?;
+        best = best.min(f64::from(ms));
+    }
+    Ok(best)
+}
+
+fn ceilings(shared: &Arc<Shared>, bytes: u64, row: u64) -> Result<Ceilings, SeamError> {
+    let stream = &shared.stream;
+    let gbs = |moved: u64, ms: f64| moved as f64 / (ms.max(1e-9) * 1e6);
+    let (src, src_ptr) = shared.alloc(bytes, 0)?;
+    let (dst, dst_ptr) = shared.alloc(bytes, 0)?;
+    shared.generate(src_ptr, bytes, Pattern::Source { number: 1 })?;
+    let copy_ms = timed(stream, 5, || {
+        // SAFETY: both allocations are `bytes` long.
+        unsafe { result::memcpy_dtod_async(dst_ptr, src_ptr, bytes as usize, stream.cu_stream()) }
+            .map_err(|error| driver("cuMemcpyDtoDAsync", error))
+    })?;
+    // Pinned host to device, 256 MiB.
+    let pinned_len = (bytes.min(256 << 20)) as usize;
+    // SAFETY: the pinned buffer is only copied from, after being written.
+    let mut pinned = unsafe { shared.ctx.alloc_pinned::<u8>(pinned_len) }.map_err(|error| driver("cuMemHostAlloc", error))?;
+    pinned.as_mut_slice().map_err(|error| driver("cuMemHostAlloc", error))?.fill(7);
+    let host_ms = timed(stream, 5, || {
+        let host = pinned.as_slice().map_err(|error| driver("cuMemHostAlloc", error))?;
+        // SAFETY: the target allocation holds at least `pinned_len` bytes.
+        unsafe { result::memcpy_htod_async(dst_ptr, host, stream.cu_stream()) }.map_err(|error| driver("cuMemcpyHtoDAsync", error))
+    })?;
+    // Rows scattered by a fixed odd-stride permutation.
+    let rows = bytes / row;
+    let stride = (rows / 2 + 1) | 1;
+    let mut table = Vec::with_capacity(rows as usize * 3);
+    let mut checks = Vec::with_capacity(rows as usize * 3);
+    for index in 0..rows {
+        let from = (index * stride) % rows;
+        table.extend([src_ptr + from * row, dst_ptr + index * row, row]);
+        checks.extend([dst_ptr + index * row, 1u64 << 40 | from * row, row]);
+    }
+    let device_table = Shared::upload(stream, &table)?;
+    let count = rows;
+    let gather_ms = timed(stream, 5, || {
+        let mut launch = stream.launch_builder(&shared.gather);
+        launch.arg(&device_table).arg(&count);
+        // SAFETY: every row lies inside the two allocations.
+        unsafe { launch.launch(Shared::launch_config(count)) }.map(drop).map_err(|error| driver("kv_gather", error))
+    })?;
+    let device_checks = Shared::upload(stream, &checks)?;
+    let mut bad = stream.alloc_zeros::<u32>(rows as usize).map_err(|error| driver("cuMemAlloc", error))?;
+    let mut any = stream.alloc_zeros::<u32>(1).map_err(|error| driver("cuMemAlloc", error))?;
+    let judge_ms = timed(stream, 5, || {
+        let mut launch = stream.launch_builder(&shared.judge);
+        launch.arg(&device_checks).arg(&count).arg(&mut bad).arg(&mut any);
+        // SAFETY: every check lies inside the target allocation.
+        unsafe { launch.launch(Shared::launch_config(count)) }.map(drop).map_err(|error| driver("kv_judge", error))
+    })?;
+    let flagged = stream.clone_dtoh(&any).map_err(|error| driver("cuMemcpyDtoH", error))?;
+    if flagged.first().copied() != Some(0) {
+        return Err(SeamError::Engine { call: "kv_judge", message: "the gathered rows did not compare equal".to_owned() });
+    }
+    // The copy engines, one copy per row, over at most 20,000 rows (launch-bound; scaled).
+    let some = rows.min(20_000);
+    let rows_ms = timed(stream, 2, || {
+        for index in 0..some {
+            let [src, dst, len] = [table[index as usize * 3], table[index as usize * 3 + 1], table[index as usize * 3 + 2]];
+            // SAFETY: as for the gather.
+            unsafe { result::memcpy_dtod_async(dst, src, len as usize, stream.cu_stream()) }
+                .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;
+        }
+        Ok(())
+    })?;
+    drop((src, dst));
+    shared.forget(src_ptr, bytes);
+    shared.forget(dst_ptr, bytes);
+    Ok(Ceilings {
+        device_copy: gbs(bytes, copy_ms),
+        host_to_device: gbs(pinned_len as u64, host_ms),
+        gather: gbs(rows * row, gather_ms),
+        copy_engine_rows: gbs(some * row, rows_ms),
+        judge: gbs(rows * row, judge_ms),
+    })
+}

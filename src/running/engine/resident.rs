@@ -1,0 +1,40 @@
+//! Kept device memory handed to the oracle: the fabric's [`Compare`] (checks against patterns) answering the
+//! oracle's [`Judge`] questions. The one place the two vocabularies meet, so that the fabric knows no oracle and the
+//! oracle no fabric.
+
+use std::sync::Arc;
+
+use crate::fabric::seam::{Check, Compare, Kept, Pattern};
+use crate::verify::{Expect, Judge, Query, ResidentRegion};
+
+/// The oracle's view of memory a fabric kept where it lives.
+pub(crate) fn resident(kept: Kept) -> ResidentRegion {
+    ResidentRegion { judge: Arc::new(Answers(kept.compare)), handle: kept.handle, len: kept.len, keep: kept.keep }
+}
+
+/// Queries asked as checks.
+struct Answers(Arc<dyn Compare>);
+
+impl Judge for Answers {
+    fn judge(&self, queries: &[(u64, Query)]) -> Result<Vec<bool>, String> {
+        let checks: Vec<Check> = queries
+            .iter()
+            .map(|(handle, query)| {
+                let (pattern, pattern_offset) = match query.expect {
+                    Expect::Source { number, offset } => (Pattern::Source { number }, offset),
+                    Expect::Sentinel => (Pattern::Sentinel, 0),
+                };
+                Check { handle: *handle, start: query.start, len: query.end - query.start, pattern, pattern_offset }
+            })
+            .collect();
+        self.0.compare(&checks)
+    }
+
+    fn read(&self, handle: u64, start: u64, out: &mut [u8]) -> Result<(), String> {
+        self.0.read(handle, start, out)
+    }
+
+    fn name(&self) -> String {
+        self.0.name()
+    }
+}
