@@ -306,6 +306,10 @@ pub(super) fn bench_fabric(
     wr_scenario: &Path,
 ) -> anyhow::Result<ExitCode> {
     outln!("bench: fabric {}", fabric.name());
+    #[cfg(feature = "cuda")]
+    if *fabric == harness::Fabric::Cuda {
+        super::bench_cuda::bench_cuda(iterations)?;
+    }
     if !fabric.transport().map_err(anyhow::Error::msg)?.verbs() {
         bench_engine_lists(fabric, iterations)?;
     }

@@ -32,10 +32,13 @@ macro_rules! out {
 }
 
 mod bench;
+#[cfg(feature = "cuda")]
+mod bench_cuda;
 mod certify;
 mod planners;
 mod ranks;
 mod replay;
+mod replay_live;
 mod run;
 mod selftest;
 mod shrink;

@@ -26,11 +26,15 @@ pub struct ReplayArgs {
     /// Requests in flight at once (one wave through the engines).
     #[arg(long, default_value_t = 16)]
     pub concurrency: u32,
+    /// The fabric (default `sim`, the in-memory fabric in simulated time; `cuda`: every byte moved and verified on
+    /// the GPU, with the live driver on the real clock).
+    #[arg(long, default_value = "sim")]
+    pub fabric: String,
 }
 
 /// The scenario text of one wave: the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape (scenarios/basic/kimi-k3-...) with its
 /// KDA state, `count` requests of `tokens` tokens.
-fn wave_text(count: u32, tokens: u32) -> String {
+pub(super) fn wave_text(count: u32, tokens: u32) -> String {
     let requests = vec![format!("{{tokens: {tokens}}}"); count as usize].join(", ");
     format!(
         "model: {{preset: kimi-k3}}\nprefill: {{tp: 1, pp: 8, page_size: 64}}\ndecode: {{tp: 8, dcp: 8, page_size: 64}}\nrequests: [{requests}]\nexpect: ok\n"
@@ -66,7 +70,7 @@ fn wave_size(concurrency: u32, tokens: u32, budget: &Budget, pool: &ChunkPool) -
 }
 
 /// The value at quantile `q` (nearest rank) of sorted `values`.
-fn percentile(sorted: &[f64], q: f64) -> f64 {
+pub(super) fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
@@ -75,6 +79,10 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
+    let fabric = harness::Fabric::parse(&args.fabric, None).map_err(anyhow::Error::msg)?;
+    if !fabric.simulated() {
+        return super::replay_live::replay_live(args, &fabric);
+    }
     let (requests, tokens, concurrency) = (args.requests.max(1), args.tokens.max(1), args.concurrency.max(1));
     let budget = Budget::from_env_share(REPLAY_MEMORY_SHARE)?;
     outln!(

@@ -24,7 +24,9 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 
 use super::seam::{
     Batch, BatchId, BatchStatus, Cancelled, Check, Compare, Completion, ConnId, Event, Fill, Image, Kept, Landed,
@@ -151,6 +153,7 @@ struct Shared {
     judge_stream: Arc<CudaStream>,
     judge_lock: Mutex<()>,
     gpu: u32,
+    device: Arc<Device>,
 }
 
 #[derive(Default)]
@@ -162,8 +165,6 @@ struct State {
     /// Notifications for each engine: (its connection end, tag), in the order their batches completed.
     mail: BTreeMap<u32, VecDeque<(ConnId, u32)>>,
     next_engine: u32,
-    allocated: u64,
-    peak: u64,
 }
 
 impl Shared {
@@ -190,17 +191,26 @@ impl Shared {
         // SAFETY: the memory is filled (a pattern, a fill, or the sentinel) before anything reads it.
         let slice = unsafe { self.stream.alloc::<u8>(size) }.map_err(|error| driver("cuMemAlloc", error))?;
         let ptr = slice.device_ptr(&self.stream).0;
-        let mut state = self.state();
-        state.live.insert(ptr, (len, owner));
-        state.allocated += size as u64;
-        state.peak = state.peak.max(state.allocated);
+        self.state().live.insert(ptr, (len, owner));
+        self.account(size as i64);
         Ok((slice, ptr))
     }
 
     fn forget(&self, ptr: u64, len: u64) {
-        let mut state = self.state();
-        state.live.remove(&ptr);
-        state.allocated = state.allocated.saturating_sub(len.max(1));
+        self.state().live.remove(&ptr);
+        self.account(-(len.max(1) as i64));
+    }
+
+    /// Adds `bytes` (negative: frees) to the GPU's accounting, raising its peak.
+    fn account(&self, bytes: i64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = if bytes >= 0 {
+            self.device.allocated.fetch_add(bytes as u64, Relaxed) + bytes as u64
+        } else {
+            let freed = bytes.unsigned_abs();
+            self.device.allocated.fetch_sub(freed, Relaxed).saturating_sub(freed)
+        };
+        self.device.peak.fetch_max(now, Relaxed);
     }
 
     /// Writes `pattern` over `len` bytes at `ptr`, on the stream.
@@ -219,7 +229,8 @@ impl Shared {
                 let mut launch = self.stream.launch_builder(&self.fill);
                 launch.arg(&ptr).arg(&len).arg(&number);
                 let blocks = (len / 8).div_ceil(u64::from(BLOCK_THREADS)).clamp(1, u64::from(GRID_BLOCKS) * 4) as u32;
-                let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
+                let config =
+                    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
                 // SAFETY: the kernel writes `len` bytes from `ptr`, a live allocation of that length.
                 unsafe { launch.launch(config) }.map(drop).map_err(|error| driver("kv_fill_source", error))
             }
@@ -266,13 +277,26 @@ impl CudaTransport {
             judge_stream: device.judge_stream.clone(),
             judge_lock: Mutex::new(()),
             gpu,
+            device,
         };
         Ok(CudaTransport { shared: Arc::new(shared), name })
     }
 
-    /// The most device memory this transport's engines held at once, in bytes.
+    /// The most device memory this process's engines held at once on this GPU since the last
+    /// [`CudaTransport::reset_peak`], in bytes (regions and kept regions; not descriptor tables).
     pub fn peak_bytes(&self) -> u64 {
-        self.shared.state().peak
+        self.shared.device.peak.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Device memory free on this GPU now, in bytes.
+    pub fn free_bytes(&self) -> u64 {
+        self.shared.ctx.mem_get_info().map_or(0, |(free, _)| free as u64)
+    }
+
+    /// Starts the peak over from what is held now.
+    pub fn reset_peak(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.shared.device.peak.store(self.shared.device.allocated.load(Relaxed), Relaxed);
     }
 
     /// The GPU's name.
@@ -290,6 +314,9 @@ impl CudaTransport {
 
 /// One GPU's context, streams and compiled kernels, made once per process (NVRTC takes 20 to 300 ms).
 struct Device {
+    /// Bytes of device memory this process's engines hold now, and at most so far.
+    allocated: std::sync::atomic::AtomicU64,
+    peak: std::sync::atomic::AtomicU64,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     judge_stream: Arc<CudaStream>,
@@ -298,8 +325,11 @@ struct Device {
     judge: CudaFunction,
 }
 
-/// The devices opened so far, by ordinal (or why one could not be).
-static DEVICES: std::sync::OnceLock<Mutex<BTreeMap<u32, Result<Arc<Device>, String>>>> = std::sync::OnceLock::new();
+/// A device opened, or why it could not be.
+type Opened = Result<Arc<Device>, String>;
+
+/// The devices opened so far, by ordinal.
+static DEVICES: std::sync::OnceLock<Mutex<BTreeMap<u32, Opened>>> = std::sync::OnceLock::new();
 
 impl Device {
     fn open(gpu: u32) -> Result<Arc<Device>, String> {
@@ -322,14 +352,16 @@ impl Device {
         let ptx = quietly(|| cudarc::nvrtc::compile_ptx(KERNELS))
             .map_err(|error| unavailable("NVRTC did not load", error))?
             .map_err(|error| unavailable("the kernels did not compile", format!("{error:?}")))?;
-        let module = ctx.load_module(ptx).map_err(|error| unavailable("the kernels did not load", format!("{error:?}")))?;
+        let module =
+            ctx.load_module(ptx).map_err(|error| unavailable("the kernels did not load", format!("{error:?}")))?;
         let function = |name: &str| {
             module.load_function(name).map_err(|error| unavailable(&format!("kernel {name}"), format!("{error:?}")))
         };
         let (gather, fill, judge) = (function("kv_gather")?, function("kv_fill_source")?, function("kv_judge")?);
         let stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
         let judge_stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
-        Ok(Device { ctx, stream, judge_stream, gather, fill, judge })
+        let (allocated, peak) = (0.into(), 0.into());
+        Ok(Device { allocated, peak, ctx, stream, judge_stream, gather, fill, judge })
     }
 }
 
@@ -351,7 +383,8 @@ fn quietly<T>(call: impl FnOnce() -> T + std::panic::UnwindSafe) -> Result<T, St
 
 impl Transport for CudaTransport {
     fn identity(&self) -> Identity {
-        let mut identity = Identity { name: "cuda".to_owned(), version: "cudarc 0.19.10".to_owned(), ..Identity::default() };
+        let mut identity =
+            Identity { name: "cuda".to_owned(), version: "cudarc 0.19.10".to_owned(), ..Identity::default() };
         let facts = &mut identity.facts;
         facts.insert("device".to_owned(), format!("GPU {}: {}", self.shared.gpu, self.name));
         if let Ok((major, minor)) = self.shared.ctx.compute_capability() {
@@ -477,9 +510,12 @@ impl CudaEngine {
             if local_end.is_none_or(|end| end > region.len) {
                 return Ok(Err(BatchStatus::LocalProtection));
             }
-            let Some(remote) = peer.remote.get(entry.remote as usize) else { return Ok(Err(BatchStatus::RemoteAccess)) };
+            let Some(remote) = peer.remote.get(entry.remote as usize) else {
+                return Ok(Err(BatchStatus::RemoteAccess));
+            };
             let remote_end = entry.remote_offset.checked_add(entry.len);
-            let alive = state.live.get(&remote.addr).is_some_and(|(len, owner)| *len == remote.len && *owner == remote.key);
+            let alive =
+                state.live.get(&remote.addr).is_some_and(|(len, owner)| *len == remote.len && *owner == remote.key);
             if !alive || remote_end.is_none_or(|end| end > remote.len) {
                 return Ok(Err(BatchStatus::RemoteAccess));
             }
@@ -540,7 +576,13 @@ impl CudaEngine {
                 }
             }
             let landed = if status == BatchStatus::Success { Landed::All } else { Landed::Unknown };
-            self.ready.push_back(Event::Completed(Completion { conn: done.conn, batch: done.batch, status, landed, detail }));
+            self.ready.push_back(Event::Completed(Completion {
+                conn: done.conn,
+                batch: done.batch,
+                status,
+                landed,
+                detail,
+            }));
         }
     }
 
@@ -555,9 +597,12 @@ impl Drop for CudaEngine {
         let mut state = self.shared.state();
         for region in self.regions.values() {
             state.live.remove(&region.ptr);
-            state.allocated = state.allocated.saturating_sub(region.len.max(1));
         }
         state.mail.remove(&self.id);
+        drop(state);
+        for region in self.regions.values() {
+            self.shared.account(-(region.len.max(1) as i64));
+        }
     }
 }
 
@@ -570,7 +615,8 @@ fn address(engine: u32, conn: ConnId) -> PeerAddress {
 fn parse_address(peer: &PeerAddress) -> Result<(u32, ConnId), SeamError> {
     let text = String::from_utf8_lossy(&peer.0).into_owned();
     let bad = |why: String| SeamError::BadAddress { address: text.clone(), why };
-    let mut fields = text.strip_prefix("cuda/1 ").ok_or_else(|| bad("not a cuda fabric address".to_owned()))?.split(' ');
+    let mut fields =
+        text.strip_prefix("cuda/1 ").ok_or_else(|| bad("not a cuda fabric address".to_owned()))?.split(' ');
     let mut field = |name: &str| {
         fields
             .next()
@@ -617,7 +663,13 @@ impl TransferEngine for CudaEngine {
         Ok(self.add_region(slice, ptr, len))
     }
 
-    fn register_pattern(&mut self, _kind: MemoryKind, len: u64, _item_len: u64, pattern: Pattern) -> Result<Memory, SeamError> {
+    fn register_pattern(
+        &mut self,
+        _kind: MemoryKind,
+        len: u64,
+        _item_len: u64,
+        pattern: Pattern,
+    ) -> Result<Memory, SeamError> {
         let (slice, ptr) = self.shared.alloc(len, self.id)?;
         if let Err(error) = self.shared.generate(ptr, len, pattern) {
             self.shared.forget(ptr, len);
@@ -720,6 +772,7 @@ impl TransferEngine for CudaEngine {
         take
     }
 
+    #[allow(clippy::disallowed_methods, reason = "a real-clock engine bounds its wait by the clock")]
     fn wait(&mut self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
@@ -749,13 +802,25 @@ struct Holder {
 impl Drop for Holder {
     fn drop(&mut self) {
         if let Some(region) = self.region.take() {
-            let mut state = self.shared.state();
-            state.resident.remove(&region.ptr);
-            state.allocated = state.allocated.saturating_sub(region.len.max(1));
-            drop(state);
+            self.shared.state().resident.remove(&region.ptr);
+            self.shared.account(-(region.len.max(1) as i64));
             drop(region.slice);
         }
     }
+}
+
+/// Overwrites byte `offset` of kept memory (the `keep` of a [`Kept`] this fabric made) with `byte`: how a test
+/// plants a wrong byte in device memory for the oracle to find. Errors for anything else or a byte outside it.
+pub fn plant(keep: &(dyn std::any::Any + Send + Sync), offset: u64, byte: u8) -> Result<(), String> {
+    let holder = keep.downcast_ref::<Holder>().ok_or("not memory the cuda fabric kept")?;
+    let region = holder.region.as_ref().ok_or("the memory was freed")?;
+    if offset >= region.len {
+        return Err(format!("byte {offset} is outside the {}-byte memory", region.len));
+    }
+    // SAFETY: one byte inside a live allocation.
+    unsafe { result::memset_d8_async(region.ptr + offset, byte, 1, holder.shared.stream.cu_stream()) }
+        .map_err(|error| format!("cuMemsetD8Async: {error:?}"))?;
+    holder.shared.stream.synchronize().map_err(|error| format!("cuStreamSynchronize: {error:?}"))
 }
 
 /// Kept memory compared on the GPU: a batch of checks is one compare launch.
@@ -771,9 +836,13 @@ impl Compare for DeviceCompare {
             let state = shared.state();
             for (index, check) in checks.iter().enumerate() {
                 let handle = check.handle;
-                let len = state.resident.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
+                let len =
+                    state.resident.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
                 if check.start.checked_add(check.len).is_none_or(|end| end > len) || check.len >= 1 << 62 {
-                    return Err(format!("bytes {}.. ({} bytes) are outside the {len}-byte memory", check.start, check.len));
+                    return Err(format!(
+                        "bytes {}.. ({} bytes) are outside the {len}-byte memory",
+                        check.start, check.len
+                    ));
                 }
                 let (source, flag) = match check.pattern {
                     Pattern::Source { number } => {
@@ -823,7 +892,8 @@ impl Compare for DeviceCompare {
 
     fn read(&self, handle: u64, start: u64, out: &mut [u8]) -> Result<(), String> {
         let shared = &self.0;
-        let len = shared.state().resident.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
+        let len =
+            shared.state().resident.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
         if start.checked_add(out.len() as u64).is_none_or(|end| end > len) {
             return Err(format!("bytes {start}.. ({} bytes) are outside the {len}-byte region", out.len()));
         }
@@ -855,7 +925,11 @@ pub struct Ceilings {
 }
 
 /// Times `run` between two events on `stream` (milliseconds), best of `reps`.
-fn timed(stream: &Arc<CudaStream>, reps: u32, mut run: impl FnMut() -> Result<(), SeamError>) -> Result<f64, SeamError> {
+fn timed(
+    stream: &Arc<CudaStream>,
+    reps: u32,
+    mut run: impl FnMut() -> Result<(), SeamError>,
+) -> Result<f64, SeamError> {
     let mut best = f64::MAX;
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     for _ in 0..reps {
@@ -882,12 +956,14 @@ fn ceilings(shared: &Arc<Shared>, bytes: u64, row: u64) -> Result<Ceilings, Seam
     // Pinned host to device, 256 MiB.
     let pinned_len = (bytes.min(256 << 20)) as usize;
     // SAFETY: the pinned buffer is only copied from, after being written.
-    let mut pinned = unsafe { shared.ctx.alloc_pinned::<u8>(pinned_len) }.map_err(|error| driver("cuMemHostAlloc", error))?;
+    let mut pinned =
+        unsafe { shared.ctx.alloc_pinned::<u8>(pinned_len) }.map_err(|error| driver("cuMemHostAlloc", error))?;
     pinned.as_mut_slice().map_err(|error| driver("cuMemHostAlloc", error))?.fill(7);
     let host_ms = timed(stream, 5, || {
         let host = pinned.as_slice().map_err(|error| driver("cuMemHostAlloc", error))?;
         // SAFETY: the target allocation holds at least `pinned_len` bytes.
-        unsafe { result::memcpy_htod_async(dst_ptr, host, stream.cu_stream()) }.map_err(|error| driver("cuMemcpyHtoDAsync", error))
+        unsafe { result::memcpy_htod_async(dst_ptr, host, stream.cu_stream()) }
+            .map_err(|error| driver("cuMemcpyHtoDAsync", error))
     })?;
     // Rows scattered by a fixed odd-stride permutation.
     let rows = bytes / row;
@@ -897,7 +973,7 @@ fn ceilings(shared: &Arc<Shared>, bytes: u64, row: u64) -> Result<Ceilings, Seam
     for index in 0..rows {
         let from = (index * stride) % rows;
         table.extend([src_ptr + from * row, dst_ptr + index * row, row]);
-        checks.extend([dst_ptr + index * row, 1u64 << 40 | from * row, row]);
+        checks.extend([dst_ptr + index * row, (1u64 << 40) | (from * row), row]);
     }
     let device_table = Shared::upload(stream, &table)?;
     let count = rows;
@@ -918,13 +994,17 @@ fn ceilings(shared: &Arc<Shared>, bytes: u64, row: u64) -> Result<Ceilings, Seam
     })?;
     let flagged = stream.clone_dtoh(&any).map_err(|error| driver("cuMemcpyDtoH", error))?;
     if flagged.first().copied() != Some(0) {
-        return Err(SeamError::Engine { call: "kv_judge", message: "the gathered rows did not compare equal".to_owned() });
+        return Err(SeamError::Engine {
+            call: "kv_judge",
+            message: "the gathered rows did not compare equal".to_owned(),
+        });
     }
     // The copy engines, one copy per row, over at most 20,000 rows (launch-bound; scaled).
     let some = rows.min(20_000);
     let rows_ms = timed(stream, 2, || {
         for index in 0..some {
-            let [src, dst, len] = [table[index as usize * 3], table[index as usize * 3 + 1], table[index as usize * 3 + 2]];
+            let [src, dst, len] =
+                [table[index as usize * 3], table[index as usize * 3 + 1], table[index as usize * 3 + 2]];
             // SAFETY: as for the gather.
             unsafe { result::memcpy_dtod_async(dst, src, len as usize, stream.cu_stream()) }
                 .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;

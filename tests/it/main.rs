@@ -17,6 +17,8 @@ mod conformance;
 mod connector;
 /// Determinism and replay: seeded placement, the trace hash, `--check-determinism`, `--trace-out`, `KVRELAY_SEED`.
 mod determinism;
+/// Decode memory judged where it lives: the oracle's resident path (every machine) and the `cuda` fabric (a GPU).
+mod device;
 /// Real transfer engines in the seat: NIXL (feature `nixl`), a missing library's error.
 mod engines;
 /// Delays, reorders, a hung queue pair and a read after release (the fault kinds after the first ten).

@@ -53,7 +53,8 @@ impl Observation {
     /// layout picture); the first region that cannot be read names the failure.
     pub fn materialise(&mut self) -> Result<(), String> {
         for (key, region) in std::mem::take(&mut self.resident) {
-            let bytes = region.read_all().map_err(|error| format!("decode {} region {}: {error}", key.rank, key.region))?;
+            let bytes =
+                region.read_all().map_err(|error| format!("decode {} region {}: {error}", key.rank, key.region))?;
             self.images.insert(key, bytes);
         }
         Ok(())
@@ -381,7 +382,12 @@ fn judge_resident(
 
 /// Judges resident decode region `key` twice, through its judge and through a host read-back of every byte, and
 /// says how the two verdicts differ (`None`: identical). The `cuda` fabric's cross-check of its device oracle.
-pub fn cross_check_region(problem: &Problem, observation: &Observation, key: RegionKey, verdicts: &Verdicts) -> Option<String> {
+pub fn cross_check_region(
+    problem: &Problem,
+    observation: &Observation,
+    key: RegionKey,
+    verdicts: &Verdicts,
+) -> Option<String> {
     let region = observation.resident.get(&key)?;
     let sources = Sources::new(problem);
     let mut on_device = Vec::new();
@@ -524,7 +530,9 @@ impl RegionCheck<'_> {
         if let Image::Resident(region, asker) = &self.bytes {
             // The whole range first; only where it fails, row by row (as the dense walk reports), each failing row
             // read back.
-            let sentinel = |start, end| asker.ask(region.handle, resident::Query { start, end, expect: resident::Expect::Sentinel });
+            let sentinel = |start, end| {
+                asker.ask(region.handle, resident::Query { start, end, expect: resident::Expect::Sentinel })
+            };
             if sentinel(start, end) {
                 return;
             }

@@ -13,10 +13,9 @@
 //! the judge is the edge.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
-
 
 /// What a range of resident bytes must hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -77,7 +76,7 @@ impl ResidentRegion {
 /// The answers known so far and the questions asked in this round, for the walk of one rank.
 #[derive(Default, Debug)]
 pub(super) struct Asker {
-    answers: HashMap<(u64, Query), bool>,
+    answers: BTreeMap<(u64, Query), bool>,
     asked: RefCell<Vec<(u64, Query)>>,
     /// What failed at the judge (a device error), reported as the region's violation.
     pub(super) errors: RefCell<Vec<String>>,

@@ -1,0 +1,75 @@
+//! `kvrelay bench --fabric cuda`: the GPU's ceilings measured in the same run (device-to-device copy, pinned
+//! host-to-device), the fabric's two ways of executing a batch over scattered rows (the gather kernel, one copy-engine
+//! copy per row) and the oracle's compare kernel, each as a share of the copy ceiling; then the Kimi-K3 32K request
+//! through the engines on the GPU and its verification there. Numbers only, never a pass/fail timing.
+
+#![allow(clippy::disallowed_methods, reason = "the benchmark reads the wall clock at the CLI edge")]
+
+use std::io::Write as _;
+use std::time::Instant;
+
+use super::replay::wave_text;
+use crate::fabric::cuda::CudaTransport;
+use crate::harness::{self, Budget};
+use crate::scenario;
+
+/// Bytes of the ceiling runs: 1 GiB, past the H200's 60 MiB L2 many times over.
+const CEILING_BYTES: u64 = 1 << 30;
+/// A Kimi-K3 MLA token row (576 fp16 values).
+const ROW_BYTES: u64 = 1152;
+
+pub(super) fn bench_cuda(iterations: u32) -> anyhow::Result<()> {
+    let transport = CudaTransport::new().map_err(anyhow::Error::msg)?;
+    outln!("bench: GPU {}", transport.device_name());
+    let ceilings = transport.ceilings(CEILING_BYTES, ROW_BYTES)?;
+    let share = |rate: f64| 100.0 * rate / ceilings.device_copy.max(1e-12);
+    outln!(
+        "ceiling: device-to-device copy {:.0} GB/s of payload ({:.0} GB/s counting read and write), 1 GiB, best of 5",
+        ceilings.device_copy,
+        2.0 * ceilings.device_copy
+    );
+    outln!("ceiling: pinned host-to-device {:.1} GB/s (256 MiB, best of 5)", ceilings.host_to_device);
+    outln!(
+        "gather kernel, 1 GiB of {ROW_BYTES}-byte rows scattered: {:.0} GB/s, {:.0}% of the copy ceiling",
+        ceilings.gather,
+        share(ceilings.gather)
+    );
+    outln!(
+        "copy engines, one cuMemcpyDtoDAsync per {ROW_BYTES}-byte row (20,000 rows): {:.1} GB/s, {:.1}% of the copy ceiling",
+        ceilings.copy_engine_rows,
+        share(ceilings.copy_engine_rows)
+    );
+    outln!(
+        "compare kernel (the oracle's device check) over the same rows: {:.0} GB/s, {:.0}% of the copy ceiling",
+        ceilings.judge,
+        share(ceilings.judge)
+    );
+    let scenario = scenario::parse_seeded(&wave_text(1, 32768), "<bench>", "bench-kimi-k3", Some(0))?;
+    let budget = Budget::unbounded("the GPU's own memory bounds the benchmark");
+    let (mut best_run, mut best_oracle, mut bytes) = (f64::INFINITY, f64::INFINITY, 0u64);
+    for _ in 0..iterations.clamp(1, 5) {
+        let run = harness::Run::new(&scenario, &budget).on(&harness::Fabric::Cuda).engines()?;
+        let run = run.map_err(anyhow::Error::msg)?;
+        anyhow::ensure!(run.failures().is_empty(), "the Kimi-K3 request failed on the GPU: {:?}", run.failures());
+        let start = Instant::now();
+        let violations = harness::oracle(&scenario, &run, &run.observation);
+        let oracle = start.elapsed().as_secs_f64();
+        anyhow::ensure!(violations.is_empty(), "the oracle found {} violations on the GPU", violations.len());
+        bytes = run.observation.writes.iter().map(|write| write.length).sum();
+        best_run = best_run.min(run.run_ns as f64 / 1e9);
+        best_oracle = best_oracle.min(oracle);
+    }
+    let rate = |seconds: f64| bytes as f64 / seconds.max(1e-12) / 1e9;
+    outln!(
+        "kimi-k3 32K request (KV and KDA state, {bytes} B) through the engines on the GPU, end to end (bootstrap, planning, writes, completions): {best_run:.4} s, {:.1} GB/s, {:.1}% of the copy ceiling",
+        rate(best_run),
+        share(rate(best_run))
+    );
+    outln!(
+        "its verification on the GPU (the oracle's enumeration on the host, compares on the device): {best_oracle:.4} s, {:.1} GB/s, {:.1}% of the copy ceiling",
+        rate(best_oracle),
+        share(rate(best_oracle))
+    );
+    outln!("device memory peak: {} bytes", transport.peak_bytes());
+    Ok(())
+}

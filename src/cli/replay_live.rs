@@ -1,0 +1,200 @@
+//! `kvrelay replay --fabric F` on a real-clock fabric (`cuda`: the GPU): the same load shape in waves of
+//! `concurrency` requests, each wave through the engines on `F` with the live driver and every decode byte judged
+//! where it lives (the oracle's resident path on the GPU, cross-checked by a host read-back of one region per
+//! decode rank). One warm-up wave of one request goes first, not counted. Numbers only.
+
+#![allow(clippy::disallowed_methods, reason = "the replay reads the wall clock at the CLI edge")]
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use super::replay::{percentile, wave_text, ReplayArgs};
+use crate::engine::live::LiveOptions;
+use crate::harness::{self, Budget};
+use crate::scenario::{self, Scenario};
+
+/// Why a live wave's run needs no byte budget: the fabric's own memory bounds it (an allocation the GPU cannot
+/// hold is refused with its size).
+const DEVICE_BOUND: &str = "a live replay is bounded by the fabric's own memory";
+
+/// One wave's figures.
+struct Wave {
+    failed: usize,
+    violations: usize,
+    cross_check: Vec<String>,
+    bytes: u64,
+    latencies_ms: Vec<f64>,
+    engine_seconds: f64,
+    oracle_seconds: f64,
+}
+
+fn run_wave(scenario: &Scenario, fabric: &harness::Fabric) -> anyhow::Result<Wave> {
+    let live = LiveOptions { time_limit: Duration::from_secs(300), ..LiveOptions::default() };
+    let start = Instant::now();
+    let run = harness::Run::new(scenario, &Budget::unbounded(DEVICE_BOUND)).on(fabric).live_options(&live).engines()?;
+    let run = run.map_err(anyhow::Error::msg)?;
+    let engine_seconds = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let violations = harness::oracle(scenario, &run, &run.observation).len();
+    let oracle_seconds = start.elapsed().as_secs_f64();
+    let cross_check =
+        harness::cross_check(scenario, Some(&run), &run.observation).into_iter().map(|it| it.text).collect();
+    // A request's latency: when its last decode room ended, on the run's real clock (every room starts at once).
+    let mut ended: BTreeMap<u64, u64> = BTreeMap::new();
+    for rooms in run.rooms.values() {
+        for (id, room) in rooms {
+            let at = ended.entry(*id).or_default();
+            *at = (*at).max(room.ended_ns.unwrap_or(run.run_ns));
+        }
+    }
+    Ok(Wave {
+        failed: run.failures().len(),
+        violations,
+        cross_check,
+        bytes: run.observation.writes.iter().map(|write| write.length).sum(),
+        latencies_ms: ended.values().map(|ns| *ns as f64 / 1e6).collect(),
+        engine_seconds,
+        oracle_seconds,
+    })
+}
+
+/// Requests per wave: `concurrency`, halved while a wave's registered memory would not fit in `free` bytes.
+fn wave_size(concurrency: u32, tokens: u32, free: Option<u64>) -> anyhow::Result<u32> {
+    let mut size = concurrency;
+    while let Some(free) = free {
+        let probe = scenario::parse_seeded(&wave_text(size, tokens), "<replay>", "replay-kimi-k3", Some(0))?;
+        let needed = harness::simulated_bytes(&probe.problem).unwrap_or(u64::MAX);
+        if needed <= free / 10 * 9 || size == 1 {
+            break;
+        }
+        size /= 2;
+    }
+    Ok(size)
+}
+
+pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow::Result<ExitCode> {
+    let (requests, tokens, concurrency) = (args.requests.max(1), args.tokens.max(1), args.concurrency.max(1));
+    outln!(
+        "replay: {requests} requests of {tokens} input tokens at concurrency {concurrency}, Kimi-K3 prefill PP8/TP1 -> decode TP8/DCP8 with KDA state, on the {} fabric (live driver, real clock), every decode byte judged where it lives",
+        fabric.name()
+    );
+    let device = Device::open(fabric)?;
+    let batch = wave_size(concurrency, tokens, device.as_ref().map(Device::free_bytes))?;
+    if batch < concurrency {
+        outln!("note: {concurrency} requests of {tokens} tokens do not fit the device's free memory; waves of {batch}");
+    }
+    let warm = scenario::parse_seeded(&wave_text(1, tokens), "<replay>", "replay-kimi-k3", Some(0))?;
+    let probe = run_wave(&warm, fabric)?;
+    if probe.violations > 0 || probe.failed > 0 || !probe.cross_check.is_empty() {
+        anyhow::bail!("the one-request warm-up wave failed: run `kvrelay replay --fabric {} --requests 1 --concurrency 1 --tokens {tokens}`", fabric.name());
+    }
+    if let Some(device) = &device {
+        device.reset_peak();
+    }
+    let start = Instant::now();
+    let (mut done, mut wave) = (0u32, 0u64);
+    let (mut bytes, mut violations, mut failed, mut engine_seconds, mut oracle_seconds) =
+        (0u64, 0usize, 0usize, 0.0, 0.0);
+    let mut cross_check = Vec::new();
+    let mut latencies_ms = Vec::new();
+    let mut stderr = std::io::stderr();
+    while done < requests {
+        let count = batch.min(requests - done);
+        let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave + 1))?;
+        let figures = run_wave(&scenario, fabric).map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
+        failed += figures.failed;
+        violations += figures.violations;
+        cross_check.extend(figures.cross_check);
+        bytes += figures.bytes;
+        latencies_ms.extend(figures.latencies_ms);
+        engine_seconds += figures.engine_seconds;
+        oracle_seconds += figures.oracle_seconds;
+        done += count;
+        wave += 1;
+        let seconds = start.elapsed().as_secs_f64();
+        let _ = write!(
+            stderr,
+            "\rreplay: {done}/{requests} requests, {:.0} input tokens/s, {seconds:.1} s",
+            f64::from(done) * f64::from(tokens) / seconds.max(1e-12)
+        );
+        let _ = stderr.flush();
+    }
+    let _ = writeln!(stderr);
+    let seconds = start.elapsed().as_secs_f64();
+    let input_tokens = u64::from(requests) * u64::from(tokens);
+    latencies_ms.sort_by(f64::total_cmp);
+    outln!("requests: {requests}");
+    outln!("input tokens: {input_tokens}");
+    outln!("seconds: {seconds:.3} (engines {engine_seconds:.3}, oracle {oracle_seconds:.3})");
+    outln!("input tokens/s: {:.0}", input_tokens as f64 / seconds.max(1e-12));
+    outln!("bytes moved: {bytes}");
+    outln!("bytes/s: {:.0}", bytes as f64 / seconds.max(1e-12));
+    if let Some(device) = &device {
+        outln!("device: {}", device.name());
+        outln!("device memory peak bytes: {}", device.peak_bytes());
+    }
+    outln!(
+        "latency ms (real clock, each request's last decode room in its wave): p50 {:.3} p90 {:.3} p99 {:.3} max {:.3}",
+        percentile(&latencies_ms, 0.50),
+        percentile(&latencies_ms, 0.90),
+        percentile(&latencies_ms, 0.99),
+        percentile(&latencies_ms, 1.0)
+    );
+    outln!("failed requests: {failed}");
+    outln!("violations: {violations}");
+    outln!("cross-check disagreements (device oracle vs host read-back): {}", cross_check.len());
+    for text in cross_check.iter().take(5) {
+        outln!("  {text}");
+    }
+    let pass = violations == 0 && failed == 0 && cross_check.is_empty();
+    Ok(if pass { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The GPU of a `cuda` replay, for its free memory and peak.
+#[cfg(feature = "cuda")]
+struct Device(crate::fabric::cuda::CudaTransport);
+
+#[cfg(feature = "cuda")]
+impl Device {
+    fn open(fabric: &harness::Fabric) -> anyhow::Result<Option<Device>> {
+        if *fabric != harness::Fabric::Cuda {
+            return Ok(None);
+        }
+        Ok(Some(Device(crate::fabric::cuda::CudaTransport::new().map_err(anyhow::Error::msg)?)))
+    }
+    fn free_bytes(&self) -> u64 {
+        self.0.free_bytes()
+    }
+    fn reset_peak(&self) {
+        self.0.reset_peak();
+    }
+    fn peak_bytes(&self) -> u64 {
+        self.0.peak_bytes()
+    }
+    fn name(&self) -> String {
+        self.0.device_name().to_owned()
+    }
+}
+
+/// No GPU in this build: nothing to ask.
+#[cfg(not(feature = "cuda"))]
+struct Device;
+
+#[cfg(not(feature = "cuda"))]
+impl Device {
+    fn open(_: &harness::Fabric) -> anyhow::Result<Option<Device>> {
+        Ok(None)
+    }
+    fn free_bytes(&self) -> u64 {
+        0
+    }
+    fn reset_peak(&self) {}
+    fn peak_bytes(&self) -> u64 {
+        0
+    }
+    fn name(&self) -> String {
+        String::new()
+    }
+}

@@ -1,0 +1,217 @@
+//! Decode memory judged where it lives (the oracle's resident path, `verify/resident.rs`) and the `cuda` fabric.
+//!
+//! The resident path is tested on every machine with a judge over host bytes: it must give exactly the dense
+//! oracle's violations, coordinates included, however the wrong bytes lie. The tests that need a GPU (feature
+//! `cuda`) say `skipped: ...` on stderr and return where no GPU answers: CI has none; `ci/gpu.sh` runs them on one.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use kvrelay::harness::{self, Budget, Fabric};
+use kvrelay::scenario::{self, Scenario};
+use kvrelay::verify::{self, pattern, Expect, Judge, Observation, Query, RegionKey, ResidentRegion};
+
+/// One line on stderr (a skip said, never silent).
+fn say(line: &str) {
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{line}\n").as_bytes());
+}
+
+fn corpus(file: &str) -> Scenario {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join(file);
+    scenario::load(&path).unwrap_or_else(|error| panic!("{error}"))
+}
+
+/// A judge over host copies of the regions, answering as the device compare does (`pattern`'s matchers); counts
+/// the queries it was asked.
+#[derive(Default)]
+struct HostJudge {
+    regions: Mutex<BTreeMap<u64, Vec<u8>>>,
+    asked: Mutex<usize>,
+    calls: Mutex<usize>,
+    reads: Mutex<usize>,
+}
+
+impl Judge for HostJudge {
+    fn judge(&self, queries: &[(u64, Query)]) -> Result<Vec<bool>, String> {
+        *self.asked.lock().unwrap() += queries.len();
+        *self.calls.lock().unwrap() += 1;
+        let regions = self.regions.lock().unwrap();
+        Ok(queries
+            .iter()
+            .map(|(handle, query)| {
+                let bytes = &regions[handle][query.start as usize..query.end as usize];
+                match query.expect {
+                    Expect::Source { number, offset } => pattern::matches_source(number, offset, bytes),
+                    Expect::Sentinel => pattern::matches_sentinel(query.start, bytes),
+                }
+            })
+            .collect())
+    }
+
+    fn read(&self, handle: u64, start: u64, out: &mut [u8]) -> Result<(), String> {
+        *self.reads.lock().unwrap() += 1;
+        let regions = self.regions.lock().unwrap();
+        out.copy_from_slice(&regions[&handle][start as usize..start as usize + out.len()]);
+        Ok(())
+    }
+
+    fn name(&self) -> String {
+        "host judge".to_owned()
+    }
+}
+
+/// `observation` with every decode image moved behind one [`HostJudge`].
+fn resident(observation: &Observation) -> (Observation, Arc<HostJudge>) {
+    let judge = Arc::new(HostJudge::default());
+    let mut moved = Observation { writes: observation.writes.clone(), ..Observation::default() };
+    for (index, (key, bytes)) in observation.images.iter().enumerate() {
+        let handle = (index as u64 + 1) << 32;
+        judge.regions.lock().unwrap().insert(handle, bytes.clone());
+        let region = ResidentRegion { judge: judge.clone(), handle, len: bytes.len() as u64, keep: Arc::new(()) };
+        moved.resident.insert(*key, region);
+    }
+    (moved, judge)
+}
+
+/// The DCP relayout scenario run on the in-memory fabric with dense images.
+fn dense_run(file: &str) -> (Scenario, Observation) {
+    let scenario = corpus(file);
+    let outcome = harness::run_on(&scenario, &Budget::bytes(1 << 30), &Fabric::LiveSim, false).expect("runs");
+    assert!(outcome.passed(), "{}", outcome.failure_text("; "));
+    (scenario, outcome.observation)
+}
+
+#[test]
+fn a_clean_resident_observation_passes_in_one_round_of_queries() {
+    let (scenario, observation) = dense_run("engines/dcp-relayout-two-stages.yaml");
+    let (moved, judge) = resident(&observation);
+    assert!(verify::check(&scenario.problem, &moved).is_empty());
+    assert!(*judge.asked.lock().unwrap() > 0, "the resident path asked nothing");
+    // One round per decode rank (every piece and gap asked in one call), nothing read back.
+    assert_eq!(*judge.calls.lock().unwrap(), scenario.problem.decode.ranks.len());
+    assert_eq!(*judge.reads.lock().unwrap(), 0, "clean memory was read back");
+}
+
+#[test]
+fn wrong_bytes_in_resident_memory_read_as_the_dense_oracle_reads_them() {
+    let (scenario, observation) = dense_run("engines/dcp-relayout-two-stages.yaml");
+    let keys: Vec<RegionKey> = observation.images.keys().copied().collect();
+    // A flipped byte inside a written row, a written row shifted by 8 bytes, and a byte of never-written memory.
+    let mut planted = observation.clone();
+    let (first, last) = (observation.writes[0], observation.writes[observation.writes.len() - 1]);
+    planted.images.get_mut(&first.target).unwrap()[first.offset as usize + 1] ^= 0xFF;
+    let (start, end) = (last.offset as usize, (last.offset + last.length) as usize);
+    planted.images.get_mut(&last.target).unwrap().copy_within(start..end - 8, start + 8);
+    let unwritten = keys.iter().find_map(|key| {
+        let len = observation.images[key].len() as u64;
+        let written = |at: u64| {
+            observation.writes.iter().any(|w| w.target == *key && (w.offset..w.offset + w.length).contains(&at))
+        };
+        (0..len).rev().step_by(4096).find(|at| !written(*at)).map(|at| (*key, at))
+    });
+    let (key, at) = unwritten.expect("some decode memory is never written");
+    planted.images.get_mut(&key).unwrap()[at as usize] = 0;
+    let dense = verify::check(&scenario.problem, &planted);
+    assert!(dense.len() >= 3, "the planted bytes were not all found: {dense:?}");
+    let (moved, _) = resident(&planted);
+    let on_judge = verify::check(&scenario.problem, &moved);
+    assert_eq!(on_judge, dense, "the resident path reads other coordinates than the dense oracle");
+    for key in &keys {
+        let cross = verify::cross_check_region(&scenario.problem, &moved, *key, &verify::Verdicts::all_succeeded());
+        assert_eq!(cross, None, "device and read-back verdicts differ on {key:?}");
+    }
+}
+
+#[test]
+fn a_judge_that_fails_is_a_violation_never_a_pass() {
+    struct Broken;
+    impl Judge for Broken {
+        fn judge(&self, _: &[(u64, Query)]) -> Result<Vec<bool>, String> {
+            Err("the device is gone".to_owned())
+        }
+        fn read(&self, _: u64, _: u64, _: &mut [u8]) -> Result<(), String> {
+            Err("the device is gone".to_owned())
+        }
+        fn name(&self) -> String {
+            "broken".to_owned()
+        }
+    }
+    let (scenario, observation) = dense_run("engines/dcp-relayout-two-stages.yaml");
+    let mut moved = Observation { writes: observation.writes.clone(), ..Observation::default() };
+    for (key, bytes) in &observation.images {
+        let region = ResidentRegion { judge: Arc::new(Broken), handle: 1, len: bytes.len() as u64, keep: Arc::new(()) };
+        moved.resident.insert(*key, region);
+    }
+    let violations = verify::check(&scenario.problem, &moved);
+    assert!(!violations.is_empty());
+    assert!(violations
+        .iter()
+        .all(|violation| violation.to_string().contains("could not be judged: the device is gone")));
+}
+
+#[test]
+fn the_cuda_fabric_is_a_clear_error_where_it_cannot_run() {
+    let scenario = corpus("engines/dcp-relayout-two-stages.yaml");
+    let outcome = harness::run_on(&scenario, &Budget::bytes(1 << 30), &Fabric::Cuda, false);
+    match outcome {
+        Ok(outcome) if outcome.passed() => say("skipped: a GPU answered, and the scenario passed on it"),
+        Ok(outcome) => {
+            let text = outcome.failure_text("; ");
+            assert!(text.contains("fix:"), "no fix named: {text}");
+            assert!(text.contains("cuda") || text.contains("CUDA") || text.contains("GPU"), "{text}");
+        }
+        Err(error) => panic!("a missing GPU is a failed run, not a harness error: {error}"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use kvrelay::fabric::cuda::{self, CudaTransport};
+
+    /// The GPU, or why there is none (the caller skips, saying so).
+    fn gpu() -> Option<CudaTransport> {
+        match CudaTransport::new() {
+            Ok(transport) => Some(transport),
+            Err(error) => {
+                say(&format!("skipped: no GPU here ({error})"));
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn a_planted_wrong_byte_in_device_memory_is_caught_with_the_host_oracles_coordinates() {
+        let Some(_gpu) = gpu() else { return };
+        let scenario = corpus("engines/dcp-relayout-two-stages.yaml");
+        let outcome = harness::run_on(&scenario, &Budget::bytes(1 << 30), &Fabric::Cuda, false).expect("runs");
+        assert!(outcome.passed(), "{}", outcome.failure_text("; "));
+        let observation = outcome.observation;
+        let (key, region) = observation.resident.iter().next().expect("decode memory stayed on the GPU");
+        cuda::plant(&*region.keep, 7, 0xA5).expect("planted");
+        let run = outcome.engine.as_ref().expect("ran");
+        let on_device = harness::oracle(&scenario, run, &observation);
+        let mut read_back = observation.clone();
+        read_back.materialise().expect("read back");
+        let on_host = harness::oracle(&scenario, run, &read_back);
+        assert_eq!(on_device.len(), 1, "{on_device:?}");
+        assert_eq!(on_device, on_host, "device and host oracles disagree");
+        assert_eq!(on_device[0].rank, key.rank);
+        assert!(on_device[0].to_string().contains("row 0"), "{}", on_device[0]);
+    }
+
+    #[test]
+    fn the_corpus_runs_identically_on_the_gpu_and_the_in_memory_fabric() {
+        let Some(_gpu) = gpu() else { return };
+        for file in [
+            "engines/dcp-relayout-two-stages.yaml",
+            "basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml",
+            "mha/llama-3-8b-tp8-to-tp2.yaml",
+        ] {
+            let report = harness::diff(&corpus(file), &Budget::bytes(1 << 30), &Fabric::Cuda).expect("runs");
+            assert!(report.other.passed(), "{file}: {}", report.other.failure_text("; "));
+            assert!(report.differences.is_empty(), "{file}: {:?}", &report.differences[..1]);
+        }
+    }
+}
