@@ -18,7 +18,8 @@
 //!   `$KVRELAY_CUDA_DEVICE` (default 0), so ranks are engines of one process; a peer in another process is refused
 //!   at connect (its device addresses would need CUDA IPC handles, which this fabric does not advertise yet).
 
-#![allow(unsafe_code, reason = "kernel launches and raw device copies (cudarc's unsafe calls), bounds checked first")]
+#![allow(unsafe_code)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -955,9 +956,11 @@ fn ceilings(shared: &Arc<Shared>, bytes: u64, row: u64) -> Result<Ceilings, Seam
     })?;
     // Pinned host to device, 256 MiB.
     let pinned_len = (bytes.min(256 << 20)) as usize;
-    // SAFETY: the pinned buffer is only copied from, after being written.
-    let mut pinned =
-        unsafe { shared.ctx.alloc_pinned::<u8>(pinned_len) }.map_err(|error| driver("cuMemHostAlloc", error))?;
+    let mut pinned = {
+        // SAFETY: the pinned buffer is only copied from, after being written.
+        unsafe { shared.ctx.alloc_pinned::<u8>(pinned_len) }
+    }
+    .map_err(|error| driver("cuMemHostAlloc", error))?;
     pinned.as_mut_slice().map_err(|error| driver("cuMemHostAlloc", error))?.fill(7);
     let host_ms = timed(stream, 5, || {
         let host = pinned.as_slice().map_err(|error| driver("cuMemHostAlloc", error))?;

@@ -343,8 +343,9 @@ fn an_unknown_fabric_is_an_error_naming_the_choices() {
     let output = kvrelay(&["run", "--fabric", "tcp", "scenarios/basic/baseline-tp1-to-tp1.yaml"]);
     assert!(!output.status.success());
     assert!(
-        text(&output.stderr)
-            .contains("unknown fabric `tcp` (fix: sim, live-sim, rdma, nixl, plugin:PATH, child:COMMAND or mooncake)"),
+        text(&output.stderr).contains(
+            "unknown fabric `tcp` (fix: sim, live-sim, rdma, nixl, cuda, plugin:PATH, child:COMMAND or mooncake)"
+        ),
         "{}",
         text(&output.stderr)
     );

@@ -1,4 +1,4 @@
-//! Kept device memory handed to the oracle: the fabric's [`Compare`] (checks against patterns) answering the
+//! The drivers' half (called from `sim::finish_nodes`, never from an engine): kept device memory handed to the oracle: the fabric's [`Compare`] (checks against patterns) answering the
 //! oracle's [`Judge`] questions. The one place the two vocabularies meet, so that the fabric knows no oracle and the
 //! oracle no fabric.
 
