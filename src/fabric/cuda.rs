@@ -505,23 +505,43 @@ impl CudaEngine {
     fn lower(&self, peer: &Peer, batch: &Batch) -> Result<Result<Vec<[u64; 3]>, BatchStatus>, SeamError> {
         let mut copies = Vec::with_capacity(batch.entries.len());
         let state = self.shared.state();
+        // Entries of one batch mostly name the same few regions: each is looked up and checked once.
+        let mut local: Option<(u32, &Region)> = None;
+        let mut remote: Option<(u32, RemoteMemory)> = None;
         for entry in &batch.entries {
-            let region = self.regions.get(&entry.local).ok_or(SeamError::UnknownMemory(entry.local))?;
-            let local_end = entry.local_offset.checked_add(entry.len);
-            if local_end.is_none_or(|end| end > region.len) {
+            let region = match local {
+                Some((id, region)) if id == entry.local => region,
+                _ => {
+                    let region = self.regions.get(&entry.local).ok_or(SeamError::UnknownMemory(entry.local))?;
+                    local = Some((entry.local, region));
+                    region
+                }
+            };
+            if entry.local_offset.checked_add(entry.len).is_none_or(|end| end > region.len) {
                 return Ok(Err(BatchStatus::LocalProtection));
             }
-            let Some(remote) = peer.remote.get(entry.remote as usize) else {
-                return Ok(Err(BatchStatus::RemoteAccess));
+            let target = match remote {
+                Some((index, target)) if index == entry.remote => target,
+                _ => {
+                    let Some(target) = peer.remote.get(entry.remote as usize).copied() else {
+                        return Ok(Err(BatchStatus::RemoteAccess));
+                    };
+                    let alive = state
+                        .live
+                        .get(&target.addr)
+                        .is_some_and(|(len, owner)| *len == target.len && *owner == target.key);
+                    if !alive {
+                        return Ok(Err(BatchStatus::RemoteAccess));
+                    }
+                    remote = Some((entry.remote, target));
+                    target
+                }
             };
-            let remote_end = entry.remote_offset.checked_add(entry.len);
-            let alive =
-                state.live.get(&remote.addr).is_some_and(|(len, owner)| *len == remote.len && *owner == remote.key);
-            if !alive || remote_end.is_none_or(|end| end > remote.len) {
+            if entry.remote_offset.checked_add(entry.len).is_none_or(|end| end > target.len) {
                 return Ok(Err(BatchStatus::RemoteAccess));
             }
             if entry.len > 0 {
-                copies.push([region.ptr + entry.local_offset, remote.addr + entry.remote_offset, entry.len]);
+                copies.push([region.ptr + entry.local_offset, target.addr + entry.remote_offset, entry.len]);
             }
         }
         Ok(Ok(copies))
@@ -544,10 +564,14 @@ impl CudaEngine {
             return Ok(None);
         }
         let mut table = Vec::with_capacity(copies.len() * 3);
-        for [src, dst, len] in copies {
+        for &[src, dst, len] in copies {
+            if len <= PIECE_BYTES {
+                table.extend([src, dst, len]);
+                continue;
+            }
             let mut done = 0;
-            while done < *len {
-                let piece = (*len - done).min(PIECE_BYTES);
+            while done < len {
+                let piece = (len - done).min(PIECE_BYTES);
                 table.extend([src + done, dst + done, piece]);
                 done += piece;
             }

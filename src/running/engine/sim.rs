@@ -545,7 +545,10 @@ pub(super) fn finish_nodes<N: TransferEngine>(
     // Prefill bytes are not observed: handed back sparsely, so a lazily filled source is never materialised.
     for node in prefill.iter_mut() {
         for region in &node.regions {
-            drop(node.nic.release(region, true)?);
+            // Memory an engine can keep where it lives is dropped there, never read back (device memory).
+            if node.nic.resident(region).is_none() {
+                drop(node.nic.release(region, true)?);
+            }
         }
     }
     let mut rooms = BTreeMap::new();
