@@ -218,7 +218,8 @@ pub enum Command {
 pub struct FabricArgs {
     /// `sim` (in-memory, simulated time), `live-sim` (in-memory, real clock), `rdma` (verbs; needs the `rdma`
     /// feature), `nixl` (NIXL over UCX on host memory; needs the `nixl` feature and `bash ci/engines.sh`),
-    /// `mooncake` (Mooncake's Transfer Engine behind the child protocol; `bash ci/engines.sh`), `child:COMMAND` (a
+    /// `mooncake` (Mooncake's Transfer Engine behind the child protocol; `bash ci/engines.sh`), `cuda` (GPU memory:
+    /// every rank's regions on GPU `$KVRELAY_CUDA_DEVICE`, judged there; needs the `cuda` feature), `child:COMMAND` (a
     /// program speaking kvrelay-transport-1, src/fabric/child/README.md) or `plugin:PATH` (a C ABI transport
     /// plug-in, src/fabric/kvrelay_transport.h). `diff`, `serve` and `launch` default to `rdma`, `run` and `check`
     /// to `sim`.

@@ -69,6 +69,7 @@ fn cargo_run(fabric: &harness::Fabric) -> &'static str {
     match fabric {
         harness::Fabric::Rdma { .. } => "cargo run --release --features rdma --",
         harness::Fabric::Nixl => "cargo run --release --features nixl --",
+        harness::Fabric::Cuda => "cargo run --release --features cuda --",
         _ => "cargo run --release --",
     }
 }
