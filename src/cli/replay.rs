@@ -70,7 +70,42 @@ fn wave_size(concurrency: u32, tokens: u32, budget: &Budget, pool: &ChunkPool) -
 }
 
 /// The value at quantile `q` (nearest rank) of sorted `values`.
-pub(super) fn percentile(sorted: &[f64], q: f64) -> f64 {
+/// A request's latency in a wave's run: when its last decode room ended (every room starts at the run's start), in
+/// milliseconds of the run's clock (simulated, or real for a live fabric).
+pub(super) fn request_latencies_ms(run: &crate::engine::sim::SimRun) -> Vec<f64> {
+    let mut ended: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+    for rooms in run.rooms.values() {
+        for (id, room) in rooms {
+            let at = ended.entry(*id).or_default();
+            *at = (*at).max(room.ended_ns.unwrap_or(run.run_ns));
+        }
+    }
+    ended.values().map(|ns| *ns as f64 / 1e6).collect()
+}
+
+/// The progress line on stderr after `done` of `requests` requests.
+pub(super) fn progress(stderr: &mut std::io::Stderr, done: u32, requests: u32, tokens: u32, start: &Instant) {
+    let seconds = start.elapsed().as_secs_f64();
+    let _ = write!(
+        stderr,
+        "\rreplay: {done}/{requests} requests, {:.0} input tokens/s, {seconds:.1} s",
+        f64::from(done) * f64::from(tokens) / seconds.max(1e-12)
+    );
+    let _ = stderr.flush();
+}
+
+/// `latency ms (what): p50 .. p90 .. p99 .. max ..` of sorted `latencies_ms`.
+pub(super) fn latency_line(what: &str, latencies_ms: &[f64]) -> String {
+    format!(
+        "latency ms ({what}): p50 {:.3} p90 {:.3} p99 {:.3} max {:.3}",
+        percentile(latencies_ms, 0.50),
+        percentile(latencies_ms, 0.90),
+        percentile(latencies_ms, 0.99),
+        percentile(latencies_ms, 1.0)
+    )
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
@@ -108,25 +143,11 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         failed += run.failures().len();
         violations += harness::oracle(&scenario, &run, &run.observation).len();
         bytes += run.observation.writes.iter().map(|write| write.length).sum::<u64>();
-        // A request's latency: the simulated time its last decode room ended (the run starts every room at 0).
-        let mut ended: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
-        for rooms in run.rooms.values() {
-            for (id, room) in rooms {
-                let at = ended.entry(*id).or_default();
-                *at = (*at).max(room.ended_ns.unwrap_or(run.run_ns));
-            }
-        }
-        latencies_ms.extend(ended.values().map(|ns| *ns as f64 / 1e6));
+        latencies_ms.extend(request_latencies_ms(&run));
         crate::engine::sim::recycle(&pool, run.observation);
         done += count;
         wave += 1;
-        let seconds = start.elapsed().as_secs_f64();
-        let _ = write!(
-            stderr,
-            "\rreplay: {done}/{requests} requests, {:.0} input tokens/s, {seconds:.1} s",
-            f64::from(done) * f64::from(tokens) / seconds.max(1e-12)
-        );
-        let _ = stderr.flush();
+        progress(&mut stderr, done, requests, tokens, &start);
     }
     let _ = writeln!(stderr);
     let seconds = start.elapsed().as_secs_f64();
@@ -140,13 +161,7 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     outln!("bytes moved: {bytes}");
     outln!("bytes/s: {:.0}", bytes as f64 / seconds.max(1e-12));
     outln!("peak rss bytes: {}", peak.map_or_else(|| "unknown".to_owned(), |peak| peak.to_string()));
-    outln!(
-        "latency ms (simulated completion of each request's rooms in its wave): p50 {:.3} p90 {:.3} p99 {:.3} max {:.3}",
-        percentile(&latencies_ms, 0.50),
-        percentile(&latencies_ms, 0.90),
-        percentile(&latencies_ms, 0.99),
-        percentile(&latencies_ms, 1.0)
-    );
+    outln!("{}", latency_line("simulated completion of each request's rooms in its wave", &latencies_ms));
     outln!("failed requests: {failed}");
     outln!("violations: {violations}");
     Ok(if violations == 0 && failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })

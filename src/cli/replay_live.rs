@@ -5,12 +5,11 @@
 
 #![allow(clippy::disallowed_methods, reason = "the replay reads the wall clock at the CLI edge")]
 
-use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use super::replay::{percentile, wave_text, ReplayArgs};
+use super::replay::{latency_line, progress, request_latencies_ms, wave_text, ReplayArgs};
 use crate::engine::live::LiveOptions;
 use crate::harness::{self, Budget};
 use crate::scenario::{self, Scenario};
@@ -41,20 +40,12 @@ fn run_wave(scenario: &Scenario, fabric: &harness::Fabric) -> anyhow::Result<Wav
     let oracle_seconds = start.elapsed().as_secs_f64();
     let cross_check =
         harness::cross_check(scenario, Some(&run), &run.observation).into_iter().map(|it| it.text).collect();
-    // A request's latency: when its last decode room ended, on the run's real clock (every room starts at once).
-    let mut ended: BTreeMap<u64, u64> = BTreeMap::new();
-    for rooms in run.rooms.values() {
-        for (id, room) in rooms {
-            let at = ended.entry(*id).or_default();
-            *at = (*at).max(room.ended_ns.unwrap_or(run.run_ns));
-        }
-    }
     Ok(Wave {
         failed: run.failures().len(),
         violations,
         cross_check,
         bytes: run.observation.writes.iter().map(|write| write.length).sum(),
-        latencies_ms: ended.values().map(|ns| *ns as f64 / 1e6).collect(),
+        latencies_ms: request_latencies_ms(&run),
         engine_seconds,
         oracle_seconds,
     })
@@ -113,13 +104,7 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
         oracle_seconds += figures.oracle_seconds;
         done += count;
         wave += 1;
-        let seconds = start.elapsed().as_secs_f64();
-        let _ = write!(
-            stderr,
-            "\rreplay: {done}/{requests} requests, {:.0} input tokens/s, {seconds:.1} s",
-            f64::from(done) * f64::from(tokens) / seconds.max(1e-12)
-        );
-        let _ = stderr.flush();
+        progress(&mut stderr, done, requests, tokens, &start);
     }
     let _ = writeln!(stderr);
     let seconds = start.elapsed().as_secs_f64();
@@ -135,13 +120,7 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
         outln!("device: {}", device.name());
         outln!("device memory peak bytes: {}", device.peak_bytes());
     }
-    outln!(
-        "latency ms (real clock, each request's last decode room in its wave): p50 {:.3} p90 {:.3} p99 {:.3} max {:.3}",
-        percentile(&latencies_ms, 0.50),
-        percentile(&latencies_ms, 0.90),
-        percentile(&latencies_ms, 0.99),
-        percentile(&latencies_ms, 1.0)
-    );
+    outln!("{}", latency_line("real clock, each request's last decode room in its wave", &latencies_ms));
     outln!("failed requests: {failed}");
     outln!("violations: {violations}");
     outln!("cross-check disagreements (device oracle vs host read-back): {}", cross_check.len());
