@@ -45,7 +45,7 @@ pub(super) fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64
             failed += 1;
             let name = fabric_flag(fabric);
             eprintln!("FAIL diff {}", scenario.file);
-            eprintln!("reproduce: {} diff {} {name} --seed {}", cargo_run(fabric), scenario.file, scenario.seed);
+            eprintln!("reproduce: {} diff {} {name} --seed {}", fabric.cargo_run(), scenario.file, scenario.seed);
         }
     }
     let compared = paths.len() - skipped;
@@ -62,16 +62,6 @@ pub(super) fn diff(paths: &[PathBuf], fabric: &harness::Fabric, seed: Option<u64
 /// The `--fabric`/`--device` flags that select `fabric`.
 fn fabric_flag(fabric: &harness::Fabric) -> String {
     fabric.flags().join(" ")
-}
-
-/// `cargo run` with the features `fabric` needs.
-fn cargo_run(fabric: &harness::Fabric) -> &'static str {
-    match fabric {
-        harness::Fabric::Rdma { .. } => "cargo run --release --features rdma --",
-        harness::Fabric::Nixl => "cargo run --release --features nixl --",
-        harness::Fabric::Cuda => "cargo run --release --features cuda --",
-        _ => "cargo run --release --",
-    }
 }
 
 /// `kvrelay serve`: one rank; a decode rank prints its verdict (human line and machine line).
@@ -161,7 +151,7 @@ pub(super) fn launch(
         );
         eprintln!(
             "reproduce: {} launch {} {}{chaos} --seed {}",
-            cargo_run(&options.fabric),
+            options.fabric.cargo_run(),
             scenario.file,
             fabric_flag(&options.fabric),
             scenario.seed

@@ -88,11 +88,7 @@ fn reproduce(scenario: &Scenario, args: &RunArgs, fabric: &Fabric) -> String {
     if check_determinism {
         words.push("--check-determinism".to_owned());
     }
-    let cargo = match fabric {
-        Fabric::Rdma { .. } => "cargo run --release --features rdma --",
-        _ => "cargo run --release --",
-    };
-    format!("reproduce: {cargo} run {}", words.join(" "))
+    format!("reproduce: {} run {}", fabric.cargo_run(), words.join(" "))
 }
 
 /// `text` as one shell word: as is when it is made of safe characters, else single-quoted.

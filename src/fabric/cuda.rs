@@ -378,7 +378,11 @@ fn quietly<T>(call: impl FnOnce() -> T + std::panic::UnwindSafe) -> Result<T, St
             .downcast_ref::<String>()
             .cloned()
             .or_else(|| panic.downcast_ref::<&str>().map(|text| (*text).to_owned()))
-            .unwrap_or_else(|| "the CUDA libraries did not load".to_owned())
+            .map_or_else(
+                || "the CUDA libraries did not load".to_owned(),
+                // cudarc lists every library name it tried: the first clause says what is missing.
+                |text| text.split(" - searched").next().unwrap_or_default().to_owned(),
+            )
     })
 }
 

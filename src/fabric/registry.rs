@@ -101,6 +101,16 @@ impl Fabric {
 }
 
 impl Fabric {
+    /// `cargo run` with the cargo feature this fabric needs, for reproduce lines.
+    pub fn cargo_run(&self) -> &'static str {
+        match self {
+            Fabric::Rdma { .. } => "cargo run --release --features rdma --",
+            Fabric::Nixl => "cargo run --release --features nixl --",
+            Fabric::Cuda => "cargo run --release --features cuda --",
+            _ => "cargo run --release --",
+        }
+    }
+
     /// Whether this is the in-memory fabric in simulated time (run by the simulation driver, not a transport).
     pub fn simulated(&self) -> bool {
         *self == Fabric::Sim
