@@ -19,6 +19,8 @@
 #   MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER / MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER=65535: Mooncake's TCP lanes refuse
 #                        batches of more than 2 to 4 K entries with the defaults
 # Idempotent: a second run downloads nothing. `bash ci/engines.sh --nixl-only` skips Mooncake.
+# `bash ci/engines.sh --nixl-cu13` fetches only NIXL's CUDA 13 wheel (nixl-cu13==1.5.1, about 59 MB) into
+# target/engines/nixl-cu13, where `--fabric nixl-cuda` finds it (GPU machines; CI has no GPU and never needs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +32,16 @@ WHEELS=$ROOT/wheels
 start=$(date +%s)
 took() { printf 'ci/engines.sh: %s after %d s\n' "$1" $(($(date +%s) - start)); }
 mkdir -p "$WHEELS"
+
+if [ "${1:-}" = "--nixl-cu13" ]; then
+    if [ ! -f "$ROOT/nixl-cu13/.nixl_cu13.mesonpy.libs/libnixl_capi.so" ]; then
+        ls "$WHEELS"/nixl_cu13-1.5.1-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps nixl-cu13==1.5.1 -d "$WHEELS"
+        rm -rf "$ROOT/nixl-cu13"
+        python3 -m zipfile -e "$WHEELS"/nixl_cu13-1.5.1-*.whl "$ROOT/nixl-cu13"
+    fi
+    took "NIXL (nixl-cu13==1.5.1) in $ROOT/nixl-cu13"
+    exit 0
+fi
 
 # NIXL: the wheel, unzipped (the libraries carry RPATH $ORIGIN, so no LD_LIBRARY_PATH is needed).
 if [ ! -f "$ROOT/nixl/.nixl_cu12.mesonpy.libs/libnixl_capi.so" ]; then

@@ -307,8 +307,8 @@ pub(super) fn bench_fabric(
 ) -> anyhow::Result<ExitCode> {
     outln!("bench: fabric {}", fabric.name());
     #[cfg(feature = "cuda")]
-    if *fabric == harness::Fabric::Cuda {
-        super::bench_cuda::bench_cuda(iterations)?;
+    if matches!(fabric, harness::Fabric::Cuda | harness::Fabric::NixlCuda) {
+        super::bench_cuda::bench_cuda(fabric, iterations)?;
     }
     if !fabric.transport().map_err(anyhow::Error::msg)?.verbs() {
         bench_engine_lists(fabric, iterations)?;
@@ -645,7 +645,7 @@ fn apply(list: &List, source: &[u8], target: &mut [u8]) {
 /// most the engine's declared entries, best of `iterations`; GB/s and the ratio to the contiguous transfer measured in
 /// the same run. Numbers only.
 pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32) -> anyhow::Result<()> {
-    use crate::fabric::seam::{Batch, Entry, Event, MemoryKind, NodeId};
+    use crate::fabric::seam::{Batch, Entry, Event, NodeId};
     let (lists, gather, source_len, target_len) = engine_lists(32768)?;
     let mut transport = fabric.transport().map_err(anyhow::Error::msg)?;
     let mut sender = transport.engine(NodeId(0), harness::RDMA_CAPS).map_err(anyhow::Error::msg)?;
@@ -671,10 +671,11 @@ pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32) -> a
             out.copy_from_slice(&packed[at..at + out.len()]);
         })
     };
-    let pack = sender.register(MemoryKind::Host, bytes.max(1), 0, pack_fill)?;
-    let source = sender.register(MemoryKind::Host, source_len, 0, fill)?;
+    let (kind, target_kind) = (sender.memory_kind(), receiver.memory_kind());
+    let pack = sender.register(kind, bytes.max(1), 0, pack_fill)?;
+    let source = sender.register(kind, source_len, 0, fill)?;
     let zero = std::sync::Arc::new(|_: u64, out: &mut [u8]| out.fill(0));
-    let target = receiver.register(MemoryKind::Host, target_len.max(source_len), 0, zero)?;
+    let target = receiver.register(target_kind, target_len.max(source_len), 0, zero)?;
     let (conn, _) = sender.open()?;
     let (_, address) = receiver.open()?;
     sender.connect(conn, &address, &[target.remote()])?;

@@ -18,7 +18,8 @@ const CEILING_BYTES: u64 = 1 << 30;
 /// A Kimi-K3 MLA token row (576 fp16 values).
 const ROW_BYTES: u64 = 1152;
 
-pub(super) fn bench_cuda(iterations: u32) -> anyhow::Result<()> {
+/// `fabric`: `cuda`, or `nixl-cuda` (NIXL's agents moving the same device memory; its ceilings are the GPU's).
+pub(super) fn bench_cuda(fabric: &harness::Fabric, iterations: u32) -> anyhow::Result<()> {
     let transport = CudaTransport::new().map_err(anyhow::Error::msg)?;
     outln!("bench: GPU {}", transport.device_name());
     let ceilings = transport.ceilings(CEILING_BYTES, ROW_BYTES)?;
@@ -48,7 +49,7 @@ pub(super) fn bench_cuda(iterations: u32) -> anyhow::Result<()> {
     let budget = Budget::unbounded("the GPU's own memory bounds the benchmark");
     let (mut best_run, mut best_oracle, mut bytes) = (f64::INFINITY, f64::INFINITY, 0u64);
     for _ in 0..iterations.clamp(1, 5) {
-        let run = harness::Run::new(&scenario, &budget).on(&harness::Fabric::Cuda).engines()?;
+        let run = harness::Run::new(&scenario, &budget).on(fabric).engines()?;
         let run = run.map_err(anyhow::Error::msg)?;
         anyhow::ensure!(run.failures().is_empty(), "the Kimi-K3 request failed on the GPU: {:?}", run.failures());
         let start = Instant::now();
@@ -61,7 +62,8 @@ pub(super) fn bench_cuda(iterations: u32) -> anyhow::Result<()> {
     }
     let rate = |seconds: f64| bytes as f64 / seconds.max(1e-12) / 1e9;
     outln!(
-        "kimi-k3 32K request (KV and KDA state, {bytes} B) through the engines on the GPU, end to end (bootstrap, planning, writes, completions): {best_run:.4} s, {:.1} GB/s, {:.1}% of the copy ceiling",
+        "kimi-k3 32K request (KV and KDA state, {bytes} B) through the engines on {} on the GPU, end to end (bootstrap, planning, writes, completions): {best_run:.4} s, {:.1} GB/s, {:.1}% of the copy ceiling",
+        fabric.name(),
         rate(best_run),
         share(rate(best_run))
     );

@@ -138,7 +138,7 @@ struct Device(crate::fabric::cuda::CudaTransport);
 #[cfg(feature = "cuda")]
 impl Device {
     fn open(fabric: &harness::Fabric) -> anyhow::Result<Option<Device>> {
-        if *fabric != harness::Fabric::Cuda {
+        if !matches!(fabric, harness::Fabric::Cuda | harness::Fabric::NixlCuda) {
             return Ok(None);
         }
         Ok(Some(Device(crate::fabric::cuda::CudaTransport::new().map_err(anyhow::Error::msg)?)))

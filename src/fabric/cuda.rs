@@ -238,6 +238,63 @@ impl Shared {
         }
     }
 
+    /// A region of `len` bytes for engine `owner` holding `contents` (generated on the device for a pattern,
+    /// uploaded in 64 MiB pieces for a fill), accounted; ordered before anything later on the stream.
+    fn make_region(&self, len: u64, owner: u32, contents: Contents<'_>) -> Result<Region, SeamError> {
+        let (mut slice, ptr) = self.alloc(len, owner)?;
+        let filled = match contents {
+            Contents::Pattern(pattern) => self.generate(ptr, len, pattern),
+            Contents::Fill(fill) => self.upload_fill(&mut slice, len, fill),
+        };
+        if let Err(error) = filled {
+            self.forget(ptr, len);
+            return Err(error);
+        }
+        Ok(Region { slice, ptr, len })
+    }
+
+    /// Arbitrary contents (the conformance cases' fills) go up in 64 MiB pieces; patterns never take this path.
+    fn upload_fill(&self, slice: &mut CudaSlice<u8>, len: u64, fill: &Fill) -> Result<(), SeamError> {
+        let mut offset = 0u64;
+        let mut piece = vec![0u8; len.min(64 << 20) as usize];
+        while offset < len {
+            let take = (len - offset).min(piece.len() as u64) as usize;
+            fill(offset, &mut piece[..take]);
+            let mut view = slice.slice_mut(offset as usize..offset as usize + take);
+            self.stream.memcpy_htod(&piece[..take], &mut view).map_err(|error| driver("cuMemcpyHtoD", error))?;
+            self.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
+            offset += take as u64;
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes of `region` from `offset` on into `out`, after everything on the stream.
+    fn read_region(&self, region: &Region, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
+        let end = offset.checked_add(out.len() as u64);
+        if end.is_none_or(|end| end > region.len) {
+            return Err(SeamError::OutOfRange { offset, len: out.len() as u64, region_len: region.len });
+        }
+        let view = region.slice.slice(offset as usize..offset as usize + out.len());
+        self.stream.memcpy_dtoh(&view, out).map_err(|error| driver("cuMemcpyDtoH", error))?;
+        self.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))
+    }
+
+    /// Keeps `region` on the device for the oracle's compare kernel (after everything on the stream ran): no
+    /// engine may write it any more.
+    fn keep_region(self: &Arc<Self>, region: Region) -> Result<Kept, SeamError> {
+        if let Err(error) = self.stream.synchronize() {
+            self.forget(region.ptr, region.len);
+            return Err(driver("cuStreamSynchronize", error));
+        }
+        let mut state = self.state();
+        state.live.remove(&region.ptr);
+        state.resident.insert(region.ptr, region.len);
+        drop(state);
+        let (handle, len) = (region.ptr, region.len);
+        let keep = Holder { shared: self.clone(), region: Some(region) };
+        Ok(Kept { compare: Arc::new(DeviceCompare(self.clone())), handle, len, keep: Arc::new(keep) })
+    }
+
     /// Uploads `table` (24 bytes an item) to a fresh device buffer on `stream`.
     fn upload(stream: &Arc<CudaStream>, table: &[u64]) -> Result<CudaSlice<u64>, SeamError> {
         stream.clone_htod(table).map_err(|error| driver("cuMemcpyHtoDAsync", error))
@@ -310,6 +367,92 @@ impl CudaTransport {
     /// (GB/s of payload). For `kvrelay bench --fabric cuda`: the ceilings measured in the same run.
     pub fn ceilings(&self, bytes: u64, row: u64) -> Result<Ceilings, SeamError> {
         ceilings(&self.shared, bytes, row)
+    }
+}
+
+/// What a region starts with.
+pub enum Contents<'a> {
+    /// A pattern, generated on the device.
+    Pattern(Pattern),
+    /// Arbitrary bytes, uploaded.
+    Fill(&'a Fill),
+}
+
+/// Device memory of one GPU for another transfer engine's registrations (NIXL on VRAM): allocations whose contents
+/// are generated on the device, read back through it, and kept there for the oracle's compare kernel, exactly as
+/// the `cuda` fabric's own regions.
+#[derive(Clone)]
+pub struct Gpu(Arc<Shared>);
+
+impl Gpu {
+    /// GPU `$KVRELAY_CUDA_DEVICE` (default 0), as [`CudaTransport::new`] opens it.
+    pub fn open() -> Result<Gpu, TransportError> {
+        Ok(Gpu(CudaTransport::new()?.shared))
+    }
+
+    /// The GPU's ordinal on this host.
+    pub fn ordinal(&self) -> u32 {
+        self.0.gpu
+    }
+
+    /// The GPU's name.
+    pub fn name(&self) -> String {
+        self.0.ctx.name().unwrap_or_else(|_| "unknown GPU".to_owned())
+    }
+
+    /// `len` bytes of device memory holding `contents`, complete when this returns (another engine may use it at
+    /// once, on its own streams).
+    pub fn alloc(&self, len: u64, contents: Contents<'_>) -> Result<DeviceBuffer, SeamError> {
+        let region = self.0.make_region(len, 0, contents)?;
+        let buffer = DeviceBuffer { shared: self.0.clone(), region: Some(region) };
+        self.0.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
+        Ok(buffer)
+    }
+}
+
+/// One allocation made through [`Gpu::alloc`]: freed when dropped.
+pub struct DeviceBuffer {
+    shared: Arc<Shared>,
+    region: Option<Region>,
+}
+
+impl DeviceBuffer {
+    fn region(&self) -> &Region {
+        self.region.as_ref().expect("a buffer holds its region until dropped or kept")
+    }
+
+    /// Its device address.
+    pub fn addr(&self) -> u64 {
+        self.region().ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.region().len
+    }
+
+    /// Whether it is empty (never: allocations hold at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.region().len == 0
+    }
+
+    /// Copies `out.len()` bytes from `offset` on into `out`.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
+        self.shared.read_region(self.region(), offset, out)
+    }
+
+    /// Keeps the memory on the device for the oracle's compare ([`Kept`]); no engine may write it any more.
+    pub fn keep(mut self) -> Result<Kept, SeamError> {
+        let region = self.region.take().expect("a buffer holds its region until dropped or kept");
+        self.shared.keep_region(region)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            self.shared.forget(region.ptr, region.len);
+        }
     }
 }
 
@@ -496,11 +639,12 @@ impl CudaEngine {
         self.regions.get(&memory.id).ok_or(SeamError::UnknownMemory(memory.id))
     }
 
-    fn add_region(&mut self, slice: CudaSlice<u8>, ptr: u64, len: u64) -> Memory {
+    fn add_region(&mut self, region: Region) -> Memory {
         let id = self.next_region;
         self.next_region += 1;
-        self.regions.insert(id, Region { slice, ptr, len });
-        Memory { id, kind: MemoryKind::Device { gpu: self.shared.gpu }, addr: ptr, len, key: self.id }
+        let (addr, len) = (region.ptr, region.len);
+        self.regions.insert(id, region);
+        Memory { id, kind: MemoryKind::Device { gpu: self.shared.gpu }, addr, len, key: self.id }
     }
 
     /// The copies of `batch` as (source address, target address, length), checked against this engine's regions
@@ -675,21 +819,9 @@ impl TransferEngine for CudaEngine {
         MemoryKind::Device { gpu: self.shared.gpu }
     }
 
-    fn register(&mut self, kind: MemoryKind, len: u64, _item_len: u64, fill: Fill) -> Result<Memory, SeamError> {
-        let _ = kind;
-        let (mut slice, ptr) = self.shared.alloc(len, self.id)?;
-        // Arbitrary contents (the conformance cases' fills) go up in 64 MiB pieces; patterns never take this path.
-        let mut offset = 0u64;
-        let mut piece = vec![0u8; len.min(64 << 20) as usize];
-        while offset < len {
-            let take = (len - offset).min(piece.len() as u64) as usize;
-            fill(offset, &mut piece[..take]);
-            let mut view = slice.slice_mut(offset as usize..offset as usize + take);
-            self.shared.stream.memcpy_htod(&piece[..take], &mut view).map_err(|error| driver("cuMemcpyHtoD", error))?;
-            self.shared.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
-            offset += take as u64;
-        }
-        Ok(self.add_region(slice, ptr, len))
+    fn register(&mut self, _kind: MemoryKind, len: u64, _item_len: u64, fill: Fill) -> Result<Memory, SeamError> {
+        let region = self.shared.make_region(len, self.id, Contents::Fill(&fill))?;
+        Ok(self.add_region(region))
     }
 
     fn register_pattern(
@@ -699,23 +831,12 @@ impl TransferEngine for CudaEngine {
         _item_len: u64,
         pattern: Pattern,
     ) -> Result<Memory, SeamError> {
-        let (slice, ptr) = self.shared.alloc(len, self.id)?;
-        if let Err(error) = self.shared.generate(ptr, len, pattern) {
-            self.shared.forget(ptr, len);
-            return Err(error);
-        }
-        Ok(self.add_region(slice, ptr, len))
+        let region = self.shared.make_region(len, self.id, Contents::Pattern(pattern))?;
+        Ok(self.add_region(region))
     }
 
     fn read(&self, memory: &Memory, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
-        let region = self.region(memory)?;
-        let end = offset.checked_add(out.len() as u64);
-        if end.is_none_or(|end| end > region.len) {
-            return Err(SeamError::OutOfRange { offset, len: out.len() as u64, region_len: region.len });
-        }
-        let view = region.slice.slice(offset as usize..offset as usize + out.len());
-        self.shared.stream.memcpy_dtoh(&view, out).map_err(|error| driver("cuMemcpyDtoH", error))?;
-        self.shared.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))
+        self.shared.read_region(self.region(memory)?, offset, out)
     }
 
     fn release(&mut self, memory: &Memory, _sparse: bool) -> Result<Image, SeamError> {
@@ -727,16 +848,9 @@ impl TransferEngine for CudaEngine {
     }
 
     fn resident(&mut self, memory: &Memory) -> Option<Kept> {
-        // Everything submitted has run before the oracle looks.
-        self.shared.stream.synchronize().ok()?;
+        // Everything submitted has run before the oracle looks (keep_region synchronises).
         let region = self.regions.remove(&memory.id)?;
-        let mut state = self.shared.state();
-        state.live.remove(&region.ptr);
-        state.resident.insert(region.ptr, region.len);
-        drop(state);
-        let (handle, len) = (region.ptr, region.len);
-        let keep = Holder { shared: self.shared.clone(), region: Some(region) };
-        Some(Kept { compare: Arc::new(DeviceCompare(self.shared.clone())), handle, len, keep: Arc::new(keep) })
+        self.shared.keep_region(region).ok()
     }
 
     fn open(&mut self) -> Result<(ConnId, PeerAddress), SeamError> {

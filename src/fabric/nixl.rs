@@ -1,6 +1,9 @@
 //! `--fabric nixl` (cargo feature `nixl`): NVIDIA's NIXL in the transfer-engine seam, through NIXL's own Rust
 //! bindings (`nixl-sys`, feature `stub-api`, which loads `libnixl_capi.so` at run time) over the pinned
-//! `nixl-cu12==1.5.1` wheel's libraries with the UCX backend, on host memory.
+//! `nixl-cu12==1.5.1` wheel's libraries with the UCX backend, on host memory. `--fabric nixl-cuda` (features `nixl`
+//! and `cuda`): the same agents over the `nixl-cu13==1.5.1` wheel with every region in device memory of one GPU
+//! (allocated, filled and kept for the oracle's compare kernel by `super::cuda::Gpu`) registered as VRAM, so UCX
+//! moves it with `cuda_copy` in one process and `cuda_ipc` between processes.
 //!
 //! Every rank is a NIXL agent (`kvrelay-<pid>-<n>-node<k>`, UCX backend, no listener thread: metadata travels over
 //! kvrelay's own bootstrap). [`TransferEngine::register`] allocates host memory and registers it as DRAM;
@@ -41,8 +44,8 @@ use nixl_sys::{
 };
 
 use super::seam::{
-    Batch, BatchId, BatchStatus, Cancelled, Completion, ConnId, Event, Fill, Image, Landed, Memory, MemoryKind, NodeId,
-    PeerAddress, RemoteMemory, SeamError, SeamLimits, TransferEngine,
+    Batch, BatchId, BatchStatus, Cancelled, Completion, ConnId, Event, Fill, Image, Kept, Landed, Memory, MemoryKind,
+    NodeId, Pattern, PeerAddress, RemoteMemory, SeamError, SeamLimits, TransferEngine,
 };
 use super::transport::{Identity, Transport, TransportError};
 use super::verbs::Caps;
@@ -52,32 +55,71 @@ use super::verbs::Caps;
 pub const LIMITS: SeamLimits = SeamLimits { max_entries: 1 << 20, max_batch_bytes: 1 << 40, batches_in_flight: 64 };
 /// The script that fetches, unpacks and finds the pinned wheel.
 pub const SCRIPT: &str = "ci/engines.sh";
-/// The pinned wheel.
+/// The pinned wheel (host memory), and the one for GPU memory (CUDA 13).
 pub const WHEEL: &str = "nixl-cu12==1.5.1";
+pub const WHEEL_CUDA: &str = "nixl-cu13==1.5.1";
 /// The largest single registration (host memory is allocated whole).
 const MAX_REGISTRATION: u64 = 64 << 30;
 /// What an address starts with.
-const ADDRESS_MAGIC: &[u8] = b"kvrelay-nixl/1\0";
+const ADDRESS_MAGIC: &[u8] = b"kvrelay-nixl/2\0";
+/// Where an address says its agent's regions are: host memory, or device memory of this GPU ordinal.
+const HOST_SEGMENT: u32 = u32::MAX;
 /// How long `settle` waits for requests in flight at most, and how long it waits for stray notifications.
 const SETTLE_LIMIT: Duration = Duration::from_secs(20);
 const QUIET: Duration = Duration::from_millis(20);
-/// UCX's environment where the user set none (see the module doc).
+/// UCX's environment where the user set none (see the module doc); on GPU memory `UCX_TLS` is
+/// [`UCX_TLS_DEVICE`] instead (engines.md §1: 418 GB/s between two processes on one H200, against 208 with UCX's
+/// own choice).
 const UCX_DEFAULTS: [(&str, &str); 3] = [("UCX_MODULES", "^ib"), ("UCX_NET_DEVICES", "lo"), ("UCX_TLS", "cma,tcp")];
+const UCX_TLS_DEVICE: &str = "cuda_copy,cuda_ipc,tcp";
+
+/// Where a NIXL fabric's agents put their regions.
+#[derive(Clone)]
+enum Placement {
+    Host,
+    #[cfg(feature = "cuda")]
+    Device(super::cuda::Gpu),
+}
+
+impl Placement {
+    fn kind(&self) -> MemoryKind {
+        match self {
+            Placement::Host => MemoryKind::Host,
+            #[cfg(feature = "cuda")]
+            Placement::Device(gpu) => MemoryKind::Device { gpu: gpu.ordinal() },
+        }
+    }
+
+    /// NIXL's memory type and device id of the regions.
+    fn segment(&self) -> (MemType, u64) {
+        match self {
+            Placement::Host => (MemType::Dram, 0),
+            #[cfg(feature = "cuda")]
+            Placement::Device(gpu) => (MemType::Vram, u64::from(gpu.ordinal())),
+        }
+    }
+
+    fn on_device(&self) -> bool {
+        self.kind() != MemoryKind::Host
+    }
+}
 
 /// Agents made by this process, for unique names.
 static AGENTS: AtomicU64 = AtomicU64::new(0);
 
 /// The loaded library (kept for the process's life) and where it was found, or why it was not.
-fn library() -> Result<&'static Path, TransportError> {
+/// `device`: the process's agents register GPU memory (the first caller decides, for the process's life).
+fn library(device: bool) -> Result<&'static Path, TransportError> {
     static LOADED: OnceLock<Result<(libloading::Library, PathBuf), String>> = OnceLock::new();
     let loaded = LOADED.get_or_init(|| {
         for (name, value) in UCX_DEFAULTS {
+            let value = if device && name == "UCX_TLS" { UCX_TLS_DEVICE } else { value };
             if std::env::var_os(name).is_none() {
                 std::env::set_var(name, value);
             }
         }
         let mut tried = Vec::new();
-        for candidate in candidates() {
+        for candidate in candidates(device) {
             // SAFETY: loading NIXL's C API runs its initialisers (C++ statics of libnixl, UCX's), which have no
             // preconditions on this process; the handle lives as long as the process (a static).
             match unsafe { libloading::Library::new(&candidate) } {
@@ -89,6 +131,11 @@ fn library() -> Result<&'static Path, TransportError> {
     });
     match loaded {
         Ok((_, path)) => Ok(path),
+        Err(tried) if device => Err(TransportError::Unavailable(format!(
+            "NIXL's C API (libnixl_capi.so from the {WHEEL_CUDA} wheel) is not found (tried {tried}) (fix: bash \
+             {SCRIPT} --nixl-cu13, which downloads and unpacks the wheel into target/engines/nixl-cu13; or set \
+             KVRELAY_NIXL_LIB to the wheel's .nixl_cu13.mesonpy.libs folder)"
+        ))),
         Err(tried) => Err(TransportError::Unavailable(format!(
             "NIXL's C API (libnixl_capi.so from the {WHEEL} wheel) is not found (tried {tried}) (fix: bash {SCRIPT}, \
              which downloads and unpacks the wheel into target/engines/nixl; or set KVRELAY_NIXL_LIB to the wheel's \
@@ -97,15 +144,19 @@ fn library() -> Result<&'static Path, TransportError> {
     }
 }
 
-/// Where `libnixl_capi.so` may be, in order.
-fn candidates() -> Vec<PathBuf> {
+/// Where `libnixl_capi.so` may be, in order (the CUDA 13 wheel's for GPU memory).
+fn candidates(device: bool) -> Vec<PathBuf> {
     if let Some(value) = std::env::var_os("KVRELAY_NIXL_LIB") {
         // Named by the user: that copy or none.
         let path = PathBuf::from(value);
         return vec![if path.is_dir() { path.join("libnixl_capi.so") } else { path }];
     }
     let mut candidates = Vec::new();
-    let unpacked = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engines/nixl/.nixl_cu12.mesonpy.libs");
+    let unpacked = if device {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engines/nixl-cu13/.nixl_cu13.mesonpy.libs")
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engines/nixl/.nixl_cu12.mesonpy.libs")
+    };
     candidates.push(unpacked.join("libnixl_capi.so"));
     candidates.push(PathBuf::from("libnixl_capi.so"));
     candidates
@@ -124,14 +175,17 @@ fn wheel_version(library: &Path) -> Option<String> {
     Some(name.trim_end_matches(".dist-info").replacen('-', " ", 1))
 }
 
-/// Host memory handed to NIXL by address (`register_memory` takes a descriptor, not a slice).
+/// Memory handed to NIXL by address (`register_memory` takes a descriptor, not a slice): host memory (DRAM) or
+/// device memory of GPU `device` (VRAM).
 #[derive(Debug)]
-struct HostRange {
+struct Range {
     addr: usize,
     len: usize,
+    mem_type: MemType,
+    device: u64,
 }
 
-impl MemoryRegion for HostRange {
+impl MemoryRegion for Range {
     // SAFETY: the range is a live allocation of its `Registration`, which outlives the registration handle.
     unsafe fn as_ptr(&self) -> *const u8 {
         self.addr as *const u8
@@ -142,41 +196,68 @@ impl MemoryRegion for HostRange {
     }
 }
 
-impl NixlDescriptor for HostRange {
+impl NixlDescriptor for Range {
     fn mem_type(&self) -> MemType {
-        MemType::Dram
+        self.mem_type
     }
 
     fn device_id(&self) -> u64 {
-        0
+        self.device
     }
 }
 
-/// One registration: a heap allocation (owned through a raw pointer, since NIXL writes into it behind Rust's back)
-/// and NIXL's handle for it.
+/// Where a registration's bytes live: a heap allocation (owned through a raw pointer, since NIXL writes into it
+/// behind Rust's back) or a device allocation.
+enum Storage {
+    Host(*mut [u8]),
+    #[cfg(feature = "cuda")]
+    Device(super::cuda::DeviceBuffer),
+    /// Taken out (handed back or kept).
+    Gone,
+}
+
+/// One registration: its bytes and NIXL's handle for them.
 struct Registration {
     memory: Memory,
     handle: Option<RegistrationHandle>,
-    bytes: *mut [u8],
+    storage: Storage,
 }
 
 impl Registration {
-    fn new(agent: &Agent, id: u32, len: u64, fill: &Fill) -> Result<Registration, SeamError> {
+    fn new(
+        agent: &Agent,
+        id: u32,
+        len: u64,
+        contents: Contents,
+        placement: &Placement,
+    ) -> Result<Registration, SeamError> {
         if len > MAX_REGISTRATION {
-            return Err(SeamError::Exhausted("host memory (a registration over 64 GiB)"));
+            return Err(SeamError::Exhausted("memory (a registration over 64 GiB)"));
         }
-        let len = usize::try_from(len).map_err(|_| SeamError::Exhausted("addressable memory"))?;
-        let mut bytes = vec![0u8; len.max(1)].into_boxed_slice();
-        fill(0, &mut bytes[..len]);
-        let bytes = Box::into_raw(bytes);
-        let addr = bytes as *mut u8 as usize;
-        let mut registration = Registration {
-            memory: Memory { id, kind: MemoryKind::Host, addr: addr as u64, len: len as u64, key: 0 },
-            handle: None,
-            bytes,
+        let size = usize::try_from(len).map_err(|_| SeamError::Exhausted("addressable memory"))?;
+        let (storage, addr) = match placement {
+            Placement::Host => {
+                let mut bytes = vec![0u8; size.max(1)].into_boxed_slice();
+                contents.fill()(0, &mut bytes[..size]);
+                let bytes = Box::into_raw(bytes);
+                (Storage::Host(bytes), bytes as *mut u8 as usize)
+            }
+            #[cfg(feature = "cuda")]
+            Placement::Device(gpu) => {
+                let buffer = match &contents {
+                    Contents::Pattern(pattern) => gpu.alloc(len, super::cuda::Contents::Pattern(*pattern))?,
+                    Contents::Fill(fill) => gpu.alloc(len, super::cuda::Contents::Fill(fill))?,
+                };
+                let addr = buffer.addr() as usize;
+                (Storage::Device(buffer), addr)
+            }
         };
+        let (mem_type, device) = placement.segment();
+        let kind = placement.kind();
+        let mut registration =
+            Registration { memory: Memory { id, kind, addr: addr as u64, len, key: 0 }, handle: None, storage };
         let handle = agent
-            .register_memory(&HostRange { addr, len: len.max(1) }, None)
+            .register_memory(&Range { addr, len: size.max(1), mem_type, device }, None)
             .map_err(|error| SeamError::Engine { call: "registerMem", message: error.to_string() })?;
         registration.handle = Some(handle);
         Ok(registration)
@@ -189,37 +270,87 @@ impl Registration {
         if end > self.memory.len {
             return Err(outside);
         }
-        // SAFETY: offset..end is within the live allocation of `bytes` (checked above), `out` is a distinct buffer.
-        unsafe {
-            std::ptr::copy_nonoverlapping((self.bytes as *const u8).add(offset as usize), out.as_mut_ptr(), out.len())
-        };
-        Ok(())
+        match &self.storage {
+            Storage::Host(bytes) => {
+                // SAFETY: offset..end is within the live allocation of `bytes` (checked above), `out` is a distinct
+                // buffer.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (*bytes as *const u8).add(offset as usize),
+                        out.as_mut_ptr(),
+                        out.len(),
+                    )
+                };
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Device(buffer) => buffer.read(offset, out),
+            Storage::Gone => Err(SeamError::UnknownMemory(self.memory.id)),
+        }
     }
 
     /// Deregisters and hands the bytes back.
-    fn into_bytes(mut self) -> Vec<u8> {
+    fn into_bytes(mut self) -> Result<Vec<u8>, SeamError> {
         self.handle = None; // deregisters
-        let bytes = std::mem::replace(&mut self.bytes, std::ptr::slice_from_raw_parts_mut(std::ptr::null_mut(), 0));
-        // SAFETY: `bytes` came from Box::into_raw in `new` and is taken out exactly once (Drop sees a null pointer).
-        let mut bytes = unsafe { Box::from_raw(bytes) }.into_vec();
-        bytes.truncate(self.memory.len as usize);
-        bytes
+        match std::mem::replace(&mut self.storage, Storage::Gone) {
+            Storage::Host(bytes) => {
+                // SAFETY: `bytes` came from Box::into_raw in `new` and is taken out exactly once (Drop sees Gone).
+                let mut bytes = unsafe { Box::from_raw(bytes) }.into_vec();
+                bytes.truncate(self.memory.len as usize);
+                Ok(bytes)
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Device(buffer) => {
+                let mut bytes = vec![0u8; self.memory.len as usize];
+                buffer.read(0, &mut bytes)?;
+                Ok(bytes)
+            }
+            Storage::Gone => Err(SeamError::UnknownMemory(self.memory.id)),
+        }
+    }
+
+    /// Deregisters and keeps device memory where it is for the oracle's compare; host memory is not kept.
+    fn keep(&mut self) -> Option<Kept> {
+        #[cfg(feature = "cuda")]
+        if matches!(self.storage, Storage::Device(_)) {
+            self.handle = None; // deregisters: no peer reaches it any more
+            if let Storage::Device(buffer) = std::mem::replace(&mut self.storage, Storage::Gone) {
+                return buffer.keep().ok();
+            }
+        }
+        None
     }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
         self.handle = None; // deregisters before the memory goes
-        if !(self.bytes as *mut u8).is_null() {
-            // SAFETY: `bytes` came from Box::into_raw in `new` and was not taken out (not null).
-            drop(unsafe { Box::from_raw(self.bytes) });
+        if let Storage::Host(bytes) = std::mem::replace(&mut self.storage, Storage::Gone) {
+            // SAFETY: `bytes` came from Box::into_raw in `new` and was not taken out (it was still in `storage`).
+            drop(unsafe { Box::from_raw(bytes) });
+        }
+    }
+}
+
+/// What a registration starts with.
+enum Contents {
+    Pattern(Pattern),
+    Fill(Fill),
+}
+
+impl Contents {
+    fn fill(&self) -> Fill {
+        match self {
+            Contents::Pattern(pattern) => pattern.fill(),
+            Contents::Fill(fill) => fill.clone(),
         }
     }
 }
 
 /// One end of a connection: the peer agent it writes to, the peer's end number and its advertised memory.
 struct End {
-    peer: Option<(String, u32, Vec<RemoteMemory>)>,
+    /// The peer agent's name, its end number, its regions' NIXL device id, and its advertised memory.
+    peer: Option<(String, u32, u64, Vec<RemoteMemory>)>,
 }
 
 /// A posted request.
@@ -244,6 +375,7 @@ struct AgentState {
     backoff: Duration,
     node: NodeId,
     name: String,
+    placement: Placement,
     agent: Agent,
 }
 
@@ -261,8 +393,8 @@ fn parse_notification(text: &str) -> Option<(u32, u32)> {
 }
 
 impl AgentState {
-    fn new(node: NodeId) -> Result<AgentState, TransportError> {
-        library()?;
+    fn new(node: NodeId, placement: Placement) -> Result<AgentState, TransportError> {
+        library(placement.on_device())?;
         let name = format!("kvrelay-{}-{}-node{}", std::process::id(), AGENTS.fetch_add(1, Ordering::Relaxed), node.0);
         let open = |what: &str, error: nixl_sys::NixlError| {
             TransportError::Open(format!(
@@ -286,8 +418,26 @@ impl AgentState {
             backoff: Duration::ZERO,
             node,
             name,
+            placement,
             agent,
         })
+    }
+
+    /// Registers `len` bytes holding `contents` where this agent's regions live (`kind` must be that place).
+    fn register(&mut self, kind: MemoryKind, len: u64, contents: Contents) -> Result<Memory, SeamError> {
+        let placed = self.placement.kind();
+        if kind != placed {
+            let message = format!(
+                "this NIXL fabric registers {placed} memory, not {kind} (fix: --fabric nixl for host memory, \
+                 --fabric nixl-cuda for device memory)"
+            );
+            return Err(SeamError::Engine { call: "registerMem", message });
+        }
+        let id = u32::try_from(self.registrations.len()).map_err(|_| SeamError::Exhausted("memory ids"))?;
+        let registration = Registration::new(&self.agent, id, len, contents, &self.placement)?;
+        let memory = registration.memory;
+        self.registrations.push(Some(registration));
+        Ok(memory)
     }
 
     fn registration(&self, id: u32) -> Result<&Registration, SeamError> {
@@ -370,19 +520,29 @@ impl TransferEngine for NixlEngine {
     }
 
     fn register(&mut self, kind: MemoryKind, len: u64, _item_len: u64, fill: Fill) -> Result<Memory, SeamError> {
-        if kind != MemoryKind::Host {
-            let message = format!(
-                "kvrelay's NIXL fabric registers host memory (DRAM) only, not {kind} (device memory comes with the \
-                 cuda feature)"
-            );
-            return Err(SeamError::Engine { call: "registerMem", message });
-        }
+        self.0.borrow_mut().register(kind, len, Contents::Fill(fill))
+    }
+
+    fn register_pattern(
+        &mut self,
+        kind: MemoryKind,
+        len: u64,
+        _item_len: u64,
+        pattern: Pattern,
+    ) -> Result<Memory, SeamError> {
+        self.0.borrow_mut().register(kind, len, Contents::Pattern(pattern))
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        self.0.borrow().placement.kind()
+    }
+
+    fn resident(&mut self, memory: &Memory) -> Option<Kept> {
         let mut state = self.0.borrow_mut();
-        let id = u32::try_from(state.registrations.len()).map_err(|_| SeamError::Exhausted("memory ids"))?;
-        let registration = Registration::new(&state.agent, id, len, &fill)?;
-        let memory = registration.memory;
-        state.registrations.push(Some(registration));
-        Ok(memory)
+        let slot = state.registrations.get_mut(memory.id as usize)?;
+        let kept = slot.as_mut()?.keep()?;
+        *slot = None;
+        Some(kept)
     }
 
     fn read(&self, memory: &Memory, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
@@ -393,7 +553,7 @@ impl TransferEngine for NixlEngine {
         let mut state = self.0.borrow_mut();
         let slot = state.registrations.get_mut(memory.id as usize).ok_or(SeamError::UnknownMemory(memory.id))?;
         let registration = slot.take().ok_or(SeamError::UnknownMemory(memory.id))?;
-        Ok(BTreeMap::from([(0, registration.into_bytes())]))
+        Ok(BTreeMap::from([(0, registration.into_bytes()?)]))
     }
 
     fn open(&mut self) -> Result<(ConnId, PeerAddress), SeamError> {
@@ -404,8 +564,13 @@ impl TransferEngine for NixlEngine {
             .get_local_md()
             .map_err(|error| SeamError::Engine { call: "getLocalMD", message: error.to_string() })?;
         state.ends.push(End { peer: None });
+        let segment = match state.placement.kind() {
+            MemoryKind::Host => HOST_SEGMENT,
+            MemoryKind::Device { gpu } => gpu,
+        };
         let mut address = ADDRESS_MAGIC.to_vec();
         address.extend_from_slice(&conn.to_le_bytes());
+        address.extend_from_slice(&segment.to_le_bytes());
         address.extend_from_slice(&metadata);
         Ok((ConnId(conn), PeerAddress(address)))
     }
@@ -418,7 +583,18 @@ impl TransferEngine for NixlEngine {
             .ok_or_else(|| bad("not a kvrelay NIXL address (fix: both sides must run --fabric nixl)".to_owned()))?;
         let (end, metadata) =
             rest.split_first_chunk::<4>().ok_or_else(|| bad("it ends before its end number".to_owned()))?;
+        let (segment, metadata) =
+            metadata.split_first_chunk::<4>().ok_or_else(|| bad("it ends before its memory segment".to_owned()))?;
+        let segment = u32::from_le_bytes(*segment);
         let mut state = self.0.borrow_mut();
+        let ours = state.placement.kind();
+        let theirs = if segment == HOST_SEGMENT { MemoryKind::Host } else { MemoryKind::Device { gpu: segment } };
+        if (ours == MemoryKind::Host) != (theirs == MemoryKind::Host) {
+            return Err(bad(format!(
+                "the peer's regions are in {theirs} memory and this agent's in {ours} memory (fix: run every rank \
+                 with the same fabric, --fabric nixl or --fabric nixl-cuda)"
+            )));
+        }
         match state.ends.get(conn.0 as usize) {
             None => return Err(SeamError::UnknownConnection(conn)),
             Some(End { peer: Some(_) }) => return Err(SeamError::AlreadyConnected(conn)),
@@ -428,14 +604,15 @@ impl TransferEngine for NixlEngine {
             .agent
             .load_remote_md(metadata)
             .map_err(|error| bad(format!("NIXL's loadRemoteMD refused its metadata: {error}")))?;
-        state.ends[conn.0 as usize].peer = Some((name, u32::from_le_bytes(*end), remote.to_vec()));
+        let device = if segment == HOST_SEGMENT { 0 } else { u64::from(segment) };
+        state.ends[conn.0 as usize].peer = Some((name, u32::from_le_bytes(*end), device, remote.to_vec()));
         Ok(())
     }
 
     fn submit(&mut self, conn: ConnId, batch: Batch) -> Result<BatchId, SeamError> {
         let mut state = self.0.borrow_mut();
         let end = state.ends.get(conn.0 as usize).ok_or(SeamError::UnknownConnection(conn))?;
-        let (peer, peer_end, remote) = end.peer.clone().ok_or(SeamError::NotConnected(conn))?;
+        let (peer, peer_end, peer_device, remote) = end.peer.clone().ok_or(SeamError::NotConnected(conn))?;
         SeamError::check_limits(&batch, LIMITS)?;
         if state.posted.iter().filter(|posted| posted.conn == conn).count() >= LIMITS.batches_in_flight {
             let bytes = batch.byte_len().unwrap_or(u64::MAX);
@@ -444,8 +621,10 @@ impl TransferEngine for NixlEngine {
         }
         let engine =
             |call: &'static str, error: nixl_sys::NixlError| SeamError::Engine { call, message: error.to_string() };
-        let mut local = XferDescList::new(MemType::Dram).map_err(|error| engine("createXferDlist", error))?;
-        let mut target = XferDescList::new(MemType::Dram).map_err(|error| engine("createXferDlist", error))?;
+        // Both sides' regions are where this fabric puts them (the peer runs the same fabric: its address says so).
+        let (mem_type, device) = state.placement.segment();
+        let mut local = XferDescList::new(mem_type).map_err(|error| engine("createXferDlist", error))?;
+        let mut target = XferDescList::new(mem_type).map_err(|error| engine("createXferDlist", error))?;
         for entry in &batch.entries {
             let memory = state.registration(entry.local)?.memory;
             let within =
@@ -464,8 +643,8 @@ impl TransferEngine for NixlEngine {
                 return Err(outside(peer_memory.len));
             }
             let remote_addr = peer_memory.addr.checked_add(entry.remote_offset).ok_or(outside(peer_memory.len))?;
-            local.add_desc((memory.addr + entry.local_offset) as usize, entry.len as usize, 0);
-            target.add_desc(remote_addr as usize, entry.len as usize, 0);
+            local.add_desc((memory.addr + entry.local_offset) as usize, entry.len as usize, device);
+            target.add_desc(remote_addr as usize, entry.len as usize, peer_device);
         }
         let mut args = OptArgs::new().map_err(|error| engine("createOptArgs", error))?;
         if let Some(tag) = batch.notify {
@@ -549,16 +728,34 @@ impl TransferEngine for NixlEngine {
 pub struct NixlTransport {
     identity: Identity,
     agents: Vec<Weak<RefCell<AgentState>>>,
+    placement: Placement,
 }
 
 impl NixlTransport {
-    /// Finds and loads NIXL's libraries (a clear error naming [`SCRIPT`] when they are missing).
+    /// Finds and loads NIXL's libraries (a clear error naming [`SCRIPT`] when they are missing); regions in host
+    /// memory.
     pub fn new() -> Result<NixlTransport, TransportError> {
-        let library = library()?;
+        NixlTransport::placed(Placement::Host)
+    }
+
+    /// NIXL on GPU memory: every region in device memory of GPU `$KVRELAY_CUDA_DEVICE` (default 0), registered
+    /// as VRAM, over the [`WHEEL_CUDA`] wheel's libraries.
+    #[cfg(feature = "cuda")]
+    pub fn on_gpu() -> Result<NixlTransport, TransportError> {
+        NixlTransport::placed(Placement::Device(super::cuda::Gpu::open()?))
+    }
+
+    fn placed(placement: Placement) -> Result<NixlTransport, TransportError> {
+        let library = library(placement.on_device())?;
         let version = wheel_version(library).unwrap_or_else(|| "NIXL (version unknown)".to_owned());
         let mut facts = BTreeMap::new();
         facts.insert("backend".to_owned(), "UCX".to_owned());
-        facts.insert("memory".to_owned(), "host (DRAM)".to_owned());
+        let memory = match &placement {
+            Placement::Host => "host (DRAM)".to_owned(),
+            #[cfg(feature = "cuda")]
+            Placement::Device(gpu) => format!("device (VRAM), GPU {}: {}", gpu.ordinal(), gpu.name()),
+        };
+        facts.insert("memory".to_owned(), memory);
         facts.insert("library".to_owned(), library.display().to_string());
         facts.insert("bindings".to_owned(), "nixl-sys 1.5.2 (stub-api)".to_owned());
         facts.insert("max_entries".to_owned(), LIMITS.max_entries.to_string());
@@ -566,7 +763,8 @@ impl NixlTransport {
         for (name, _) in UCX_DEFAULTS {
             facts.insert(name.to_owned(), std::env::var(name).unwrap_or_default());
         }
-        Ok(NixlTransport { identity: Identity { name: "nixl".to_owned(), version, facts }, agents: Vec::new() })
+        let name = if placement.on_device() { "nixl-cuda" } else { "nixl" }.to_owned();
+        Ok(NixlTransport { identity: Identity { name, version, facts }, agents: Vec::new(), placement })
     }
 
     fn live(&self) -> Vec<Rc<RefCell<AgentState>>> {
@@ -584,7 +782,7 @@ impl Transport for NixlTransport {
     }
 
     fn engine(&mut self, node: NodeId, _caps: Caps) -> Result<Box<dyn TransferEngine>, TransportError> {
-        let state = Rc::new(RefCell::new(AgentState::new(node)?));
+        let state = Rc::new(RefCell::new(AgentState::new(node, self.placement.clone())?));
         self.agents.push(Rc::downgrade(&state));
         Ok(Box::new(NixlEngine(state)))
     }

@@ -1,5 +1,5 @@
 //! The one place every fabric is named: [`Fabric`] parses `--fabric` (`sim`, `live-sim`, `rdma`, `nixl`, `plugin:PATH`,
-//! `child:COMMAND`, `mooncake`, `cuda`),
+//! `child:COMMAND`, `mooncake`, `cuda`, `nixl-cuda`),
 //! prints it back, and opens the [`Transport`] whose per-node engines a run uses ([`Fabric::transport`]). A new
 //! fabric adds its variant here, its own file (its engine or endpoint, and its `Transport`), and its tests.
 
@@ -21,6 +21,9 @@ pub enum Fabric {
     Plugin { path: String },
     /// The live driver on NIXL (cargo feature `nixl`): one NIXL agent per rank, UCX backend, host memory.
     Nixl,
+    /// NIXL on GPU memory (cargo features `nixl` and `cuda`): one NIXL agent per rank, every region in device
+    /// memory of one GPU registered as VRAM, UCX `cuda_copy`/`cuda_ipc` (`fabric::nixl`).
+    NixlCuda,
     /// The live driver on engines living in a child process speaking `kvrelay-transport-1` (`fabric::child`):
     /// `command` split on whitespace, one child per transport (per process when ranks are processes).
     Child { command: String },
@@ -52,6 +55,7 @@ impl Fabric {
             "live-sim" => Ok(Fabric::LiveSim),
             "rdma" => Ok(Fabric::Rdma { device }),
             "nixl" => Ok(Fabric::Nixl),
+            "nixl-cuda" => Ok(Fabric::NixlCuda),
             "mooncake" => Ok(Fabric::Mooncake),
             "cuda" => Ok(Fabric::Cuda),
             other => {
@@ -74,6 +78,7 @@ impl Fabric {
             Fabric::Rdma { .. } => "rdma".to_owned(),
             Fabric::Plugin { path } => format!("plugin:{path}"),
             Fabric::Nixl => "nixl".to_owned(),
+            Fabric::NixlCuda => "nixl-cuda".to_owned(),
             Fabric::Child { command } => format!("child:{command}"),
             Fabric::Mooncake => "mooncake".to_owned(),
             Fabric::Cuda => "cuda".to_owned(),
@@ -93,6 +98,7 @@ impl Fabric {
             Fabric::Rdma { device: None } => "rdma".to_owned(),
             Fabric::Plugin { path } => format!("plugin:{path}"),
             Fabric::Nixl => "nixl".to_owned(),
+            Fabric::NixlCuda => "nixl-cuda".to_owned(),
             Fabric::Child { command } => format!("child:{command}"),
             Fabric::Mooncake => "mooncake".to_owned(),
             Fabric::Cuda => "cuda".to_owned(),
@@ -106,6 +112,7 @@ impl Fabric {
         match self {
             Fabric::Rdma { .. } => "cargo run --release --features rdma --",
             Fabric::Nixl => "cargo run --release --features nixl --",
+            Fabric::NixlCuda => "cargo run --release --features nixl,cuda --",
             Fabric::Cuda => "cargo run --release --features cuda --",
             _ => "cargo run --release --",
         }
@@ -128,6 +135,7 @@ impl Fabric {
                 Ok(Box::new(plugin))
             }
             Fabric::Nixl => nixl(),
+            Fabric::NixlCuda => nixl_cuda(),
             Fabric::Cuda => cuda(),
             Fabric::Child { command } => {
                 Ok(Box::new(super::child::ChildTransport::start(super::child::ChildTransport::argv(command))?))
@@ -165,6 +173,20 @@ fn nixl() -> Result<Box<dyn Transport>, TransportError> {
 fn nixl() -> Result<Box<dyn Transport>, TransportError> {
     Err(TransportError::Unavailable(NIXL_MISSING.to_owned()))
 }
+
+#[cfg(all(feature = "nixl", feature = "cuda"))]
+fn nixl_cuda() -> Result<Box<dyn Transport>, TransportError> {
+    Ok(Box::new(super::nixl::NixlTransport::on_gpu()?))
+}
+
+#[cfg(not(all(feature = "nixl", feature = "cuda")))]
+fn nixl_cuda() -> Result<Box<dyn Transport>, TransportError> {
+    Err(TransportError::Unavailable(NIXL_CUDA_MISSING.to_owned()))
+}
+
+/// Why `--fabric nixl-cuda` cannot run in a build without both features.
+pub const NIXL_CUDA_MISSING: &str =
+    "this kvrelay was built without NIXL on GPU memory (fix: cargo build --release --features nixl,cuda; runs where an NVIDIA GPU is, with the nixl-cu13 wheel's libraries from bash ci/engines.sh --nixl-cu13)";
 
 #[cfg(feature = "cuda")]
 fn cuda() -> Result<Box<dyn Transport>, TransportError> {

@@ -195,7 +195,9 @@ fn rank_verdict(scenario: &Scenario, rank: RankId, run: &SimRun) -> RankVerdict 
             .collect(),
         violations: violations.iter().take(20).map(ToString::to_string).collect(),
         violation_count: violations.len(),
-        bytes: run.observation.images.values().map(|image| image.len() as u64).sum(),
+        // Read back to this process, or judged where they live (device memory).
+        bytes: run.observation.images.values().map(|image| image.len() as u64).sum::<u64>()
+            + run.observation.resident.values().map(|region| region.len).sum::<u64>(),
     }
 }
 

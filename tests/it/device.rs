@@ -165,6 +165,21 @@ fn the_cuda_fabric_is_a_clear_error_where_it_cannot_run() {
     }
 }
 
+#[test]
+fn nixl_on_gpu_memory_is_a_clear_error_where_it_cannot_run() {
+    let scenario = corpus("engines/dcp-relayout-two-stages.yaml");
+    let outcome = harness::run_on(&scenario, &Budget::bytes(1 << 30), &Fabric::NixlCuda, false);
+    match outcome {
+        Ok(outcome) if outcome.passed() => say("skipped: a GPU and NIXL answered, and the scenario passed on them"),
+        Ok(outcome) => {
+            let text = outcome.failure_text("; ");
+            assert!(text.contains("fix:"), "no fix named: {text}");
+            assert!(["NIXL", "nixl", "GPU", "CUDA"].iter().any(|word| text.contains(word)), "{text}");
+        }
+        Err(error) => panic!("a missing GPU or NIXL is a failed run, not a harness error: {error}"),
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
@@ -213,5 +228,39 @@ mod gpu {
             assert!(report.other.passed(), "{file}: {}", report.other.failure_text("; "));
             assert!(report.differences.is_empty(), "{file}: {:?}", &report.differences[..1]);
         }
+    }
+
+    /// NIXL on VRAM (features `nixl` and `cuda`): the GPU and the nixl-cu13 libraries, or why not (the caller
+    /// skips, saying so).
+    #[cfg(feature = "nixl")]
+    fn nixl_on_gpu() -> Option<CudaTransport> {
+        let gpu = gpu()?;
+        match kvrelay::fabric::nixl::NixlTransport::on_gpu() {
+            Ok(_) => Some(gpu),
+            Err(error) => {
+                say(&format!("skipped: no NIXL for GPU memory here ({error})"));
+                None
+            }
+        }
+    }
+
+    #[cfg(feature = "nixl")]
+    #[test]
+    fn nixl_on_vram_lands_every_byte_and_a_planted_wrong_byte_is_caught_on_the_device() {
+        let Some(_gpu) = nixl_on_gpu() else { return };
+        let scenario = corpus("engines/dcp-relayout-two-stages.yaml");
+        let outcome = harness::run_on(&scenario, &Budget::bytes(1 << 30), &Fabric::NixlCuda, false).expect("runs");
+        assert!(outcome.passed(), "{}", outcome.failure_text("; "));
+        let observation = outcome.observation;
+        assert!(observation.images.is_empty(), "decode memory came back to the host");
+        let (key, region) = observation.resident.iter().next().expect("decode memory stayed on the GPU");
+        cuda::plant(&*region.keep, 7, 0xA5).expect("planted");
+        let run = outcome.engine.as_ref().expect("ran");
+        let on_device = harness::oracle(&scenario, run, &observation);
+        let mut read_back = observation.clone();
+        read_back.materialise().expect("read back");
+        assert_eq!(on_device, harness::oracle(&scenario, run, &read_back), "device and host oracles disagree");
+        assert_eq!(on_device.len(), 1, "{on_device:?}");
+        assert_eq!(on_device[0].rank, key.rank);
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::conformance::{CaseError, ConformanceCase, Group};
 use super::Transport;
 use crate::fabric::seam::{
-    Batch, BatchId, BatchStatus, Completion, ConnId, Entry, Event, Landed, Memory, MemoryKind, NodeId, SeamErrorKind,
+    Batch, BatchId, BatchStatus, Completion, ConnId, Entry, Event, Landed, Memory, NodeId, SeamErrorKind,
     TransferEngine,
 };
 use crate::fabric::verbs::Caps;
@@ -61,10 +61,11 @@ fn pair_advertising(transport: &mut dyn Transport, advertised: u64) -> Result<Pa
             *byte = source_byte(offset + index as u64);
         }
     });
-    let source = sender.register(MemoryKind::Host, REGION, 0, fill).map_err(|e| failed("registering the source", e))?;
+    let source =
+        sender.register(sender.memory_kind(), REGION, 0, fill).map_err(|e| failed("registering the source", e))?;
     let zero = Arc::new(|_: u64, out: &mut [u8]| out.fill(0));
     let target =
-        receiver.register(MemoryKind::Host, REGION, 0, zero).map_err(|e| failed("registering the target", e))?;
+        receiver.register(receiver.memory_kind(), REGION, 0, zero).map_err(|e| failed("registering the target", e))?;
     let (conn, sender_address) = sender.open().map_err(|e| failed("opening a connection on node 0", e))?;
     let (receiver_conn, receiver_address) = receiver.open().map_err(|e| failed("opening a connection on node 1", e))?;
     let remote = crate::fabric::seam::RemoteMemory { len: advertised, ..target.remote() };
@@ -329,8 +330,10 @@ fn one_bad_entry_fails_and_claims_only_what_landed(transport: &mut dyn Transport
 fn unregistered_source_is_refused(transport: &mut dyn Transport) -> Result<(), CaseError> {
     let mut pair = pair(transport)?;
     let fill = Arc::new(|_: u64, out: &mut [u8]| out.fill(0xAB));
-    let gone =
-        pair.sender.register(MemoryKind::Host, 4096, 0, fill).map_err(|e| failed("registering a second source", e))?;
+    let gone = pair
+        .sender
+        .register(pair.sender.memory_kind(), 4096, 0, fill)
+        .map_err(|e| failed("registering a second source", e))?;
     pair.sender.release(&gone, false).map_err(|e| failed("releasing the second source", e))?;
     let released = Entry { local: gone.id, local_offset: 0, remote: 0, remote_offset: 0, len: 64 };
     let past = pair.entry(REGION - 32, 1024, 64);
@@ -504,7 +507,7 @@ fn a_peer_that_dies_mid_transfer_fails_within_the_deadline(transport: &mut dyn T
     let mut fresh = transport.engine(NodeId(2), ASK).map_err(|e| failed("opening a new peer after the death", e))?;
     let zero = Arc::new(|_: u64, out: &mut [u8]| out.fill(0));
     let target =
-        fresh.register(MemoryKind::Host, REGION, 0, zero).map_err(|e| failed("registering the new peer", e))?;
+        fresh.register(fresh.memory_kind(), REGION, 0, zero).map_err(|e| failed("registering the new peer", e))?;
     let (next, next_address) = sender.open().map_err(|e| failed("opening a connection to the new peer", e))?;
     let (back, address) = fresh.open().map_err(|e| failed("opening the new peer's end", e))?;
     sender.connect(next, &address, &[target.remote()]).map_err(|e| failed("connecting to the new peer", e))?;
