@@ -11,7 +11,7 @@
 #   7. check --fabric nixl-cuda    every scenario, ranks as agents of one process
 #   8. launch --fabric nixl-cuda   the Kimi-K3 scenario with every rank its own process (cuda_ipc between them)
 #   9. certify --fabric nixl-cuda  the conformance cases and the corpus; report in target/certify/nixl-cuda
-#  10. bench --fabric nixl-cuda    ceilings, the Kimi-K3 request, and its descriptor lists through NIXL on VRAM
+#  10. bench --fabric nixl-cuda    ceilings, the Kimi-K3 request, its descriptor lists between two processes
 #
 # Usage: bash ci/gpu.sh [--log FILE] [--stages 1,2,...]
 #   With cargo on the machine it builds `--features cuda` itself. Without (a GPU box with no Rust), build on another
@@ -109,7 +109,7 @@ if [ "$features" = cuda,nixl ]; then
     run_stage 7 "check nixl-cuda" timeout "$stage_limit" "$bin" check --fabric nixl-cuda
     run_stage 8 "launch nixl-cuda" timeout "$stage_limit" "$bin" launch scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml --fabric nixl-cuda
     run_stage 9 "certify nixl-cuda" timeout "$stage_limit" "$bin" certify --fabric nixl-cuda --out target/certify/nixl-cuda
-    run_stage 10 "bench nixl-cuda" timeout "$stage_limit" "$bin" bench --fabric nixl-cuda --iterations 1
+    run_stage 10 "bench nixl-cuda" timeout "$stage_limit" "$bin" bench --fabric nixl-cuda --iterations 1 --across-processes
 else
     say ""
     say "=== stages 7-10 (NIXL on GPU memory): not run: no nixl-cu13 libraries at $nixl_lib (fix: bash ci/engines.sh --nixl-cu13, or KVRELAY_NIXL_LIB)"

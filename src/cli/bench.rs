@@ -18,7 +18,7 @@ use crate::scenario;
 
 /// The benchmark problem: Kimi-K3 (24 MLA layers, 69 KDA layers unless `kv_only`), prefill PP8/TP1, decode
 /// TP8/DCP8, P = 64, one chunk.
-fn bench_problem(tokens: u32, kv_only: bool) -> anyhow::Result<Problem> {
+pub(super) fn bench_problem(tokens: u32, kv_only: bool) -> anyhow::Result<Problem> {
     bench_problem_with(tokens, kv_only, "")
 }
 
@@ -304,6 +304,7 @@ pub(super) fn bench_fabric(
     sizes: &[u64],
     iterations: u32,
     wr_scenario: &Path,
+    across: bool,
 ) -> anyhow::Result<ExitCode> {
     outln!("bench: fabric {}", fabric.name());
     #[cfg(feature = "cuda")]
@@ -311,7 +312,7 @@ pub(super) fn bench_fabric(
         super::bench_cuda::bench_cuda(fabric, iterations)?;
     }
     if !fabric.transport().map_err(anyhow::Error::msg)?.verbs() {
-        bench_engine_lists(fabric, iterations)?;
+        super::bench_lists::bench_engine_lists(fabric, iterations, across)?;
     }
     for &bytes in sizes {
         match write_bandwidth(fabric, bytes)? {
@@ -541,239 +542,4 @@ pub(super) fn bench_scaling(max_tokens: u32, iterations: u32) -> anyhow::Result<
         "(median of {iterations} runs; plan = plan::plan; descr+lower = descriptors and their lowering to soft-roce limits, max_sge 32, 8 MiB messages; paged = plan::paged::compact of those descriptors, alone; per-row copies counted, not expanded; plan heap = group vector and shared entry and row-run lists)"
     );
     Ok(ExitCode::SUCCESS)
-}
-
-/// One descriptor list of the list benchmark: (source offset, target offset, length) into one source and one target
-/// buffer.
-type List = Vec<(u64, u64, u64)>;
-/// A list and its name.
-type Named = (&'static str, List);
-
-/// The lists of the Kimi-K3 32K request's KV (24 MLA layers, prefill PP8/TP1 → decode TP8/DCP8, the allocator's
-/// shuffled pages), every rank's regions laid end to end in one source and one target buffer: kvrelay's plan as the
-/// transfer-engine seam carries it (row runs, merged where source and target both continue), the per-token list
-/// SGLang's DCP path builds (one descriptor per token row), a page-granular list of the same bytes (one descriptor
-/// per prefill page and layer, as a page-run list without merges), and one contiguous transfer. Also the two
-/// buffers' sizes.
-fn engine_lists(tokens: u32) -> anyhow::Result<(Vec<Named>, List, u64, u64)> {
-    let problem = bench_problem(tokens, true)?;
-    let plan = plan::plan(&problem).map_err(|error| anyhow::anyhow!("plan rejected: {error}"))?;
-    let (mut sources, mut targets) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
-    for copy in plan.copies() {
-        let extent = |map: &mut std::collections::BTreeMap<(RankId, u32), u64>, key, end: u64| {
-            let slot = map.entry(key).or_insert(0);
-            *slot = (*slot).max(end);
-        };
-        extent(&mut sources, (copy.source, copy.source_region), copy.source_offset + copy.length);
-        extent(&mut targets, (copy.target, copy.target_region), copy.target_offset + copy.length);
-    }
-    let bases = |map: &std::collections::BTreeMap<(RankId, u32), u64>| {
-        let mut next = 0;
-        let bases: std::collections::BTreeMap<(RankId, u32), u64> = map
-            .iter()
-            .map(|(key, extent)| {
-                let base = next;
-                next += extent;
-                (*key, base)
-            })
-            .collect();
-        (bases, next)
-    };
-    let ((source_base, source_len), (target_base, target_len)) = (bases(&sources), bases(&targets));
-    let rows: List = plan
-        .copies()
-        .map(|copy| {
-            let source = source_base[&(copy.source, copy.source_region)] + copy.source_offset;
-            (source, target_base[&(copy.target, copy.target_region)] + copy.target_offset, copy.length)
-        })
-        .collect();
-    let mut merged: List = Vec::new();
-    for &(source, target, length) in &rows {
-        match merged.last_mut() {
-            Some(last) if last.0 + last.2 == source && last.1 + last.2 == target => last.2 += length,
-            _ => merged.push((source, target, length)),
-        }
-    }
-    let bytes: u64 = rows.iter().map(|row| row.2).sum();
-    let page = 64 * rows.first().map_or(1, |row| row.2);
-    let pages: List = (0..bytes / page).map(|k| (k * page, ((k * 7919) % (bytes / page)) * page, page)).collect();
-    let (gather, packed) = pack(&rows);
-    let lists = vec![
-        ("kvrelay (seam entries)", merged),
-        (PACKED, packed),
-        ("per-token (SGLang DCP)", rows),
-        ("per-page", pages),
-        ("contiguous", vec![(0, 0, bytes)]),
-    ];
-    Ok((lists, gather, source_len, target_len))
-}
-
-/// The name of kvrelay's packed list in the list benchmark.
-const PACKED: &str = "kvrelay packed (2.8)";
-
-/// kvrelay's copies packed (domain.md §2.8): the rows gathered on the sending side into one buffer in target order,
-/// so that the engine sees one entry per run of contiguous target bytes. `(gather, entries)`: the gather's copies
-/// (source offset, pack offset, length), merged where contiguous, and the engine's entries (pack offset, target
-/// offset, length).
-fn pack(rows: &List) -> (List, List) {
-    let mut order: Vec<(u64, u64, u64)> = rows.clone();
-    order.sort_by_key(|row| row.1);
-    let (mut gather, mut entries): (List, List) = (Vec::new(), Vec::new());
-    let mut at = 0;
-    for (source, target, length) in order {
-        for (list, from, to) in [(&mut gather, source, at), (&mut entries, at, target)] {
-            match list.last_mut() {
-                Some(last) if last.0 + last.2 == from && last.1 + last.2 == to => last.2 += length,
-                _ => list.push((from, to, length)),
-            }
-        }
-        at += length;
-    }
-    (gather, entries)
-}
-
-/// Applies `list`'s copies (from, to, length) from `source` into `target`.
-fn apply(list: &List, source: &[u8], target: &mut [u8]) {
-    for &(from, to, length) in list {
-        let (from, to, length) = (from as usize, to as usize, length as usize);
-        target[to..to + length].copy_from_slice(&source[from..from + length]);
-    }
-}
-
-/// `kvrelay bench --fabric F` on an engine that meets only the transfer-engine seam (NIXL, Mooncake, a child):
-/// the Kimi-K3 32K request's KV moved between two of its engines as each list of [`engine_lists`], in batches of at
-/// most the engine's declared entries, best of `iterations`; GB/s and the ratio to the contiguous transfer measured in
-/// the same run. Numbers only.
-pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32) -> anyhow::Result<()> {
-    use crate::fabric::seam::{Batch, Entry, Event, NodeId};
-    let (lists, gather, source_len, target_len) = engine_lists(32768)?;
-    let mut transport = fabric.transport().map_err(anyhow::Error::msg)?;
-    let mut sender = transport.engine(NodeId(0), harness::RDMA_CAPS).map_err(anyhow::Error::msg)?;
-    let mut receiver = transport.engine(NodeId(1), harness::RDMA_CAPS).map_err(anyhow::Error::msg)?;
-    let fill = std::sync::Arc::new(|offset: u64, out: &mut [u8]| {
-        out.iter_mut().enumerate().for_each(|(index, byte)| *byte = ((offset + index as u64) % 251) as u8)
-    });
-    let bytes: u64 = lists.last().map_or(0, |(_, list)| list.iter().map(|entry| entry.2).sum());
-    // The packed list's sending side: the pack buffer, gathered from the same source bytes (its gather is timed
-    // below on host memory, as the sending rank would run it before posting: a GPU gather kernel in production).
-    let host: Vec<u8> = {
-        let mut host = vec![0u8; source_len as usize];
-        fill(0, &mut host);
-        host
-    };
-    let mut scratch = vec![0u8; bytes as usize];
-    apply(&gather, &host, &mut scratch);
-    let packed = std::sync::Arc::new(scratch.clone());
-    let pack_fill = {
-        let packed = packed.clone();
-        std::sync::Arc::new(move |offset: u64, out: &mut [u8]| {
-            let at = offset as usize;
-            out.copy_from_slice(&packed[at..at + out.len()]);
-        })
-    };
-    let (kind, target_kind) = (sender.memory_kind(), receiver.memory_kind());
-    let pack = sender.register(kind, bytes.max(1), 0, pack_fill)?;
-    let source = sender.register(kind, source_len, 0, fill)?;
-    let zero = std::sync::Arc::new(|_: u64, out: &mut [u8]| out.fill(0));
-    let target = receiver.register(target_kind, target_len.max(source_len), 0, zero)?;
-    let (conn, _) = sender.open()?;
-    let (_, address) = receiver.open()?;
-    sender.connect(conn, &address, &[target.remote()])?;
-    let limits = sender.limits();
-    outln!(
-        "bench: the Kimi-K3 32K request's KV ({bytes} B) through {} as descriptor lists, best of {}",
-        fabric.name(),
-        iterations.max(1)
-    );
-    outln!("{:<24} {:>12} {:>10} {:>10} {:>16}", "list", "descriptors", "seconds", "GB/s", "x contiguous");
-    let mut results = Vec::new();
-    let mut gathered = f64::INFINITY;
-    for (name, list) in &lists {
-        let local = if *name == PACKED { pack.id } else { source.id };
-        let mut best = f64::INFINITY;
-        for _ in 0..iterations.max(1) {
-            if *name == PACKED {
-                scratch.fill(0);
-            }
-            let start = Instant::now();
-            if *name == PACKED {
-                apply(&gather, &host, &mut scratch);
-                gathered = gathered.min(start.elapsed().as_secs_f64());
-            }
-            for chunk in list.chunks(limits.max_entries.clamp(1, 1 << 20)) {
-                let entries = chunk
-                    .iter()
-                    .map(|&(local_offset, remote_offset, len)| Entry {
-                        local,
-                        local_offset,
-                        remote: 0,
-                        remote_offset,
-                        len,
-                    })
-                    .collect();
-                let id = sender.submit(conn, Batch { entries, notify: None })?;
-                sender.flush();
-                let mut events = Vec::new();
-                'wait: loop {
-                    sender.poll(&mut events, usize::MAX);
-                    for event in events.drain(..) {
-                        if let Event::Completed(completion) = event {
-                            anyhow::ensure!(
-                                completion.status == crate::fabric::seam::BatchStatus::Success,
-                                "the {name} list's batch failed: {}",
-                                completion.detail
-                            );
-                            if completion.batch == id {
-                                break 'wait;
-                            }
-                        }
-                    }
-                    // The target makes progress only when polled (NIXL's agents run no progress thread).
-                    receiver.poll(&mut events, usize::MAX);
-                    events.clear();
-                    sender.wait(std::time::Duration::from_millis(1));
-                }
-            }
-            best = best.min(start.elapsed().as_secs_f64());
-        }
-        results.push((*name, list.len(), best));
-    }
-    let contiguous = results.last().map_or(1.0, |result| result.2);
-    for &(name, count, seconds) in &results {
-        outln!(
-            "{name:<24} {count:>12} {seconds:>10.3} {:>10.3} {:>16.2}",
-            bytes as f64 / seconds.max(1e-12) / 1e9,
-            seconds / contiguous.max(1e-12)
-        );
-    }
-    let per_token = results.iter().find(|result| result.0.starts_with("per-token")).map_or(f64::NAN, |result| result.2);
-    let packed_seconds = results.iter().find(|result| result.0 == PACKED).map_or(f64::NAN, |result| result.2);
-    outln!(
-        "{PACKED}: {gathered:.3} s of its time is the sending side's gather into the pack buffer (host memcpy here; a \
-         GPU gather kernel in production, ../shared/docs/engines.md section 4); {:.2}x faster than the per-token list",
-        per_token / packed_seconds.max(1e-12)
-    );
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The packed list (gather, then the pack buffer's entries) writes exactly the bytes the per-token rows write.
-    #[test]
-    fn packed_lists_write_what_the_rows_write() {
-        let (lists, gather, source_len, target_len) = engine_lists(1024).unwrap();
-        let list = |wanted: &str| lists.iter().find(|(name, _)| name.starts_with(wanted)).unwrap().1.clone();
-        let source: Vec<u8> = (0..source_len).map(|at| (at % 251) as u8 ^ (at >> 8) as u8).collect();
-        let bytes: u64 = list("per-token").iter().map(|row| row.2).sum();
-        let mut by_rows = vec![0u8; target_len as usize];
-        apply(&list("per-token"), &source, &mut by_rows);
-        let mut pack = vec![0u8; bytes as usize];
-        apply(&gather, &source, &mut pack);
-        let mut by_pack = vec![0u8; target_len as usize];
-        apply(&list(PACKED), &pack, &mut by_pack);
-        assert!(by_rows == by_pack, "the packed list writes other bytes than the rows");
-        assert!(list(PACKED).len() * 8 < list("per-token").len(), "packing merged too little");
-    }
 }

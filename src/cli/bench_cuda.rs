@@ -62,7 +62,7 @@ pub(super) fn bench_cuda(fabric: &harness::Fabric, iterations: u32) -> anyhow::R
     }
     let rate = |seconds: f64| bytes as f64 / seconds.max(1e-12) / 1e9;
     outln!(
-        "kimi-k3 32K request (KV and KDA state, {bytes} B) through the engines on {} on the GPU, end to end (bootstrap, planning, writes, completions): {best_run:.4} s, {:.1} GB/s, {:.1}% of the copy ceiling",
+        "kimi-k3 32K request (KV and KDA state, {bytes} B) through the engines on {} on the GPU (every rank an engine of this process), end to end (bootstrap, planning, writes, completions): {best_run:.4} s, {:.1} GB/s, {:.1}% of the copy ceiling",
         fabric.name(),
         rate(best_run),
         share(rate(best_run))

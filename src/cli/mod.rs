@@ -34,6 +34,7 @@ macro_rules! out {
 mod bench;
 #[cfg(feature = "cuda")]
 mod bench_cuda;
+mod bench_lists;
 mod certify;
 mod planners;
 mod ranks;
@@ -210,6 +211,19 @@ pub enum Command {
         /// With --scaling: leave out shapes of more tokens than this.
         #[arg(long, default_value_t = 1 << 20, requires = "scaling")]
         max_tokens: u32,
+        /// With --fabric: the descriptor lists' target engine in another process (as ranks run; NIXL on VRAM in
+        /// one process goes through UCX's loopback instead of cuda_ipc).
+        #[arg(long)]
+        across_processes: bool,
+    },
+    /// The target engine of `bench --across-processes` (started by it).
+    #[command(hide = true)]
+    BenchTarget {
+        #[command(flatten)]
+        fabric: FabricArgs,
+        /// Bytes of target memory.
+        #[arg(long)]
+        bytes: u64,
     },
 }
 
@@ -390,10 +404,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             message_bytes,
             wr_scenario,
             iterations,
+            across_processes,
             ..
         } => {
             let fabric = harness::Fabric::parse(&name, device).map_err(anyhow::Error::msg)?;
-            bench::bench_fabric(&fabric, &message_bytes, iterations, &wr_scenario)
+            bench::bench_fabric(&fabric, &message_bytes, iterations, &wr_scenario, across_processes)
+        }
+        Command::BenchTarget { fabric, bytes } => {
+            bench_lists::bench_target(&fabric.fabric("sim")?, bytes)?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Bench { scaling: true, max_tokens, iterations, .. } => bench::bench_scaling(max_tokens, iterations),
         Command::Bench { tokens, iterations, runs, .. } => {
@@ -505,6 +524,7 @@ fn takes_seed(command: &Command) -> bool {
         command,
         Command::Check { .. }
             | Command::Bench { .. }
+            | Command::BenchTarget { .. }
             | Command::Replay(_)
             | Command::Certify(_)
             | Command::Planner
