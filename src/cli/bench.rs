@@ -312,7 +312,7 @@ pub(super) fn bench_fabric(
         super::bench_cuda::bench_cuda(fabric, iterations)?;
     }
     if !fabric.transport().map_err(anyhow::Error::msg)?.verbs() {
-        super::bench_lists::bench_engine_lists(fabric, iterations, across)?;
+        super::bench_lists::bench_engine_lists(fabric, iterations, across, &[])?;
     }
     for &bytes in sizes {
         match write_bandwidth(fabric, bytes)? {

@@ -116,14 +116,29 @@ fn apply(list: &List, source: &[u8], target: &mut [u8]) {
 /// the Kimi-K3 32K request's KV moved between two of its engines as each list of [`engine_lists`], in batches of at
 /// most the engine's declared entries, best of `iterations`; GB/s and the ratio to the contiguous transfer measured in
 /// the same run. Numbers only.
-pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32, across: bool) -> anyhow::Result<()> {
-    let (lists, gather, source_len, target_len) = engine_lists(32768)?;
+/// `only`: the lists whose names contain one of these words (`seam`, `packed`, `per-token`, `per-page`,
+/// `contiguous`); every list when empty.
+pub(super) fn bench_engine_lists(
+    fabric: &harness::Fabric,
+    iterations: u32,
+    across: bool,
+    only: &[String],
+) -> anyhow::Result<()> {
+    let (mut lists, gather, source_len, target_len) = engine_lists(32768)?;
+    let bytes: u64 = lists.last().map_or(0, |(_, list)| list.iter().map(|entry| entry.2).sum());
+    if !only.is_empty() {
+        lists.retain(|(name, _)| only.iter().any(|word| name.contains(word.as_str())));
+        anyhow::ensure!(
+            !lists.is_empty(),
+            "--lists {} names none of seam, packed, per-token, per-page, contiguous",
+            only.join(",")
+        );
+    }
     let mut transport = fabric.transport().map_err(anyhow::Error::msg)?;
     let mut sender = transport.engine(NodeId(0), harness::RDMA_CAPS).map_err(anyhow::Error::msg)?;
     let fill = std::sync::Arc::new(|offset: u64, out: &mut [u8]| {
         out.iter_mut().enumerate().for_each(|(index, byte)| *byte = ((offset + index as u64) % 251) as u8)
     });
-    let bytes: u64 = lists.last().map_or(0, |(_, list)| list.iter().map(|entry| entry.2).sum());
     // The packed list's sending side: the pack buffer, gathered from the same source bytes (its gather is timed
     // below on host memory, as the sending rank would run it before posting: a GPU gather kernel in production).
     let host: Vec<u8> = {
@@ -186,7 +201,7 @@ pub(super) fn bench_engine_lists(fabric: &harness::Fabric, iterations: u32, acro
         }
         results.push((*name, list.len(), best));
     }
-    let contiguous = results.last().map_or(1.0, |result| result.2);
+    let contiguous = results.iter().find(|result| result.0 == "contiguous").map_or(f64::NAN, |result| result.2);
     for &(name, count, seconds) in &results {
         outln!(
             "{name:<24} {count:>12} {seconds:>10.3} {:>10.3} {:>16.2}",

@@ -215,6 +215,10 @@ pub enum Command {
         /// one process goes through UCX's loopback instead of cuda_ipc).
         #[arg(long)]
         across_processes: bool,
+        /// With --fabric: only the descriptor-list benchmark, and only these of its lists (seam, packed,
+        /// per-token, per-page, contiguous).
+        #[arg(long, value_delimiter = ',')]
+        lists: Vec<String>,
     },
     /// The target engine of `bench --across-processes` (started by it).
     #[command(hide = true)]
@@ -405,9 +409,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             wr_scenario,
             iterations,
             across_processes,
+            lists,
             ..
         } => {
             let fabric = harness::Fabric::parse(&name, device).map_err(anyhow::Error::msg)?;
+            if !lists.is_empty() {
+                bench_lists::bench_engine_lists(&fabric, iterations, across_processes, &lists)?;
+                return Ok(ExitCode::SUCCESS);
+            }
             bench::bench_fabric(&fabric, &message_bytes, iterations, &wr_scenario, across_processes)
         }
         Command::BenchTarget { fabric, bytes } => {
