@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
 use super::seam::{
@@ -179,8 +179,11 @@ impl Shared {
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 }
     }
 
-    /// Allocates `len` bytes (at least one) of device memory for engine `owner`, accounted.
-    fn alloc(&self, len: u64, owner: u32) -> Result<(CudaSlice<u8>, u64), SeamError> {
+    /// Allocates `len` bytes (at least one) of device memory for engine `owner`, accounted: with `cuMemAlloc`,
+    /// never from a stream-ordered pool (cudarc's default where the device has one), because pool memory has no
+    /// legacy CUDA IPC handle and UCX's `cuda_ipc` then cannot reach it: measured on the H200, NIXL moved such
+    /// memory between processes by emulating RDMA over TCP (`rma_am(tcp/lo)`, 0.4 GB/s).
+    fn alloc(&self, len: u64, owner: u32) -> Result<(DeviceAlloc, u64), SeamError> {
         let size = usize::try_from(len.max(1)).map_err(|_| SeamError::Exhausted("device memory"))?;
         let (free, _) = self.ctx.mem_get_info().map_err(|error| driver("cuMemGetInfo", error))?;
         if size > free {
@@ -189,12 +192,14 @@ impl Shared {
                 message: format!("{size} bytes asked, {free} free on GPU {} (fix: a smaller scenario)", self.gpu),
             });
         }
-        // SAFETY: the memory is filled (a pattern, a fill, or the sentinel) before anything reads it.
-        let slice = unsafe { self.stream.alloc::<u8>(size) }.map_err(|error| driver("cuMemAlloc", error))?;
-        let ptr = slice.device_ptr(&self.stream).0;
+        self.ctx.bind_to_thread().map_err(|error| driver("cuCtxSetCurrent", error))?;
+        // SAFETY: the context is current; the memory is filled (a pattern, a fill, or the sentinel) before anything
+        // reads it, and freed once by `DeviceAlloc`'s drop.
+        let ptr = unsafe { result::malloc_sync(size) }.map_err(|error| driver("cuMemAlloc", error))?;
+        let allocation = DeviceAlloc { ctx: self.ctx.clone(), ptr };
         self.state().live.insert(ptr, (len, owner));
         self.account(size as i64);
-        Ok((slice, ptr))
+        Ok((allocation, ptr))
     }
 
     fn forget(&self, ptr: u64, len: u64) {
@@ -241,27 +246,29 @@ impl Shared {
     /// A region of `len` bytes for engine `owner` holding `contents` (generated on the device for a pattern,
     /// uploaded in 64 MiB pieces for a fill), accounted; ordered before anything later on the stream.
     fn make_region(&self, len: u64, owner: u32, contents: Contents<'_>) -> Result<Region, SeamError> {
-        let (mut slice, ptr) = self.alloc(len, owner)?;
+        let (allocation, ptr) = self.alloc(len, owner)?;
         let filled = match contents {
             Contents::Pattern(pattern) => self.generate(ptr, len, pattern),
-            Contents::Fill(fill) => self.upload_fill(&mut slice, len, fill),
+            Contents::Fill(fill) => self.upload_fill(ptr, len, fill),
         };
         if let Err(error) = filled {
             self.forget(ptr, len);
             return Err(error);
         }
-        Ok(Region { slice, ptr, len })
+        Ok(Region { _allocation: allocation, ptr, len })
     }
 
     /// Arbitrary contents (the conformance cases' fills) go up in 64 MiB pieces; patterns never take this path.
-    fn upload_fill(&self, slice: &mut CudaSlice<u8>, len: u64, fill: &Fill) -> Result<(), SeamError> {
+    fn upload_fill(&self, ptr: u64, len: u64, fill: &Fill) -> Result<(), SeamError> {
         let mut offset = 0u64;
         let mut piece = vec![0u8; len.min(64 << 20) as usize];
         while offset < len {
             let take = (len - offset).min(piece.len() as u64) as usize;
             fill(offset, &mut piece[..take]);
-            let mut view = slice.slice_mut(offset as usize..offset as usize + take);
-            self.stream.memcpy_htod(&piece[..take], &mut view).map_err(|error| driver("cuMemcpyHtoD", error))?;
+            // SAFETY: `ptr + offset .. + take` lies inside the allocation of `len` bytes at `ptr`; the stream is
+            // synchronised before `piece` is written again.
+            unsafe { result::memcpy_htod_async(ptr + offset, &piece[..take], self.stream.cu_stream()) }
+                .map_err(|error| driver("cuMemcpyHtoD", error))?;
             self.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
             offset += take as u64;
         }
@@ -274,8 +281,10 @@ impl Shared {
         if end.is_none_or(|end| end > region.len) {
             return Err(SeamError::OutOfRange { offset, len: out.len() as u64, region_len: region.len });
         }
-        let view = region.slice.slice(offset as usize..offset as usize + out.len());
-        self.stream.memcpy_dtoh(&view, out).map_err(|error| driver("cuMemcpyDtoH", error))?;
+        // SAFETY: the range lies inside the region's live allocation (checked above); the stream is synchronised
+        // before `out` is used.
+        unsafe { result::memcpy_dtoh_async(out, region.ptr + offset, self.stream.cu_stream()) }
+            .map_err(|error| driver("cuMemcpyDtoH", error))?;
         self.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))
     }
 
@@ -567,9 +576,25 @@ impl Transport for CudaTransport {
     }
 }
 
+/// One `cuMemAlloc` allocation, freed (with its context current) when dropped.
+struct DeviceAlloc {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in `Shared::alloc` and is freed once, here; cuMemFree waits for
+            // work still using it.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
 /// A region this engine registered.
 struct Region {
-    slice: CudaSlice<u8>,
+    _allocation: DeviceAlloc,
     ptr: u64,
     len: u64,
 }
@@ -647,11 +672,11 @@ impl CudaEngine {
         Memory { id, kind: MemoryKind::Device { gpu: self.shared.gpu }, addr, len, key: self.id }
     }
 
-    /// The copies of `batch` as (source address, target address, length), checked against this engine's regions
-    /// and the peer's advertised memory; a remote range outside it, or memory no longer registered, is the
-    /// completion status instead.
-    fn lower(&self, peer: &Peer, batch: &Batch) -> Result<Result<Vec<[u64; 3]>, BatchStatus>, SeamError> {
-        let mut copies = Vec::with_capacity(batch.entries.len());
+    /// The copies of `batch` as a flat table of (source address, target address, length), each at most
+    /// [`PIECE_BYTES`] long, checked against this engine's regions and the peer's advertised memory; a remote range
+    /// outside it, or memory no longer registered, is the completion status instead.
+    fn lower(&self, peer: &Peer, batch: &Batch) -> Result<Result<Vec<u64>, BatchStatus>, SeamError> {
+        let mut copies = Vec::with_capacity(batch.entries.len() * 3);
         let state = self.shared.state();
         // Entries of one batch mostly name the same few regions: each is looked up and checked once.
         let mut local: Option<(u32, &Region)> = None;
@@ -688,44 +713,48 @@ impl CudaEngine {
             if entry.remote_offset.checked_add(entry.len).is_none_or(|end| end > target.len) {
                 return Ok(Err(BatchStatus::RemoteAccess));
             }
-            if entry.len > 0 {
-                copies.push([region.ptr + entry.local_offset, target.addr + entry.remote_offset, entry.len]);
-            }
-        }
-        Ok(Ok(copies))
-    }
-
-    /// Puts `copies` on the stream: the copy engines or one gather launch ([`copy_engine_wins`]); the uploaded
-    /// table, if any.
-    fn issue(&mut self, copies: &[[u64; 3]]) -> Result<Option<CudaSlice<u64>>, SeamError> {
-        let bytes: u64 = copies.iter().map(|copy| copy[2]).sum();
-        if copies.is_empty() {
-            return Ok(None);
-        }
-        if copy_engine_wins(copies.len(), bytes) {
-            for [src, dst, len] in copies {
-                // SAFETY: both ranges were checked against live allocations of this context.
-                unsafe { result::memcpy_dtod_async(*dst, *src, *len as usize, self.shared.stream.cu_stream()) }
-                    .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;
-            }
-            self.operations += copies.len() as u64;
-            return Ok(None);
-        }
-        let mut table = Vec::with_capacity(copies.len() * 3);
-        for &[src, dst, len] in copies {
+            let (src, dst, len) = (region.ptr + entry.local_offset, target.addr + entry.remote_offset, entry.len);
             if len <= PIECE_BYTES {
-                table.extend([src, dst, len]);
+                if len > 0 {
+                    copies.extend([src, dst, len]);
+                }
                 continue;
             }
             let mut done = 0;
             while done < len {
                 let piece = (len - done).min(PIECE_BYTES);
-                table.extend([src + done, dst + done, piece]);
+                copies.extend([src + done, dst + done, piece]);
                 done += piece;
             }
         }
+        Ok(Ok(copies))
+    }
+
+    /// Puts the flat `table` of copies ([`CudaEngine::lower`]) on the stream: the copy engines or one gather
+    /// launch ([`copy_engine_wins`], on the batch's `entries` and `bytes`); the uploaded table, if any.
+    fn issue(&mut self, table: &[u64], entries: usize, bytes: u64) -> Result<Option<CudaSlice<u64>>, SeamError> {
+        if table.is_empty() {
+            return Ok(None);
+        }
         let count = (table.len() / 3) as u64;
-        let device = Shared::upload(&self.shared.stream, &table)?;
+        if copy_engine_wins(entries, bytes) {
+            // One copy per entry: the pieces an entry was cut into join again.
+            let mut runs: Vec<[u64; 3]> = Vec::with_capacity(entries);
+            for copy in table.chunks_exact(3) {
+                match runs.last_mut() {
+                    Some(run) if run[0] + run[2] == copy[0] && run[1] + run[2] == copy[1] => run[2] += copy[2],
+                    _ => runs.push([copy[0], copy[1], copy[2]]),
+                }
+            }
+            for [src, dst, len] in &runs {
+                // SAFETY: both ranges were checked against live allocations of this context.
+                unsafe { result::memcpy_dtod_async(*dst, *src, *len as usize, self.shared.stream.cu_stream()) }
+                    .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;
+            }
+            self.operations += runs.len() as u64;
+            return Ok(None);
+        }
+        let device = Shared::upload(&self.shared.stream, table)?;
         let mut launch = self.shared.stream.launch_builder(&self.shared.gather);
         launch.arg(&device).arg(&count);
         // SAFETY: every descriptor's source and target were checked against live allocations.
@@ -873,9 +902,14 @@ impl TransferEngine for CudaEngine {
         SeamError::check_limits(&batch, self.limits())?;
         let end = self.conns.get(&conn).ok_or(SeamError::UnknownConnection(conn))?;
         let peer = end.peer.clone().ok_or(SeamError::NotConnected(conn))?;
+        // Refused whole when an entry names unknown memory, before anything else (entries mostly repeat a region).
+        let mut known = None;
         for entry in &batch.entries {
-            if !self.regions.contains_key(&entry.local) {
-                return Err(SeamError::UnknownMemory(entry.local));
+            if known != Some(entry.local) {
+                if !self.regions.contains_key(&entry.local) {
+                    return Err(SeamError::UnknownMemory(entry.local));
+                }
+                known = Some(entry.local);
             }
         }
         let id = BatchId(self.next_batch);
@@ -887,7 +921,8 @@ impl TransferEngine for CudaEngine {
                 return Ok(id);
             }
         };
-        let table = self.issue(&copies)?;
+        let bytes = batch.byte_len().unwrap_or(u64::MAX);
+        let table = self.issue(&copies, batch.entries.len(), bytes)?;
         let event = self.shared.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?;
         // The notification goes to the end the peer opened (the address it gave names it).
         let notify = batch.notify.map(|tag| (peer.engine, peer.conn, tag));
@@ -947,7 +982,7 @@ impl Drop for Holder {
         if let Some(region) = self.region.take() {
             self.shared.state().resident.remove(&region.ptr);
             self.shared.account(-(region.len.max(1) as i64));
-            drop(region.slice);
+            drop(region);
         }
     }
 }
