@@ -187,13 +187,15 @@ mod gpu {
         }
     }
 
-    #[test]
-    fn a_planted_wrong_byte_in_device_memory_is_caught_with_the_host_oracles_coordinates() {
-        let Some(_gpu) = gpu() else { return };
+    /// Runs the DCP relayout scenario on `fabric`, plants a wrong byte in its first decode region on the device,
+    /// and checks the device oracle's verdict: one violation, on that rank's row 0, identical to the host oracle's
+    /// over the same memory read back.
+    fn planted_byte_is_caught_with_the_host_oracles_coordinates(fabric: &Fabric) {
         let scenario = corpus("engines/dcp-relayout-two-stages.yaml");
-        let outcome = harness::run_on(&scenario, &Budget::bytes(1 << 30), &Fabric::Cuda, false).expect("runs");
+        let outcome = harness::run_on(&scenario, &Budget::bytes(1 << 30), fabric, false).expect("runs");
         assert!(outcome.passed(), "{}", outcome.failure_text("; "));
         let observation = outcome.observation;
+        assert!(observation.images.is_empty(), "decode memory came back to the host");
         let (key, region) = observation.resident.iter().next().expect("decode memory stayed on the GPU");
         cuda::plant(&*region.keep, 7, 0xA5).expect("planted");
         let run = outcome.engine.as_ref().expect("ran");
@@ -205,6 +207,12 @@ mod gpu {
         assert_eq!(on_device, on_host, "device and host oracles disagree");
         assert_eq!(on_device[0].rank, key.rank);
         assert!(on_device[0].to_string().contains("row 0"), "{}", on_device[0]);
+    }
+
+    #[test]
+    fn a_planted_wrong_byte_in_device_memory_is_caught_with_the_host_oracles_coordinates() {
+        let Some(_gpu) = gpu() else { return };
+        planted_byte_is_caught_with_the_host_oracles_coordinates(&Fabric::Cuda);
     }
 
     #[test]
@@ -239,19 +247,6 @@ mod gpu {
     #[test]
     fn nixl_on_vram_lands_every_byte_and_a_planted_wrong_byte_is_caught_on_the_device() {
         let Some(_gpu) = nixl_on_gpu() else { return };
-        let scenario = corpus("engines/dcp-relayout-two-stages.yaml");
-        let outcome = harness::run_on(&scenario, &Budget::bytes(1 << 30), &Fabric::NixlCuda, false).expect("runs");
-        assert!(outcome.passed(), "{}", outcome.failure_text("; "));
-        let observation = outcome.observation;
-        assert!(observation.images.is_empty(), "decode memory came back to the host");
-        let (key, region) = observation.resident.iter().next().expect("decode memory stayed on the GPU");
-        cuda::plant(&*region.keep, 7, 0xA5).expect("planted");
-        let run = outcome.engine.as_ref().expect("ran");
-        let on_device = harness::oracle(&scenario, run, &observation);
-        let mut read_back = observation.clone();
-        read_back.materialise().expect("read back");
-        assert_eq!(on_device, harness::oracle(&scenario, run, &read_back), "device and host oracles disagree");
-        assert_eq!(on_device.len(), 1, "{on_device:?}");
-        assert_eq!(on_device[0].rank, key.rank);
+        planted_byte_is_caught_with_the_host_oracles_coordinates(&Fabric::NixlCuda);
     }
 }
