@@ -9,18 +9,13 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use super::load;
+use super::shapes::{bench_problem, bench_problem_with, peak_rss_bytes};
 use crate::engine::sim::SimOptions;
 use crate::fabric::world::ChunkPool;
 use crate::harness::{self, Budget};
 use crate::model::{Problem, RankId};
 use crate::plan;
 use crate::scenario;
-
-/// The benchmark problem: Kimi-K3 (24 MLA layers, 69 KDA layers unless `kv_only`), prefill PP8/TP1, decode
-/// TP8/DCP8, P = 64, one chunk.
-pub(super) fn bench_problem(tokens: u32, kv_only: bool) -> anyhow::Result<Problem> {
-    bench_problem_with(tokens, kv_only, "")
-}
 
 /// The benchmark problem on contiguous pages 1.. on both sides (a fresh allocator's), where descriptors merge
 /// across pages.
@@ -29,14 +24,6 @@ fn contiguous_problem(tokens: u32) -> anyhow::Result<Problem> {
     let pages =
         format!(", prefill_pages: [{}], decode_pages: [{}]", list(tokens.div_ceil(64)), list(tokens.div_ceil(64 * 8)));
     bench_problem_with(tokens, true, &pages)
-}
-
-fn bench_problem_with(tokens: u32, kv_only: bool, pages: &str) -> anyhow::Result<Problem> {
-    let state = if kv_only { ", state: []" } else { "" };
-    let text = format!(
-        "model: {{preset: kimi-k3{state}}}\nprefill: {{pp: 8, page_size: 64}}\ndecode: {{tp: 8, dcp: 8, page_size: 64}}\nrequests: [{{tokens: {tokens}{pages}}}]\nexpect: ok\n"
-    );
-    Ok(scenario::parse(&text, "<bench>", "bench-kimi-k3")?.problem)
 }
 
 /// Median wall time of `iterations` runs of `work`, and its last result.
@@ -251,14 +238,6 @@ fn memcpy_seconds(bytes: u64) -> f64 {
         best = best.min(start.elapsed().as_secs_f64());
     }
     best
-}
-
-/// The process's peak resident memory (`VmHWM` of /proc/self/status), in bytes.
-pub(super) fn peak_rss_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = text.lines().find(|line| line.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 const K3_SCENARIO: &str = "scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml";

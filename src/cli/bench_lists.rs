@@ -9,7 +9,7 @@
 use std::io::{BufRead as _, Write as _};
 use std::time::Instant;
 
-use super::bench::bench_problem;
+use super::shapes::bench_problem;
 use crate::fabric::seam::{Batch, Entry, Event, NodeId, Pattern, PeerAddress, RemoteMemory, TransferEngine};
 use crate::harness;
 use crate::model::RankId;
@@ -201,7 +201,8 @@ pub(super) fn bench_engine_lists(
         }
         results.push((*name, list.len(), best));
     }
-    let contiguous = results.iter().find(|result| result.0 == "contiguous").map_or(f64::NAN, |result| result.2);
+    let seconds = |wanted: &str| results.iter().find(|result| result.0.starts_with(wanted)).map(|result| result.2);
+    let contiguous = seconds("contiguous").unwrap_or(f64::NAN);
     for &(name, count, seconds) in &results {
         outln!(
             "{name:<24} {count:>12} {seconds:>10.3} {:>10.3} {:>16.2}",
@@ -209,21 +210,21 @@ pub(super) fn bench_engine_lists(
             seconds / contiguous.max(1e-12)
         );
     }
-    let per_token = results.iter().find(|result| result.0.starts_with("per-token")).map_or(f64::NAN, |result| result.2);
-    let packed_seconds = results.iter().find(|result| result.0 == PACKED).map_or(f64::NAN, |result| result.2);
-    if gather_on_host {
-        outln!(
-            "{PACKED}: {gathered:.3} s of its time is the sending side's gather into the pack buffer (host memcpy \
-             here; a GPU gather kernel in production, ../shared/docs/engines.md section 4); {:.2}x faster than the \
-             per-token list",
-            per_token / packed_seconds.max(1e-12)
-        );
-    } else {
-        outln!(
-            "{PACKED}: {:.2}x faster than the per-token list; the sending side's gather into the pack buffer runs on \
-             the GPU and is not in its time (the gather kernel's own rate: `bench --fabric cuda`)",
-            per_token / packed_seconds.max(1e-12)
-        );
+    // The packed list against the per-token one, when both ran (`--lists` may leave either out).
+    if let (Some(per_token), Some(packed)) = (seconds("per-token"), seconds(PACKED)) {
+        let ratio = per_token / packed.max(1e-12);
+        if gather_on_host {
+            outln!(
+                "{PACKED}: {gathered:.3} s of its time is the sending side's gather into the pack buffer (host \
+                 memcpy here; a GPU gather kernel in production, ../shared/docs/engines.md section 4); {ratio:.2}x \
+                 faster than the per-token list"
+            );
+        } else {
+            outln!(
+                "{PACKED}: {ratio:.2}x faster than the per-token list; the sending side's gather into the pack \
+                 buffer runs on the GPU and is not in its time (the gather kernel's own rate: `bench --fabric cuda`)"
+            );
+        }
     }
     Ok(())
 }
@@ -267,10 +268,15 @@ fn send(
     Ok(())
 }
 
+/// Where the target engine runs.
+enum Place {
+    Here(Box<dyn TransferEngine>),
+    Child(std::process::Child),
+}
+
 /// The target side of the list benchmark: an engine of this process, or one in a `kvrelay bench-target` child.
 struct Receiver {
-    engine: Option<Box<dyn TransferEngine>>,
-    child: Option<std::process::Child>,
+    place: Place,
     address: PeerAddress,
     memory: RemoteMemory,
 }
@@ -279,7 +285,7 @@ impl Receiver {
     fn here(mut engine: Box<dyn TransferEngine>, bytes: u64) -> anyhow::Result<Receiver> {
         let target = engine.register_pattern(engine.memory_kind(), bytes, 0, Pattern::Sentinel)?;
         let (_, address) = engine.open()?;
-        Ok(Receiver { engine: Some(engine), child: None, address, memory: target.remote() })
+        Ok(Receiver { place: Place::Here(engine), address, memory: target.remote() })
     }
 
     /// Starts `kvrelay bench-target` on `fabric` and reads its one line (`target <address hex> <addr> <len> <key>`).
@@ -304,12 +310,12 @@ impl Receiver {
             anyhow::bail!("bench-target answered `{}` instead of its target (its error is above)", line.trim());
         };
         let memory = RemoteMemory { addr, len, key };
-        Ok(Receiver { engine: None, child: Some(child), address: PeerAddress(address), memory })
+        Ok(Receiver { place: Place::Child(child), address: PeerAddress(address), memory })
     }
 
     /// Lets a target in this process make progress (a child polls its own engine).
     fn progress(&mut self, events: &mut Vec<Event>) {
-        if let Some(engine) = &mut self.engine {
+        if let Place::Here(engine) = &mut self.place {
             engine.poll(events, usize::MAX);
             events.clear();
         }
@@ -318,7 +324,7 @@ impl Receiver {
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
+        if let Place::Child(child) = &mut self.place {
             drop(child.stdin.take()); // the child's cue to go
             let _ = child.wait();
         }

@@ -42,6 +42,7 @@ mod replay;
 mod replay_live;
 mod run;
 mod selftest;
+mod shapes;
 mod shrink;
 mod sim;
 
@@ -213,11 +214,11 @@ pub enum Command {
         max_tokens: u32,
         /// With --fabric: the descriptor lists' target engine in another process (as ranks run; NIXL on VRAM in
         /// one process goes through UCX's loopback instead of cuda_ipc).
-        #[arg(long)]
+        #[arg(long, requires = "fabric")]
         across_processes: bool,
         /// With --fabric: only the descriptor-list benchmark, and only these of its lists (seam, packed,
         /// per-token, per-page, contiguous).
-        #[arg(long, value_delimiter = ',')]
+        #[arg(long, value_delimiter = ',', requires = "fabric")]
         lists: Vec<String>,
     },
     /// The target engine of `bench --across-processes` (started by it).

@@ -153,7 +153,7 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     let seconds = start.elapsed().as_secs_f64();
     let input_tokens = u64::from(requests) * u64::from(tokens);
     latencies_ms.sort_by(f64::total_cmp);
-    let peak = super::bench::peak_rss_bytes();
+    let peak = super::shapes::peak_rss_bytes();
     outln!("requests: {requests}");
     outln!("input tokens: {input_tokens}");
     outln!("seconds: {seconds:.3}");

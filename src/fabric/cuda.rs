@@ -435,16 +435,6 @@ impl DeviceBuffer {
         self.region().ptr
     }
 
-    /// Its length in bytes.
-    pub fn len(&self) -> u64 {
-        self.region().len
-    }
-
-    /// Whether it is empty (never: allocations hold at least one byte).
-    pub fn is_empty(&self) -> bool {
-        self.region().len == 0
-    }
-
     /// Copies `out.len()` bytes from `offset` on into `out`.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), SeamError> {
         self.shared.read_region(self.region(), offset, out)
@@ -672,10 +662,10 @@ impl CudaEngine {
         Memory { id, kind: MemoryKind::Device { gpu: self.shared.gpu }, addr, len, key: self.id }
     }
 
-    /// The copies of `batch` as a flat table of (source address, target address, length), each at most
-    /// [`PIECE_BYTES`] long, checked against this engine's regions and the peer's advertised memory; a remote range
-    /// outside it, or memory no longer registered, is the completion status instead.
-    fn lower(&self, peer: &Peer, batch: &Batch) -> Result<Result<Vec<u64>, BatchStatus>, SeamError> {
+    /// The copies of `batch` as a flat table of (source address, target address, length), each at most `piece`
+    /// bytes long, checked against this engine's regions and the peer's advertised memory; a remote range outside
+    /// it, or memory no longer registered, is the completion status instead.
+    fn lower(&self, peer: &Peer, batch: &Batch, piece: u64) -> Result<Result<Vec<u64>, BatchStatus>, SeamError> {
         let mut copies = Vec::with_capacity(batch.entries.len() * 3);
         let state = self.shared.state();
         // Entries of one batch mostly name the same few regions: each is looked up and checked once.
@@ -714,44 +704,32 @@ impl CudaEngine {
                 return Ok(Err(BatchStatus::RemoteAccess));
             }
             let (src, dst, len) = (region.ptr + entry.local_offset, target.addr + entry.remote_offset, entry.len);
-            if len <= PIECE_BYTES {
-                if len > 0 {
-                    copies.extend([src, dst, len]);
-                }
-                continue;
-            }
             let mut done = 0;
             while done < len {
-                let piece = (len - done).min(PIECE_BYTES);
-                copies.extend([src + done, dst + done, piece]);
-                done += piece;
+                let take = (len - done).min(piece);
+                copies.extend([src + done, dst + done, take]);
+                done += take;
             }
         }
         Ok(Ok(copies))
     }
 
-    /// Puts the flat `table` of copies ([`CudaEngine::lower`]) on the stream: the copy engines or one gather
-    /// launch ([`copy_engine_wins`], on the batch's `entries` and `bytes`); the uploaded table, if any.
-    fn issue(&mut self, table: &[u64], entries: usize, bytes: u64) -> Result<Option<CudaSlice<u64>>, SeamError> {
+    /// Puts the flat `table` of copies ([`CudaEngine::lower`]) on the stream: one copy-engine copy each
+    /// (`copy_engines`, see [`copy_engine_wins`]) or one gather launch; the uploaded table, if any.
+    fn issue(&mut self, table: &[u64], copy_engines: bool) -> Result<Option<CudaSlice<u64>>, SeamError> {
         if table.is_empty() {
             return Ok(None);
         }
         let count = (table.len() / 3) as u64;
-        if copy_engine_wins(entries, bytes) {
-            // One copy per entry: the pieces an entry was cut into join again.
-            let mut runs: Vec<[u64; 3]> = Vec::with_capacity(entries);
+        if copy_engines {
             for copy in table.chunks_exact(3) {
-                match runs.last_mut() {
-                    Some(run) if run[0] + run[2] == copy[0] && run[1] + run[2] == copy[1] => run[2] += copy[2],
-                    _ => runs.push([copy[0], copy[1], copy[2]]),
-                }
-            }
-            for [src, dst, len] in &runs {
                 // SAFETY: both ranges were checked against live allocations of this context.
-                unsafe { result::memcpy_dtod_async(*dst, *src, *len as usize, self.shared.stream.cu_stream()) }
-                    .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;
+                unsafe {
+                    result::memcpy_dtod_async(copy[1], copy[0], copy[2] as usize, self.shared.stream.cu_stream())
+                }
+                .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;
             }
-            self.operations += runs.len() as u64;
+            self.operations += count;
             return Ok(None);
         }
         let device = Shared::upload(&self.shared.stream, table)?;
@@ -914,15 +892,17 @@ impl TransferEngine for CudaEngine {
         }
         let id = BatchId(self.next_batch);
         self.next_batch += 1;
-        let copies = match self.lower(&peer, &batch)? {
+        // Whole entries for the copy engines; pieces of at most PIECE_BYTES for the gather kernel's warps.
+        let copy_engines = copy_engine_wins(batch.entries.len(), batch.byte_len().unwrap_or(u64::MAX));
+        let piece = if copy_engines { u64::MAX } else { PIECE_BYTES };
+        let copies = match self.lower(&peer, &batch, piece)? {
             Ok(copies) => copies,
             Err(status) => {
                 self.complete_now(conn, id, status, format!("{}: a range outside registered memory", status.name()));
                 return Ok(id);
             }
         };
-        let bytes = batch.byte_len().unwrap_or(u64::MAX);
-        let table = self.issue(&copies, batch.entries.len(), bytes)?;
+        let table = self.issue(&copies, copy_engines)?;
         let event = self.shared.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?;
         // The notification goes to the end the peer opened (the address it gave names it).
         let notify = batch.notify.map(|tag| (peer.engine, peer.conn, tag));

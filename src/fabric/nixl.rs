@@ -64,6 +64,22 @@ const MAX_REGISTRATION: u64 = 64 << 30;
 const ADDRESS_MAGIC: &[u8] = b"kvrelay-nixl/2\0";
 /// Where an address says its agent's regions are: host memory, or device memory of this GPU ordinal.
 const HOST_SEGMENT: u32 = u32::MAX;
+
+/// The memory segment an address carries for regions of `kind`, and back.
+fn segment_of(kind: MemoryKind) -> u32 {
+    match kind {
+        MemoryKind::Host => HOST_SEGMENT,
+        MemoryKind::Device { gpu } => gpu,
+    }
+}
+
+fn kind_of(segment: u32) -> MemoryKind {
+    if segment == HOST_SEGMENT {
+        MemoryKind::Host
+    } else {
+        MemoryKind::Device { gpu: segment }
+    }
+}
 /// How long `settle` waits for requests in flight at most, and how long it waits for stray notifications.
 const SETTLE_LIMIT: Duration = Duration::from_secs(20);
 const QUIET: Duration = Duration::from_millis(20);
@@ -110,8 +126,10 @@ static AGENTS: AtomicU64 = AtomicU64::new(0);
 /// The loaded library (kept for the process's life) and where it was found, or why it was not.
 /// `device`: the process's agents register GPU memory (the first caller decides, for the process's life).
 fn library(device: bool) -> Result<&'static Path, TransportError> {
-    static LOADED: OnceLock<Result<(libloading::Library, PathBuf), String>> = OnceLock::new();
-    let loaded = LOADED.get_or_init(|| {
+    /// Whether it was opened for GPU memory, and the library with its path or what was tried.
+    type Loaded = (bool, Result<(libloading::Library, PathBuf), String>);
+    static LOADED: OnceLock<Loaded> = OnceLock::new();
+    let (loaded_for_device, loaded) = LOADED.get_or_init(|| {
         for (name, value) in UCX_DEFAULTS {
             let value = if device && name == "UCX_TLS" { UCX_TLS_DEVICE } else { value };
             if std::env::var_os(name).is_none() {
@@ -123,24 +141,38 @@ fn library(device: bool) -> Result<&'static Path, TransportError> {
             // SAFETY: loading NIXL's C API runs its initialisers (C++ statics of libnixl, UCX's), which have no
             // preconditions on this process; the handle lives as long as the process (a static).
             match unsafe { libloading::Library::new(&candidate) } {
-                Ok(library) => return Ok((library, candidate)),
+                Ok(library) => return (device, Ok((library, candidate))),
                 Err(error) => tried.push(format!("{}: {error}", candidate.display())),
             }
         }
-        Err(tried.join("; "))
+        (device, Err(tried.join("; ")))
     });
+    if *loaded_for_device != device {
+        let (first, then) = if device { ("host", "GPU") } else { ("GPU", "host") };
+        return Err(TransportError::Unavailable(format!(
+            "this process already opened NIXL for {first} memory and cannot open it again for {then} memory (the two \
+             wheels and their UCX settings are one per process) (fix: run --fabric nixl and --fabric nixl-cuda in \
+             separate processes)"
+        )));
+    }
+    let (wheel, flag) = if device { (WHEEL_CUDA, " --nixl-cu13") } else { (WHEEL, "") };
+    let folder = unpacked_folder(device);
     match loaded {
         Ok((_, path)) => Ok(path),
-        Err(tried) if device => Err(TransportError::Unavailable(format!(
-            "NIXL's C API (libnixl_capi.so from the {WHEEL_CUDA} wheel) is not found (tried {tried}) (fix: bash \
-             {SCRIPT} --nixl-cu13, which downloads and unpacks the wheel into target/engines/nixl-cu13; or set \
-             KVRELAY_NIXL_LIB to the wheel's .nixl_cu13.mesonpy.libs folder)"
-        ))),
         Err(tried) => Err(TransportError::Unavailable(format!(
-            "NIXL's C API (libnixl_capi.so from the {WHEEL} wheel) is not found (tried {tried}) (fix: bash {SCRIPT}, \
-             which downloads and unpacks the wheel into target/engines/nixl; or set KVRELAY_NIXL_LIB to the wheel's \
-             .nixl_cu12.mesonpy.libs folder)"
+            "NIXL's C API (libnixl_capi.so from the {wheel} wheel) is not found (tried {tried}) (fix: bash \
+             {SCRIPT}{flag}, which downloads and unpacks the wheel into target/engines/{folder}; or set \
+             KVRELAY_NIXL_LIB to the wheel's folder of that name)"
         ))),
+    }
+}
+
+/// Where `ci/engines.sh` unpacks the wheel's libraries, under `target/engines`.
+fn unpacked_folder(device: bool) -> &'static str {
+    if device {
+        "nixl-cu13/.nixl_cu13.mesonpy.libs"
+    } else {
+        "nixl/.nixl_cu12.mesonpy.libs"
     }
 }
 
@@ -152,11 +184,7 @@ fn candidates(device: bool) -> Vec<PathBuf> {
         return vec![if path.is_dir() { path.join("libnixl_capi.so") } else { path }];
     }
     let mut candidates = Vec::new();
-    let unpacked = if device {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engines/nixl-cu13/.nixl_cu13.mesonpy.libs")
-    } else {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engines/nixl/.nixl_cu12.mesonpy.libs")
-    };
+    let unpacked = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engines").join(unpacked_folder(device));
     candidates.push(unpacked.join("libnixl_capi.so"));
     candidates.push(PathBuf::from("libnixl_capi.so"));
     candidates
@@ -564,10 +592,7 @@ impl TransferEngine for NixlEngine {
             .get_local_md()
             .map_err(|error| SeamError::Engine { call: "getLocalMD", message: error.to_string() })?;
         state.ends.push(End { peer: None });
-        let segment = match state.placement.kind() {
-            MemoryKind::Host => HOST_SEGMENT,
-            MemoryKind::Device { gpu } => gpu,
-        };
+        let segment = segment_of(state.placement.kind());
         let mut address = ADDRESS_MAGIC.to_vec();
         address.extend_from_slice(&conn.to_le_bytes());
         address.extend_from_slice(&segment.to_le_bytes());
@@ -585,10 +610,9 @@ impl TransferEngine for NixlEngine {
             rest.split_first_chunk::<4>().ok_or_else(|| bad("it ends before its end number".to_owned()))?;
         let (segment, metadata) =
             metadata.split_first_chunk::<4>().ok_or_else(|| bad("it ends before its memory segment".to_owned()))?;
-        let segment = u32::from_le_bytes(*segment);
+        let theirs = kind_of(u32::from_le_bytes(*segment));
         let mut state = self.0.borrow_mut();
         let ours = state.placement.kind();
-        let theirs = if segment == HOST_SEGMENT { MemoryKind::Host } else { MemoryKind::Device { gpu: segment } };
         if (ours == MemoryKind::Host) != (theirs == MemoryKind::Host) {
             return Err(bad(format!(
                 "the peer's regions are in {theirs} memory and this agent's in {ours} memory (fix: run every rank \
@@ -604,7 +628,11 @@ impl TransferEngine for NixlEngine {
             .agent
             .load_remote_md(metadata)
             .map_err(|error| bad(format!("NIXL's loadRemoteMD refused its metadata: {error}")))?;
-        let device = if segment == HOST_SEGMENT { 0 } else { u64::from(segment) };
+        // NIXL's device id of the peer's regions: its GPU's ordinal (0 for host memory).
+        let device = match theirs {
+            MemoryKind::Host => 0,
+            MemoryKind::Device { gpu } => u64::from(gpu),
+        };
         state.ends[conn.0 as usize].peer = Some((name, u32::from_le_bytes(*end), device, remote.to_vec()));
         Ok(())
     }
