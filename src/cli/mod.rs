@@ -119,6 +119,12 @@ pub enum Command {
         #[arg(long)]
         rank: Option<u32>,
     },
+    /// Which of SGLang 0.5.23's transfer code paths each scenario's transfers take (page copy, DCP relayout, head
+    /// slice, state slice, replicated state, paged state, aux), with the wheel's file:line for each.
+    Explain {
+        #[arg(required = true)]
+        scenarios: Vec<PathBuf>,
+    },
     /// Export every copy of the plan.
     Plan {
         scenario: PathBuf,
@@ -361,6 +367,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.command {
         Command::Run(args) => run::run(&args, seed),
         Command::Layout { scenario, rank } => layout(&load(&scenario, seed)?, rank),
+        Command::Explain { scenarios } => {
+            for file in &scenarios {
+                let scenario = load(file, seed)?;
+                out!("{}", crate::explain::render(&scenario.name, &crate::explain::explain(&scenario.problem)));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Plan { scenario, json, expand, paged } => print_plan(&load(&scenario, seed)?, json, expand, paged),
         Command::Diff { scenarios, fabric } => ranks::diff(&scenarios, &fabric.fabric("rdma")?, seed),
         Command::Serve { scenario, role, rank, bootstrap, fabric, deadlines } => {

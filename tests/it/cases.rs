@@ -228,10 +228,10 @@ const HYBRID: &str = "model:\n  layers: 4\n  kv_layers: [1, 3]\n";
     PlanErrorKind::TpMismatch,
     "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models yet."
 )]
-#[case::replicated_mamba_needs_equal_tp(
-    "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: mamba, tensors: [{name: gate, item_len: 64}]}]\nprefill: {tp: 1, page_size: 8}\ndecode: {tp: 2, page_size: 8}\nrequests: [{tokens: 30}]\n",
-    PlanErrorKind::TpMismatch,
-    "Replicated Mamba PD state transfer currently requires matching prefill/decode attention TP sizes"
+#[case::replicated_mamba_item_lengths_differ(
+    "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: mamba, tensors: [{name: gate, item_len: 64}]}]\nprefill: {tp: 1, page_size: 8}\ndecode: {tp: 2, page_size: 8, state_item_lens: [{component: 0, tensor: 0, item_len: 32}]}\nrequests: [{tokens: 30}]\n",
+    PlanErrorKind::StateLayout,
+    "Replicated Mamba state item lengths differ (src=64, dst=32)"
 )]
 #[case::mamba_without_dims_and_other_item_lengths(
     "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: mamba, tensors: [{name: temporal, dim: 8, unit_bytes: 16}]}]\nprefill: {tp: 1, page_size: 8, metadata_components: 0}\ndecode: {tp: 2, page_size: 8}\nrequests: [{tokens: 30}]\n",

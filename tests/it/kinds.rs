@@ -16,6 +16,7 @@ use crate::support::scenario;
 #[case::conv_groups_aggregation("probes/conv-groups-aggregation.yaml", PlanErrorKind::StateMetadata)]
 #[case::no_layer_ids_mla_pp2("probes/no-layer-ids-mla-pp2.yaml", PlanErrorKind::LayerMetadata)]
 #[case::too_few_pages_page_copy("probes/too-few-decode-pages-page-copy.yaml", PlanErrorKind::TooFewPages)]
+#[case::mha_pp_partition_no_layer_ids("probes/mha-pp-partition-no-layer-ids.yaml", PlanErrorKind::LayerMetadata)]
 #[case::conv_groups_out_of_range("rejections/conv-groups-out-of-range.yaml", PlanErrorKind::StateMetadata)]
 #[case::dcp_2_to_8("rejections/dcp-2-to-8.yaml", PlanErrorKind::DcpUnsupported)]
 #[case::dcp_kv_geometry_differs("rejections/dcp-kv-geometry-differs.yaml", PlanErrorKind::GeometryMismatch)]
@@ -24,6 +25,7 @@ use crate::support::scenario;
 #[case::layer_ids_one_side("rejections/layer-ids-one-side.yaml", PlanErrorKind::LayerMetadata)]
 #[case::mamba_slot_size_mismatch("rejections/mamba-slot-size-mismatch.yaml", PlanErrorKind::StateLayout)]
 #[case::mha_decode_dcp("rejections/mha-decode-dcp.yaml", PlanErrorKind::DcpUnsupported)]
+#[case::replicated_mamba_one_side("rejections/replicated-mamba-one-side.yaml", PlanErrorKind::StateMetadata)]
 #[case::mla_tp_mismatch_item_length("rejections/mla-tp-mismatch-item-length.yaml", PlanErrorKind::GeometryMismatch)]
 #[case::swa_ring_length_mismatch("rejections/swa-ring-length-mismatch.yaml", PlanErrorKind::StateIndices)]
 #[case::too_few_decode_pages("rejections/too-few-decode-pages.yaml", PlanErrorKind::TooFewPages)]
@@ -50,7 +52,7 @@ fn every_scenario_expecting_a_rejection_is_listed() {
             expecting += 1;
         }
     }
-    assert_eq!(expecting, 17);
+    assert_eq!(expecting, 19);
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {

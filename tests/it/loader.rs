@@ -115,3 +115,48 @@ fn registration_shorthand_and_its_errors() {
     ));
     assert!(res.contains("decode.registration.ranks: decode rank 9 does not exist: decode has 1 ranks"), "{res}");
 }
+
+/// `pp_layer_partition` (SGLANG_PP_LAYER_PARTITION): SGLang's own checks in its words, plus kvrelay's refusal of an
+/// empty stage, each naming the field and the fix.
+#[rstest::rstest]
+#[case::wrong_length(
+    "[32]",
+    "prefill.pp_layer_partition: 1 entries for pp 2 (SGLang: len(partitions)=1 does not match pp_size=2"
+)]
+#[case::wrong_sum("[12, 16]", "prefill.pp_layer_partition: sums to 28, not the model's 32 layers (SGLang: sum(partitions)=28 does not match num_hidden_layers=32")]
+#[case::empty_stage("[0, 32]", "prefill.pp_layer_partition[0]: a stage of 0 layers (SGLang accepts it and builds an empty stage; fix: at least 1 layer per stage)")]
+fn a_bad_layer_partition_names_the_field_and_the_fix(#[case] partition: &str, #[case] wanted: &str) {
+    let res = error(&format!(
+        "model: {{preset: llama-3-8b}}\nprefill: {{pp: 2, page_size: 16, pp_layer_partition: {partition}}}\ndecode: {{page_size: 16}}\nrequests: [{{tokens: 20}}]\nexpect: ok\n"
+    ));
+    assert!(res.starts_with("scenarios/bad.yaml:2: "), "{res}");
+    assert!(res.contains(wanted), "{res}");
+}
+
+/// A valid partition moves the stage boundary of every rank's registered layers.
+#[test]
+fn a_layer_partition_moves_the_stage_boundary() {
+    let scenario = scenario::parse(
+        "model: {preset: llama-3-8b}\nprefill: {pp: 2, page_size: 16, pp_layer_partition: [12, 20]}\ndecode: {page_size: 16}\nrequests: [{tokens: 20}]\nexpect: ok\n",
+        "x.yaml",
+        "x",
+    )
+    .unwrap();
+    let layers = |stage: usize| -> Vec<u32> {
+        let rank = &scenario.problem.prefill.ranks[stage];
+        rank.kv_entries.iter().map(|index| rank.regions[*index as usize].layer).collect()
+    };
+    assert_eq!(layers(0), [(0..12).collect::<Vec<_>>(), (0..12).collect()].concat());
+    assert_eq!(layers(1), [(12..32).collect::<Vec<_>>(), (12..32).collect()].concat());
+}
+
+/// Equal PP with different partitions: no peer can see it on the wire, so the loader refuses it and says why.
+#[test]
+fn different_partitions_at_equal_pp_are_refused() {
+    let res = error("model: {preset: deepseek-v2-lite, layers: 16}\nprefill: {pp: 2, page_size: 16, pp_layer_partition: [6, 10]}\ndecode: {pp: 2, page_size: 16, pp_layer_partition: [8, 8]}\nrequests: [{tokens: 20}]\nexpect: ok\n");
+    assert!(
+        res.contains("decode.pp_layer_partition: decode stage 0 holds layers 0..8 but prefill stage 0 holds 0..6"),
+        "{res}"
+    );
+    assert!(res.contains("fix: the same SGLANG_PP_LAYER_PARTITION on both sides"), "{res}");
+}

@@ -21,6 +21,8 @@ mod determinism;
 mod device;
 /// Real transfer engines in the seat: NIXL (feature `nixl`), a missing library's error.
 mod engines;
+/// `kvrelay explain`: the SGLang code paths a scenario's transfers take.
+mod explain;
 /// Delays, reorders, a hung queue pair and a read after release (the fault kinds after the first ten).
 mod fault_kinds;
 mod faults;

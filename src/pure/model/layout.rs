@@ -19,6 +19,15 @@ pub fn stage_layers(layer_count: u32, pp: u32, stage: u32) -> Range<u32> {
     }
 }
 
+/// Layers held by stage `stage` under `partition` (`SGLANG_PP_LAYER_PARTITION`, one layer count per stage, summing
+/// to the layer count; 0.5.23 `distributed/utils.py:110-148`), else the default partition of [`stage_layers`].
+/// The lowering validates the partition; an entry past its end reads as an empty stage.
+pub fn partition_layers(layer_count: u32, pp: u32, partition: Option<&[u32]>, stage: u32) -> Range<u32> {
+    let Some(partition) = partition else { return stage_layers(layer_count, pp, stage) };
+    let start: u32 = partition.iter().take(stage as usize).sum();
+    start..start + partition.get(stage as usize).copied().unwrap_or(0)
+}
+
 /// Replaces what a side advertises for one state entry (models a buggy or mismatched peer).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetadataOverride {
@@ -52,6 +61,8 @@ pub struct SideOptions {
     /// Register KV token rows of this many bytes instead of the model's (a peer with another KV layout, e.g. an fp8
     /// FlashMLA row widened with scales, domain.md §1.3).
     pub kv_token_len: Option<u64>,
+    /// `SGLANG_PP_LAYER_PARTITION` of this side: layers per stage; `None` = the default partition (domain.md §4.1).
+    pub layer_partition: Option<Vec<u32>>,
 }
 
 /// Builds the regions and metadata of every rank of one side.
@@ -64,7 +75,7 @@ pub fn build_side_layout(side: Side, topology: Topology, model: &ModelGeometry, 
 }
 
 fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options: &SideOptions) -> RankLayout {
-    let stage = stage_layers(model.layer_count, topology.pp, rank.pp);
+    let stage = partition_layers(model.layer_count, topology.pp, options.layer_partition.as_deref(), rank.pp);
     let (mut regions, ids) = kv_regions(topology, rank, model, options, &stage);
     let kv_entries: Vec<u32> = (0..regions.len() as u32).collect();
     let mut state = StateMetadata::default();
@@ -80,6 +91,7 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
         advertised_layer_ids: options.advertise_layer_ids.then_some(ids),
         state,
         aux_entries,
+        stage_layers: stage.clone(),
     }
 }
 
@@ -239,5 +251,13 @@ mod tests {
     fn stage_partition_gives_last_stages_the_extra_layers() {
         let stages: Vec<_> = (0..8).map(|s| stage_layers(93, 8, s)).collect();
         assert_eq!(stages, vec![0..11, 11..22, 22..33, 33..45, 45..57, 57..69, 69..81, 81..93]);
+    }
+
+    /// `SGLANG_PP_LAYER_PARTITION="12,20"`: stage r starts at the sum of the counts before it.
+    #[test]
+    fn explicit_partition_replaces_the_default() {
+        let stages: Vec<_> = (0..2).map(|s| partition_layers(32, 2, Some(&[12, 20]), s)).collect();
+        assert_eq!(stages, vec![0..12, 12..32]);
+        assert_eq!(partition_layers(93, 8, None, 3), stage_layers(93, 8, 3));
     }
 }

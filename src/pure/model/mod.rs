@@ -6,7 +6,7 @@
 
 mod layout;
 
-pub use layout::{build_side_layout, stage_layers, MetadataOverride, SideOptions};
+pub use layout::{build_side_layout, partition_layers, stage_layers, MetadataOverride, SideOptions};
 
 use std::fmt;
 
@@ -355,6 +355,9 @@ pub struct RankLayout {
     pub state: StateMetadata,
     /// Region indices of the aux buffers.
     pub aux_entries: Vec<u32>,
+    /// Model layers of this rank's pipeline stage (its pool's `start_layer..end_layer`, domain.md §4.1, or the
+    /// side's `SGLANG_PP_LAYER_PARTITION`). Not on the wire: a layout rebuilt from a registration reads `0..0`.
+    pub stage_layers: std::ops::Range<u32>,
 }
 
 /// Topology plus every rank's registrations, for one side.

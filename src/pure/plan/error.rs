@@ -74,9 +74,13 @@ pub enum PlanError {
     /// domain.md §3.4, dims missing and item lengths differ.
     #[error("Mamba state layouts differ between prefill and decode (src item {prefill}, dst item {decode}) and no slice dims were advertised")]
     MambaLayouts { prefill: u64, decode: u64 },
-    /// domain.md §3.4, later Mori.
-    #[error("Replicated Mamba PD state transfer currently requires matching prefill/decode attention TP sizes")]
-    ReplicatedMambaTp,
+    /// SGLang 0.5.23 `disaggregation/utils.py:1000-1003`: one side advertises a replicated tensor (dim 0), the other
+    /// a sliced one.
+    #[error("Mamba state replication metadata differs between prefill and decode for component {component} entry {entry} (src dim={prefill}, dst dim={decode}; 0 = replicated)")]
+    ReplicationMetadata { component: usize, entry: usize, prefill: u32, decode: u32 },
+    /// SGLang 0.5.23 `disaggregation/utils.py:1004-1010`: a replicated tensor is copied whole, so both slots agree.
+    #[error("Replicated Mamba state item lengths differ (src={prefill}, dst={decode})")]
+    ReplicatedItemLength { prefill: u64, decode: u64 },
     /// [I] out-of-range or inconsistent per-entry state metadata; never an index panic (domain.md §5.5, §12.5).
     #[error("invalid state metadata for component {component} entry {entry}: {reason}")]
     StateMetadata { component: usize, entry: usize, reason: String },
@@ -152,13 +156,14 @@ impl PlanError {
             | PlanError::DcpGeometryAt { .. }
             | PlanError::ItemLength { .. }
             | PlanError::AuxGeometry { .. } => K::GeometryMismatch,
-            PlanError::SwaTpMismatch | PlanError::ReplicatedMambaTp => K::TpMismatch,
+            PlanError::SwaTpMismatch => K::TpMismatch,
             PlanError::SliceTooLarge { .. } => K::SliceTooLarge,
             PlanError::MambaSlotSize { .. }
             | PlanError::MambaLayouts { .. }
             | PlanError::StateItemLength { .. }
+            | PlanError::ReplicatedItemLength { .. }
             | PlanError::StateComponents { .. } => K::StateLayout,
-            PlanError::StateMetadata { .. } => K::StateMetadata,
+            PlanError::StateMetadata { .. } | PlanError::ReplicationMetadata { .. } => K::StateMetadata,
             PlanError::NoOverlappingState { .. } | PlanError::StateIndexLength { .. } => K::StateIndices,
         }
     }

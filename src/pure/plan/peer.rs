@@ -93,6 +93,7 @@ pub fn from_registration(local: Local<'_>, registration: &Registration) -> Resul
         },
         state: StateMetadata::default(),
         aux_entries: Vec::new(),
+        stage_layers: 0..0,
     };
     let mut descs = Vec::new();
     kv_regions(local, registration, &mut layout, &mut descs)?;

@@ -56,8 +56,18 @@ pub(crate) fn mamba_blocks(
         }
         return Ok(vec![Block { source: 0, target: 0, length: source.item_len }]);
     };
-    if source_dim == 0 || target_dim == 0 {
-        return Err(PlanError::ReplicatedMambaTp);
+    if (source_dim == 0) != (target_dim == 0) {
+        return Err(PlanError::ReplicationMetadata { component, entry, prefill: source_dim, decode: target_dim });
+    }
+    if source_dim == 0 {
+        // A replicated tensor under a TP change (SGLang 0.5.23 `compute_mamba_state_slice_byte_blocks`,
+        // `disaggregation/utils.py:1004-1016`): the whole slot, equal on both sides. Its one writer per decode rank
+        // (`should_send_replicated_state`, `utils.py:872-904`) is the link's choice (only the group's first prefill
+        // rank keeps whole-item entries when prefill TP is larger).
+        if source.item_len != target.item_len {
+            return Err(PlanError::ReplicatedItemLength { prefill: source.item_len, decode: target.item_len });
+        }
+        return Ok(vec![Block { source: 0, target: 0, length: source.item_len }]);
     }
     let (prefill_tp, decode_tp) = (u64::from(shard.prefill_tp), u64::from(shard.decode_tp));
     let (source_dim, target_dim) = (u64::from(source_dim), u64::from(target_dim));
@@ -217,8 +227,16 @@ mod tests {
     }
 
     #[test]
-    fn replicated_state_needs_equal_tp() {
+    fn replicated_state_moves_whole_under_a_tp_change() {
         let res = mamba_blocks(0, 0, &meta(96, 0, None, 1), &meta(96, 0, None, 1), shard(1, 2, 0, 1));
-        assert_eq!(res, Err(PlanError::ReplicatedMambaTp));
+        assert_eq!(res, Ok(vec![Block { source: 0, target: 0, length: 96 }]));
+    }
+
+    #[test]
+    fn replicated_on_one_side_only_is_refused() {
+        let res = mamba_blocks(0, 3, &meta(96, 0, None, 1), &meta(48, 24, None, 1), shard(1, 2, 0, 1));
+        assert_eq!(res, Err(PlanError::ReplicationMetadata { component: 0, entry: 3, prefill: 0, decode: 24 }));
+        let res = mamba_blocks(0, 0, &meta(96, 0, None, 1), &meta(64, 0, None, 1), shard(2, 1, 0, 0));
+        assert_eq!(res, Err(PlanError::ReplicatedItemLength { prefill: 96, decode: 64 }));
     }
 }

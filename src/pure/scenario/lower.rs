@@ -10,7 +10,7 @@ use crate::limits::{
     MAX_REQUESTS, MAX_TENSORS, MAX_TP, MAX_WIDTH,
 };
 use crate::model::{
-    build_side_layout, stage_layers, Advertise, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem,
+    build_side_layout, partition_layers, Advertise, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem,
     Request, Side, SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
 };
 use crate::plan::PlanErrorKind;
@@ -95,6 +95,17 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         return Err(diagnostics.into_error());
     };
     check_missing_layers(&raw.prefill, &raw.decode, &model, &mut diagnostics);
+    // The layer partition decides every stage's regions: nothing below is checked against a bad one.
+    let before = diagnostics.kept.len() + diagnostics.omitted;
+    for (side, raw_side, topology) in [("prefill", &raw.prefill, &prefill), ("decode", &raw.decode, &decode)] {
+        check_partition(side, raw_side, topology, model.layer_count, &mut diagnostics);
+    }
+    if diagnostics.kept.len() + diagnostics.omitted == before && prefill.pp == decode.pp {
+        check_same_stages(&raw.prefill, &raw.decode, prefill.pp, model.layer_count, &mut diagnostics);
+    }
+    if diagnostics.kept.len() + diagnostics.omitted != before {
+        return Err(diagnostics.into_error());
+    }
     check_divisibility(&model, &prefill, &decode, &mut diagnostics);
     if !check_regions(&raw.prefill, &raw.decode, &model, (&prefill, &decode), &mut diagnostics) {
         return Err(diagnostics.into_error());
@@ -172,7 +183,7 @@ fn check_regions(
     let mut regions = 0u64;
     for (side, raw_side, topology) in [("prefill", prefill, topologies.0), ("decode", decode, topologies.1)] {
         check_side_sizes(side, raw_side, model, topology, diagnostics);
-        regions += region_count(model, topology);
+        regions += region_count(model, topology, raw_side.pp_layer_partition.as_deref());
     }
     if regions > MAX_REGIONS {
         diagnostics.push_limit(
@@ -259,6 +270,64 @@ fn side_options(
             .collect(),
         draft_paged_physically: raw_side.draft_paged_physically,
         kv_token_len: raw_side.kv_token_len,
+        layer_partition: raw_side.pp_layer_partition.clone(),
+    }
+}
+
+/// [I] Equal PP sizes pair decode stage s with prefill stage s (domain.md §3.1), so both must hold the same layers.
+/// Neither peer can see the other's partition on the wire (SGLang never publishes it): upstream, a decode stage
+/// holding layers its prefill stage lacks reports success with those layers never written. kvrelay refuses the
+/// scenario instead of modelling a deployment that cannot be right.
+fn check_same_stages(prefill: &RawSide, decode: &RawSide, pp: u32, layers: u32, diagnostics: &mut Diagnostics) {
+    let (source, target) = (prefill.pp_layer_partition.as_deref(), decode.pp_layer_partition.as_deref());
+    if let Some(stage) = (0..pp)
+        .find(|stage| partition_layers(layers, pp, source, *stage) != partition_layers(layers, pp, target, *stage))
+    {
+        let (held, wanted) = (partition_layers(layers, pp, source, stage), partition_layers(layers, pp, target, stage));
+        diagnostics.push(
+            "decode.pp_layer_partition",
+            format!(
+                "decode stage {stage} holds layers {}..{} but prefill stage {stage} holds {}..{}: unwritten layers (fix: the same SGLANG_PP_LAYER_PARTITION on both sides)",
+                wanted.start, wanted.end, held.start, held.end
+            ),
+        );
+    }
+}
+
+/// `pp_layer_partition` (`SGLANG_PP_LAYER_PARTITION`, SGLang 0.5.23 `distributed/utils.py:110-148`): one layer count
+/// per stage, summing to the model's layers. [I] A stage of 0 layers, which SGLang accepts without a word, is refused:
+/// such a stage registers nothing and its ranks would serve no layer.
+fn check_partition(side: &str, raw: &RawSide, topology: &Topology, layers: u32, diagnostics: &mut Diagnostics) {
+    let Some(partition) = &raw.pp_layer_partition else { return };
+    let path = format!("{side}.pp_layer_partition");
+    if partition.len() != topology.pp as usize {
+        diagnostics.push(
+            path,
+            format!(
+                "{} entries for pp {} (SGLang: len(partitions)={} does not match pp_size={}; fix: one layer count per stage)",
+                partition.len(),
+                topology.pp,
+                partition.len(),
+                topology.pp
+            ),
+        );
+        return;
+    }
+    if let Some(stage) = partition.iter().position(|count| *count == 0) {
+        diagnostics.push(
+            format!("{path}[{stage}]"),
+            "a stage of 0 layers (SGLang accepts it and builds an empty stage; fix: at least 1 layer per stage)",
+        );
+        return;
+    }
+    let sum: u64 = partition.iter().map(|count| u64::from(*count)).sum();
+    if sum != u64::from(layers) {
+        diagnostics.push(
+            path,
+            format!(
+                "sums to {sum}, not the model's {layers} layers (SGLang: sum(partitions)={sum} does not match num_hidden_layers={layers}; fix: counts summing to {layers})"
+            ),
+        );
     }
 }
 
@@ -321,11 +390,11 @@ fn check_side_sizes(
 }
 
 /// Regions one side registers: per stage, its TP ranks times the KV, draft, state and aux entries of its layers.
-fn region_count(model: &ModelGeometry, topology: &Topology) -> u64 {
+fn region_count(model: &ModelGeometry, topology: &Topology, partition: Option<&[u32]>) -> u64 {
     let parts = if model.is_mla() { 1 } else { 2 };
     (0..topology.pp)
         .map(|stage| {
-            let layers = stage_layers(model.layer_count, topology.pp, stage);
+            let layers = partition_layers(model.layer_count, topology.pp, partition, stage);
             let in_stage = |ids: &[u32]| ids.iter().filter(|id| layers.contains(id)).count() as u64;
             let kv = parts * in_stage(&model.kv_layers);
             let draft =

@@ -154,6 +154,8 @@ pub struct RawSide {
     pub registration: Option<RawRegistration>,
     #[serde(default)]
     pub early_send: bool,
+    /// `SGLANG_PP_LAYER_PARTITION`: layers per pipeline stage.
+    pub pp_layer_partition: Option<Vec<u32>>,
 }
 
 /// `decode.registration`: what decode ranks advertise (domain.md §6.2); default: the truth, per-entry item lengths.

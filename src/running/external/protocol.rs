@@ -147,6 +147,7 @@ fn local(local: Local<'_>) -> Value {
             "draft": model.draft.as_ref().map(|draft| json!({ "entries": draft.entries, "token_len": draft.token_len })),
         },
         "regions": local.layout.regions.iter().map(region).collect::<Vec<_>>(),
+        "stage_layers": [local.layout.stage_layers.start, local.layout.stage_layers.end],
         "advertised": advertised(local.layout),
     })
 }

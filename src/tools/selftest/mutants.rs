@@ -9,7 +9,9 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::engine::seat::SeatQuery;
-use crate::model::{Attention, ModelGeometry, Problem, RankLayout, RegionKind, Request, StateKind, StateMetadata};
+use crate::model::{
+    Attention, ModelGeometry, Problem, RankLayout, RegionKind, Request, StateKind, StateMetadata, TensorShape,
+};
 use crate::plan::{EntryPair, Link, Peer, PlanError, RowRun, TransferGroup, TransferKind};
 
 /// One planted bug.
@@ -35,10 +37,13 @@ pub enum Mutant {
     AuxFromWrongStage,
     /// Mamba state blocks cut for the wrong TP rank: the prefill rank where the decode rank belongs, and back (§5.3).
     StateBlockWrongRank,
+    /// A replicated state tensor under decode TP < prefill TP written by the group's second prefill rank instead of
+    /// the first (`should_send_replicated_state` elects `lp % k == 0`, SGLang 0.5.23 `utils.py:872-904`).
+    ReplicatedStateWrongWriter,
 }
 
 /// Every mutant, in table order.
-pub const ALL: [Mutant; 10] = [
+pub const ALL: [Mutant; 11] = [
     Mutant::LocalLayerOrdinal,
     Mutant::DecodePagesPerChunk,
     Mutant::FinalPageOffByOne,
@@ -49,6 +54,7 @@ pub const ALL: [Mutant; 10] = [
     Mutant::SwappedHeadSlice,
     Mutant::AuxFromWrongStage,
     Mutant::StateBlockWrongRank,
+    Mutant::ReplicatedStateWrongWriter,
 ];
 
 /// What one prefill rank knows while one chunk of one room is planned for one peer.
@@ -73,6 +79,7 @@ impl Mutant {
             Mutant::SwappedHeadSlice => "swapped-head-slice",
             Mutant::AuxFromWrongStage => "aux-from-wrong-stage",
             Mutant::StateBlockWrongRank => "state-block-wrong-rank",
+            Mutant::ReplicatedStateWrongWriter => "replicated-state-wrong-writer",
         }
     }
 
@@ -88,7 +95,7 @@ impl Mutant {
             Mutant::DecodePagesPerChunk => "§2.3",
             Mutant::FinalPageOffByOne => "§2.3",
             Mutant::GqaReplicationFormula | Mutant::SwappedHeadSlice => "§3.2",
-            Mutant::FlatConvSplit | Mutant::StateBlockWrongRank => "§5.3",
+            Mutant::FlatConvSplit | Mutant::StateBlockWrongRank | Mutant::ReplicatedStateWrongWriter => "§5.3",
             Mutant::DestinationBySourceIndex => "§8",
             Mutant::OddListLastEntry => "§4.5",
             Mutant::AuxFromWrongStage => "§1.6",
@@ -143,6 +150,15 @@ impl Mutant {
                 require(!problem.model.aux_item_lens.is_empty(), "no aux buffers")?;
                 require(prefill.pp > 1, "one prefill stage")
             }
+            Mutant::ReplicatedStateWrongWriter => {
+                let replicated = problem.model.state.iter().any(|component| {
+                    component.kind == StateKind::Mamba
+                        && component.tensors.iter().any(|tensor| matches!(tensor.shape, TensorShape::Replicated { .. }))
+                });
+                require(replicated, "no replicated Mamba tensor")?;
+                require(prefill.tp > decode.tp, "decode TP >= prefill TP: every decode rank has one writer")?;
+                require(dims_advertised(problem), "no dims advertised: whole items")
+            }
         }
     }
 
@@ -159,6 +175,7 @@ impl Mutant {
             Mutant::DestinationBySourceIndex => destination_by_source_index(site, groups),
             Mutant::OddListLastEntry => odd_list_last_entry(groups),
             Mutant::AuxFromWrongStage => aux_from_wrong_stage(site, groups),
+            Mutant::ReplicatedStateWrongWriter => replicated_state_wrong_writer(site, groups),
         })
     }
 }
@@ -495,6 +512,56 @@ fn odd_list_last_entry(groups: Vec<TransferGroup>) -> Vec<TransferGroup> {
 }
 
 /// Aux rows (§1.6): the last stage sends none, the first stage sends its own rows instead, on the last chunk.
+/// The group's first prefill rank drops its replicated whole-slot entries and the second sends them instead.
+fn replicated_state_wrong_writer(site: &Site<'_>, groups: Vec<TransferGroup>) -> Vec<TransferGroup> {
+    let (model, local) = (site.query.local.model, site.query.local.layout);
+    let ratio = site.query.local.topology.tp / site.peer.tp.max(1);
+    let offset = local.rank.tp.wrapping_sub(site.peer.rank.tp * ratio);
+    let replicated = |region: &crate::model::Region| match region.kind {
+        RegionKind::State { component, tensor } => model.state.get(component as usize).is_some_and(|state| {
+            state.kind == StateKind::Mamba
+                && matches!(
+                    state.tensors.get(tensor as usize).map(|it| &it.shape),
+                    Some(TensorShape::Replicated { .. })
+                )
+        }),
+        _ => false,
+    };
+    let rewrite = |group: TransferGroup| {
+        let TransferKind::State { component } = group.kind else { return group };
+        let mut entries: Vec<EntryPair> = group
+            .entries
+            .iter()
+            .filter(|entry| local.regions.get(entry.source_region as usize).is_none_or(|region| !replicated(region)))
+            .cloned()
+            .collect();
+        if offset == 1 {
+            for (source_region, region) in local.regions.iter().enumerate() {
+                let RegionKind::State { component: held, .. } = region.kind else { continue };
+                if held != component || !replicated(region) {
+                    continue;
+                }
+                let target =
+                    site.peer.layout.regions.iter().position(|it| it.kind == region.kind && it.layer == region.layer);
+                if let Some(target_region) = target {
+                    entries.push(EntryPair {
+                        source_region: source_region as u32,
+                        target_region: target_region as u32,
+                        layer: region.layer,
+                        source_row_len: region.item_len,
+                        target_row_len: region.item_len,
+                        source_column: 0,
+                        target_column: 0,
+                        length: region.item_len,
+                    });
+                }
+            }
+        }
+        with_entries(&group, entries)
+    };
+    groups.into_iter().map(rewrite).collect()
+}
+
 fn aux_from_wrong_stage(site: &Site<'_>, groups: Vec<TransferGroup>) -> Vec<TransferGroup> {
     let topology = site.query.local.topology;
     let rank = site.query.local.layout.rank;

@@ -92,9 +92,8 @@ def kv_args(sgl, q, regions):
     args.is_hybrid_mla_backend = local.is_hybrid_mla
     args.pp_rank = local.pp_rank
     args.prefill_start_layer = local.start_layer
-    # get_pp_indices (domain.md section 4.1), as adapter.Local computes the start: the later stages take the remainder.
-    base, rem = divmod(model["layers"], local.pp)
-    args.prefill_end_layer = local.start_layer + base + (local.pp_rank >= local.pp - rem)
+    # The stage's layers as adapter.Local reads them (get_pp_indices or SGLANG_PP_LAYER_PARTITION, domain.md 4.1).
+    args.prefill_end_layer = local.end_layer
     args.mla_compression_ratios = None
     args.system_dp_rank = 0
     args.swa_kv_cache_layout = "nhd"

@@ -1,0 +1,210 @@
+//! `kvrelay explain`: which of SGLang 0.5.23's transfer code paths a scenario's transfers take (MLA page copy, DCP
+//! relayout, head slice, Mamba state slice, replicated state, paged SWA/DSA state, aux), with the wheel's file:line
+//! for each, so a user sees which parts of upstream their deployment exercises.
+//!
+//! Each path is read off kvrelay's own plan (what moves, between which ranks, how many bytes); the citations are
+//! where SGLang 0.5.23 does the same thing (paths under `sglang/srt/`, `disaggregation/` unless named). Pure: no IO.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::model::{PoolKind, Problem, RegionKind, StateKind, TensorShape};
+use crate::plan::{self, PlanError, TransferKind};
+
+/// One SGLang code path a scenario exercises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Path {
+    /// Which prefill ranks each decode rank contacts.
+    RankMapping,
+    /// KV entries paired across pipeline stages by global layer id.
+    LayerIdPairing,
+    /// KV entries paired by position (no layer ids from a peer).
+    PositionalPairing,
+    /// Whole KV pages, item for item (MLA latent, or MHA at equal TP).
+    PageCopy,
+    /// Prefill DCP1 → decode DCP c: token rows re-laid out by owner.
+    DcpRelayout,
+    /// MHA/GQA under a TP change: per-token head slices.
+    HeadSlice,
+    /// Speculative draft KV rows.
+    Draft,
+    /// Mamba/KDA/GDN state at equal TP: the whole slot.
+    MambaSlot,
+    /// Mamba/KDA/GDN state under a TP change: channel slices.
+    MambaSlice,
+    /// A replicated (dim 0) Mamba tensor under a TP change: the whole slot from one elected writer.
+    ReplicatedState,
+    /// Paged state (SWA window, DSA index keys) and position rings.
+    PagedState,
+    /// Aux (metadata) rows.
+    Aux,
+}
+
+impl Path {
+    /// What it is, and where SGLang 0.5.23 does it.
+    pub fn describe(self) -> (&'static str, &'static str) {
+        match self {
+            Path::RankMapping => {
+                ("rank mapping: which prefill ranks a decode rank contacts", "common/conn.py:1432-1530 _resolve_rank_mapping")
+            }
+            Path::LayerIdPairing => (
+                "KV and state entries paired by global layer id",
+                "utils.py:1067-1111 build_transfer_entry_pairs",
+            ),
+            Path::PositionalPairing => (
+                "KV entries paired by position (no layer ids)",
+                "common/conn.py:1718-1749 get_mha_kv_ptrs_with_pp, 1853-1888 get_mla_kv_ptrs_with_pp",
+            ),
+            Path::PageCopy => ("whole KV pages, item for item", "mooncake/conn.py:1346-1395 send_kvcache, 1019 _send_kvcache_generic"),
+            Path::DcpRelayout => (
+                "DCP relayout of token rows",
+                "mooncake/conn.py:1397 send_kvcache_dcp; common/utils.py:153 build_dcp_token_transfer_plan",
+            ),
+            Path::HeadSlice => (
+                "MHA head slices under a TP change, one descriptor per token",
+                "mooncake/conn.py:1647 send_kvcache_slice; common/staging_buffer.py:773-806 compute_head_slice_params",
+            ),
+            Path::Draft => ("draft KV rows (appended entries)", "prefill.py:300-317; mooncake/conn.py:1489-1552 (DCP)"),
+            Path::MambaSlot => ("Mamba state, whole slot at equal TP", "mooncake/conn.py:2289-2324 _send_mamba_state"),
+            Path::MambaSlice => (
+                "Mamba state channel slices under a TP change",
+                "mooncake/conn.py:2326 _send_mamba_state_slice; utils.py:979-1042 compute_mamba_state_slice_byte_blocks",
+            ),
+            Path::ReplicatedState => (
+                "replicated state tensor under a TP change, one writer",
+                "utils.py:872-904 should_send_replicated_state, 1004-1016",
+            ),
+            Path::PagedState => ("paged state (SWA window, DSA keys, rings)", "mooncake/conn.py:1943 maybe_send_extra"),
+            Path::Aux => ("aux rows with the last chunk", "mooncake/conn.py:1780-1803 send_aux"),
+        }
+    }
+}
+
+/// How much of the plan goes through one path.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Use {
+    /// Transfer groups (one source rank, one target rank, one chunk, one kind).
+    pub groups: u64,
+    pub bytes: u64,
+}
+
+/// The paths of one scenario, or the rejection that stops it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Explanation {
+    pub paths: BTreeMap<Path, Use>,
+    pub rejected: Option<PlanError>,
+    pub notes: Vec<String>,
+}
+
+/// The SGLang paths `problem`'s transfers take, read off kvrelay's plan of it.
+pub fn explain(problem: &Problem) -> Explanation {
+    let (prefill, decode) = (&problem.prefill.topology, &problem.decode.topology);
+    let mut notes = vec![format!(
+        "pool {}, prefill TP{} PP{} DCP{} -> decode TP{} PP{} DCP{}, page size {}",
+        problem.model.pool_kind(),
+        prefill.tp,
+        prefill.pp,
+        prefill.dcp,
+        decode.tp,
+        decode.pp,
+        decode.dcp,
+        prefill.page_size
+    )];
+    let plan = match plan::plan(problem) {
+        Ok(plan) => plan,
+        Err(error) => return Explanation { paths: BTreeMap::new(), rejected: Some(error), notes },
+    };
+    let mut paths: BTreeMap<Path, Use> = BTreeMap::new();
+    let mut add = |path: Path, bytes: u64| {
+        let entry = paths.entry(path).or_default();
+        entry.groups += 1;
+        entry.bytes += bytes;
+    };
+    let with_ids = |side: &crate::model::SideLayout| side.ranks.iter().all(|rank| rank.advertised_layer_ids.is_some());
+    let pairing = if with_ids(&problem.prefill) && with_ids(&problem.decode) {
+        Path::LayerIdPairing
+    } else {
+        Path::PositionalPairing
+    };
+    for group in &plan.groups {
+        let rows: u64 = group.runs.iter().map(|run| run.rows).sum();
+        let bytes: u64 = group.entries.iter().map(|entry| entry.length * rows).sum();
+        add(Path::RankMapping, 0);
+        match group.kind {
+            TransferKind::Kv => {
+                add(pairing, 0);
+                let sliced = group
+                    .entries
+                    .iter()
+                    .any(|entry| entry.length < entry.target_row_len || entry.length < entry.source_row_len);
+                let path = if prefill.dcp != decode.dcp {
+                    Path::DcpRelayout
+                } else if sliced {
+                    Path::HeadSlice
+                } else {
+                    Path::PageCopy
+                };
+                add(path, bytes);
+            }
+            TransferKind::Draft => add(Path::Draft, bytes),
+            TransferKind::Aux => add(Path::Aux, bytes),
+            TransferKind::State { component } => {
+                let state = &problem.model.state[component as usize];
+                let target = problem.decode.rank(group.target);
+                let mut by_path: BTreeMap<Path, u64> = BTreeMap::new();
+                for entry in group.entries.iter() {
+                    let replicated = matches!(
+                        target.regions[entry.target_region as usize].kind,
+                        RegionKind::State { tensor, .. }
+                            if matches!(state.tensors[tensor as usize].shape, TensorShape::Replicated { .. })
+                    );
+                    let path = match state.kind {
+                        StateKind::Mamba if prefill.tp == decode.tp => Path::MambaSlot,
+                        StateKind::Mamba if replicated => Path::ReplicatedState,
+                        StateKind::Mamba => Path::MambaSlice,
+                        StateKind::Swa | StateKind::Dsa | StateKind::SwaRing => Path::PagedState,
+                    };
+                    *by_path.entry(path).or_default() += entry.length * rows;
+                }
+                for (path, bytes) in by_path {
+                    add(path, bytes);
+                }
+            }
+        }
+    }
+    if let Some(entry) = paths.get_mut(&Path::RankMapping) {
+        entry.groups = plan::prefill_targets(prefill, decode, crate::model::RankId { pp: 0, tp: 0 }).len() as u64;
+    }
+    if problem.model.pool_kind() == PoolKind::HybridMla && decode.tp < prefill.tp {
+        notes.push("hybrid-MLA with decode TP < prefill TP: only the first prefill rank of each group writes the latent (mooncake/conn.py:1873-1901 skip_kv)".to_owned());
+    }
+    Explanation { paths, rejected: None, notes }
+}
+
+/// The explanation as text: one line per path with its citation, groups and bytes.
+pub fn render(name: &str, explanation: &Explanation) -> String {
+    let mut res = format!("scenario: {name}\n");
+    for note in &explanation.notes {
+        let _ = writeln!(res, "  {note}");
+    }
+    if let Some(error) = &explanation.rejected {
+        let _ = writeln!(res, "  rejected before any transfer ({}): {error}", error.kind());
+        return res;
+    }
+    for (path, used) in &explanation.paths {
+        let (what, code) = path.describe();
+        if *path == Path::RankMapping {
+            let _ =
+                writeln!(res, "  {what}: decode rank 0 contacts {} prefill rank(s)\n      SGLang: {code}", used.groups);
+        } else if used.bytes == 0 {
+            let _ = writeln!(res, "  {what}\n      SGLang: {code}");
+        } else {
+            let _ = writeln!(
+                res,
+                "  {what}: {} transfer group(s), {} bytes\n      SGLang: {code}",
+                used.groups, used.bytes
+            );
+        }
+    }
+    res
+}
