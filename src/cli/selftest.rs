@@ -148,8 +148,9 @@ pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
 fn print_table(rows: &[Row]) -> anyhow::Result<usize> {
     let kinds: Vec<String> = rows.iter().map(Row::kinds).collect();
     let width = kinds.iter().map(String::len).max().unwrap_or(0).max("kinds changed".len());
+    let names = rows.iter().map(|row| row.mutant.name().len()).max().unwrap_or(0).max("mutant".len());
     outln!(
-        "{:<28} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
+        "{:<names$} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
         "mutant",
         "rule",
         "kinds changed",
@@ -165,7 +166,7 @@ fn print_table(rows: &[Row]) -> anyhow::Result<usize> {
         let survived = row.count(|verdict| matches!(verdict, Verdict::Survived { .. }));
         survivors += survived;
         outln!(
-            "{:<28} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
+            "{:<names$} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
             row.mutant.name(),
             row.mutant.section(),
             kinds,

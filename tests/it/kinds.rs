@@ -17,6 +17,8 @@ use crate::support::scenario;
 #[case::no_layer_ids_mla_pp2("probes/no-layer-ids-mla-pp2.yaml", PlanErrorKind::LayerMetadata)]
 #[case::too_few_pages_page_copy("probes/too-few-decode-pages-page-copy.yaml", PlanErrorKind::TooFewPages)]
 #[case::mha_pp_partition_no_layer_ids("probes/mha-pp-partition-no-layer-ids.yaml", PlanErrorKind::LayerMetadata)]
+#[case::prefill_only_draft_no_layer_ids("probes/prefill-only-draft-no-layer-ids.yaml", PlanErrorKind::LayerMetadata)]
+#[case::prefill_only_draft("rejections/prefill-only-draft.yaml", PlanErrorKind::MissingLayer)]
 #[case::conv_groups_out_of_range("rejections/conv-groups-out-of-range.yaml", PlanErrorKind::StateMetadata)]
 #[case::dcp_2_to_8("rejections/dcp-2-to-8.yaml", PlanErrorKind::DcpUnsupported)]
 #[case::dcp_kv_geometry_differs("rejections/dcp-kv-geometry-differs.yaml", PlanErrorKind::GeometryMismatch)]
@@ -52,7 +54,7 @@ fn every_scenario_expecting_a_rejection_is_listed() {
             expecting += 1;
         }
     }
-    assert_eq!(expecting, 19);
+    assert_eq!(expecting, 21);
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {

@@ -160,3 +160,25 @@ fn different_partitions_at_equal_pp_are_refused() {
     );
     assert!(res.contains("fix: the same SGLANG_PP_LAYER_PARTITION on both sides"), "{res}");
 }
+
+/// `draft: false` leaves out a side's draft entries; on a model without draft entries it names the field and the fix.
+#[test]
+fn a_side_without_draft_entries() {
+    let base = "model: {preset: deepseek-v2-lite, layers: 2";
+    let tail = "requests: [{tokens: 20}]\nexpect: ok\n";
+    let loaded = scenario::parse(
+        &format!("{base}, draft: {{entries: 1, token_len: 576}}}}\nprefill: {{page_size: 16, draft: false}}\ndecode: {{page_size: 16}}\n{tail}"),
+        "x.yaml",
+        "x",
+    )
+    .unwrap();
+    let drafts = |side: &kvrelay::model::SideLayout| {
+        side.ranks[0].regions.iter().filter(|region| region.kind == kvrelay::model::RegionKind::Draft).count()
+    };
+    assert_eq!((drafts(&loaded.problem.prefill), drafts(&loaded.problem.decode)), (0, 1));
+    let res = error(&format!("{base}}}\nprefill: {{page_size: 16, draft: false}}\ndecode: {{page_size: 16}}\n{tail}"));
+    assert!(
+        res.contains("prefill.draft: the model has no draft entries to leave out (fix: drop `draft: false`"),
+        "{res}"
+    );
+}

@@ -63,6 +63,8 @@ pub struct SideOptions {
     pub kv_token_len: Option<u64>,
     /// `SGLANG_PP_LAYER_PARTITION` of this side: layers per stage; `None` = the default partition (domain.md §4.1).
     pub layer_partition: Option<Vec<u32>>,
+    /// Register the model's draft KV entries; `false` for a side deployed without speculative decoding.
+    pub register_draft: bool,
 }
 
 /// Builds the regions and metadata of every rank of one side.
@@ -130,7 +132,7 @@ fn kv_regions(
             ids.push(*layer);
         }
     }
-    if let Some(draft) = model.draft.filter(|_| rank.pp == topology.pp - 1) {
+    if let Some(draft) = model.draft.filter(|_| rank.pp == topology.pp - 1 && options.register_draft) {
         // The draft pool is paged by the allocator page V (domain.md §2.4 draft rows); V = P without DCP.
         let rows = if options.draft_paged_physically { page } else { topology.virtual_page_size() };
         for index in 0..draft.entries {

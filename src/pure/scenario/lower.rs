@@ -198,6 +198,12 @@ fn check_regions(
 /// Overrides must name an existing component and an entry or tensor it can have; otherwise they would be silently
 /// ignored.
 fn check_side_references(side: &str, raw_side: &RawSide, model: &ModelGeometry, diagnostics: &mut Diagnostics) {
+    if !raw_side.draft && model.draft.is_none() {
+        diagnostics.push(
+            format!("{side}.draft"),
+            "the model has no draft entries to leave out (fix: drop `draft: false`, or give model.draft)",
+        );
+    }
     for (index, item) in raw_side.metadata_overrides.iter().enumerate() {
         let path = format!("{side}.metadata_overrides[{index}]");
         let Some(component) = state_component(model, item.component, &path, diagnostics) else { continue };
@@ -271,6 +277,7 @@ fn side_options(
         draft_paged_physically: raw_side.draft_paged_physically,
         kv_token_len: raw_side.kv_token_len,
         layer_partition: raw_side.pp_layer_partition.clone(),
+        register_draft: raw_side.draft,
     }
 }
 

@@ -156,6 +156,9 @@ pub struct RawSide {
     pub early_send: bool,
     /// `SGLANG_PP_LAYER_PARTITION`: layers per pipeline stage.
     pub pp_layer_partition: Option<Vec<u32>>,
+    /// Whether this side registers the model's draft KV entries (`false`: deployed without speculative decoding).
+    #[serde(default = "yes")]
+    pub draft: bool,
 }
 
 /// `decode.registration`: what decode ranks advertise (domain.md §6.2); default: the truth, per-entry item lengths.
