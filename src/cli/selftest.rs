@@ -148,7 +148,7 @@ pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
 fn print_table(rows: &[Row]) -> anyhow::Result<usize> {
     let kinds: Vec<String> = rows.iter().map(Row::kinds).collect();
     let width = kinds.iter().map(String::len).max().unwrap_or(0).max("kinds changed".len());
-    let names = rows.iter().map(|row| row.mutant.name().len()).max().unwrap_or(0).max("mutant".len());
+    let names = rows.iter().map(|row| row.mutant.name().len()).max().unwrap_or(0).max(28);
     outln!(
         "{:<names$} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
         "mutant",
