@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::model::{PoolKind, Problem, RegionKind, StateKind, TensorShape};
+use crate::model::{PoolKind, Problem, StateKind};
 use crate::plan::{self, PlanError, TransferKind};
 
 /// One SGLang code path a scenario exercises.
@@ -129,7 +129,6 @@ pub fn explain(problem: &Problem) -> Explanation {
     for group in &plan.groups {
         let rows: u64 = group.runs.iter().map(|run| run.rows).sum();
         let bytes: u64 = group.entries.iter().map(|entry| entry.length * rows).sum();
-        add(Path::RankMapping, 0);
         match group.kind {
             TransferKind::Kv => {
                 add(pairing, 0);
@@ -153,11 +152,8 @@ pub fn explain(problem: &Problem) -> Explanation {
                 let target = problem.decode.rank(group.target);
                 let mut by_path: BTreeMap<Path, u64> = BTreeMap::new();
                 for entry in group.entries.iter() {
-                    let replicated = matches!(
-                        target.regions[entry.target_region as usize].kind,
-                        RegionKind::State { tensor, .. }
-                            if matches!(state.tensors[tensor as usize].shape, TensorShape::Replicated { .. })
-                    );
+                    let replicated =
+                        problem.model.is_replicated_mamba(target.regions[entry.target_region as usize].kind);
                     let path = match state.kind {
                         StateKind::Mamba if prefill.tp == decode.tp => Path::MambaSlot,
                         StateKind::Mamba if replicated => Path::ReplicatedState,
@@ -172,8 +168,10 @@ pub fn explain(problem: &Problem) -> Explanation {
             }
         }
     }
-    if let Some(entry) = paths.get_mut(&Path::RankMapping) {
-        entry.groups = plan::prefill_targets(prefill, decode, crate::model::RankId { pp: 0, tp: 0 }).len() as u64;
+    if !plan.groups.is_empty() {
+        // The rank mapping's count is the prefill ranks decode rank 0 contacts, not a number of groups.
+        let contacted = plan::prefill_targets(prefill, decode, crate::model::RankId { pp: 0, tp: 0 }).len() as u64;
+        paths.insert(Path::RankMapping, Use { groups: contacted, bytes: 0 });
     }
     if problem.model.pool_kind() == PoolKind::HybridMla && decode.tp < prefill.tp {
         notes.push("hybrid-MLA with decode TP < prefill TP: only the first prefill rank of each group writes the latent (mooncake/conn.py:1873-1901 skip_kv)".to_owned());

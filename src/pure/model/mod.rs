@@ -222,6 +222,18 @@ impl ModelGeometry {
         u64::from(self.kv_heads_local(tp)) * self.head_len()
     }
 
+    /// Whether a region of `kind` holds a replicated Mamba tensor (no TP axis, advertised dim 0, domain.md §5.2).
+    pub fn is_replicated_mamba(&self, kind: RegionKind) -> bool {
+        let RegionKind::State { component, tensor } = kind else { return false };
+        self.state.get(component as usize).is_some_and(|state| {
+            state.kind == StateKind::Mamba
+                && matches!(
+                    state.tensors.get(tensor as usize).map(|it| &it.shape),
+                    Some(TensorShape::Replicated { .. })
+                )
+        })
+    }
+
     pub fn is_mla(&self) -> bool {
         matches!(self.attention, Attention::Mla { .. })
     }

@@ -48,6 +48,11 @@ impl Diagnostics {
         self.kept.is_empty()
     }
 
+    /// Diagnostics so far, kept or not: compare two counts to see whether a check found anything.
+    fn count(&self) -> usize {
+        self.kept.len() + self.omitted
+    }
+
     fn into_error(self) -> (Vec<Diagnostic>, usize) {
         (self.kept, self.omitted)
     }
@@ -96,14 +101,14 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     };
     check_missing_layers(&raw.prefill, &raw.decode, &model, &mut diagnostics);
     // The layer partition decides every stage's regions: nothing below is checked against a bad one.
-    let before = diagnostics.kept.len() + diagnostics.omitted;
+    let before = diagnostics.count();
     for (side, raw_side, topology) in [("prefill", &raw.prefill, &prefill), ("decode", &raw.decode, &decode)] {
         check_partition(side, raw_side, topology, model.layer_count, &mut diagnostics);
     }
-    if diagnostics.kept.len() + diagnostics.omitted == before && prefill.pp == decode.pp {
+    if diagnostics.count() == before && prefill.pp == decode.pp {
         check_same_stages(&raw.prefill, &raw.decode, prefill.pp, model.layer_count, &mut diagnostics);
     }
-    if diagnostics.kept.len() + diagnostics.omitted != before {
+    if diagnostics.count() != before {
         return Err(diagnostics.into_error());
     }
     check_divisibility(&model, &prefill, &decode, &mut diagnostics);
@@ -287,10 +292,9 @@ fn side_options(
 /// scenario instead of modelling a deployment that cannot be right.
 fn check_same_stages(prefill: &RawSide, decode: &RawSide, pp: u32, layers: u32, diagnostics: &mut Diagnostics) {
     let (source, target) = (prefill.pp_layer_partition.as_deref(), decode.pp_layer_partition.as_deref());
-    if let Some(stage) = (0..pp)
-        .find(|stage| partition_layers(layers, pp, source, *stage) != partition_layers(layers, pp, target, *stage))
-    {
-        let (held, wanted) = (partition_layers(layers, pp, source, stage), partition_layers(layers, pp, target, stage));
+    let stages = (0..pp)
+        .map(|stage| (stage, partition_layers(layers, pp, source, stage), partition_layers(layers, pp, target, stage)));
+    if let Some((stage, held, wanted)) = stages.into_iter().find(|(_, held, wanted)| held != wanted) {
         diagnostics.push(
             "decode.pp_layer_partition",
             format!(
@@ -892,7 +896,7 @@ fn check_sliced(path: &str, groups: Option<&[u32]>, shape: (u32, u64, u32), diag
 }
 
 fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> Option<Topology> {
-    let before = diagnostics.kept.len() + diagnostics.omitted;
+    let before = diagnostics.count();
     let bounds = [
         ("tp", raw.tp, MAX_TP),
         ("pp", raw.pp, MAX_PP),
@@ -928,7 +932,7 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
             ),
         );
     }
-    let ok = diagnostics.kept.len() + diagnostics.omitted == before;
+    let ok = diagnostics.count() == before;
     ok.then_some(Topology { tp: raw.tp, pp: raw.pp, dcp: raw.dcp, page_size: raw.page_size })
 }
 

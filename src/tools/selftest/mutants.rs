@@ -517,16 +517,7 @@ fn replicated_state_wrong_writer(site: &Site<'_>, groups: Vec<TransferGroup>) ->
     let (model, local) = (site.query.local.model, site.query.local.layout);
     let ratio = site.query.local.topology.tp / site.peer.tp.max(1);
     let offset = local.rank.tp.wrapping_sub(site.peer.rank.tp * ratio);
-    let replicated = |region: &crate::model::Region| match region.kind {
-        RegionKind::State { component, tensor } => model.state.get(component as usize).is_some_and(|state| {
-            state.kind == StateKind::Mamba
-                && matches!(
-                    state.tensors.get(tensor as usize).map(|it| &it.shape),
-                    Some(TensorShape::Replicated { .. })
-                )
-        }),
-        _ => false,
-    };
+    let replicated = |region: &crate::model::Region| model.is_replicated_mamba(region.kind);
     let rewrite = |group: TransferGroup| {
         let TransferKind::State { component } = group.kind else { return group };
         let mut entries: Vec<EntryPair> = group

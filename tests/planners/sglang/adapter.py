@@ -147,14 +147,8 @@ class Local:
                 self.state_groups[c] = list(meta["conv_groups"] or [])
                 self.state_outer[c] = list(meta["outer_counts"] or [])
         # Stage layer range (the pool's start_layer..end_layer: get_pp_indices, or SGLANG_PP_LAYER_PARTITION, domain.md
-        # section 4.1); only the id-less legacy paths read it. Queries before `stage_layers` get the default split.
-        stage = q["local"].get("stage_layers")
-        if stage is None:
-            base, rem = divmod(model["layers"], self.pp)
-            s = self.pp_rank
-            start = s * base if s < self.pp - rem else s * (base + 1) - (self.pp - rem)
-            stage = [start, start + base + (s >= self.pp - rem)]
-        self.start_layer, self.end_layer = stage
+        # section 4.1); only the id-less legacy paths read it.
+        self.start_layer, self.end_layer = q["local"]["stage_layers"]
 
     def ptr(self, region: int) -> int:
         return region * REGION_STRIDE
