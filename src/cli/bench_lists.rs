@@ -241,9 +241,9 @@ fn send(
     for chunk in list.chunks(sender.limits().max_entries.clamp(1, 1 << 20)) {
         let entries = chunk
             .iter()
-            .map(|&(local_offset, remote_offset, len)| Entry { local, local_offset, remote: 0, remote_offset, len })
+            .map(|&(local_offset, remote_offset, len)| Entry::new(local, local_offset, 0, remote_offset, len))
             .collect();
-        let id = sender.submit(conn, Batch { entries, notify: None })?;
+        let id = sender.submit(conn, Batch { entries, notify: None, tables: Vec::new() })?;
         sender.flush();
         let mut events = Vec::new();
         'wait: loop {

@@ -286,7 +286,7 @@ impl Session {
                 let max_entries = usize::try_from(positive("max_entries")?).unwrap_or(usize::MAX);
                 let max_batch_bytes = positive("max_batch_bytes")?;
                 let batches_in_flight = usize::try_from(positive("batches_in_flight")?).unwrap_or(usize::MAX);
-                SeamLimits { max_entries, max_batch_bytes, batches_in_flight }
+                SeamLimits { max_entries, max_batch_bytes, batches_in_flight, strided: false, paged: false }
             }
             _ => return Err(field.wrong("limits", "expected {max_entries, max_batch_bytes, batches_in_flight}")),
         };
@@ -566,7 +566,8 @@ fn refusal(
             SeamError::OutOfRange { offset: number("offset"), len: number("len"), region_len: number("region_len") }
         }
         SeamErrorKind::Exhausted => SeamError::Exhausted(about.exhausted.unwrap_or("the child's resources")),
-        SeamErrorKind::Engine => engine(),
+        // A child is never handed strided entries (its submit refuses them first): no protocol name.
+        SeamErrorKind::Strided | SeamErrorKind::Engine => engine(),
     }
 }
 
@@ -923,6 +924,7 @@ impl TransferEngine for ChildEngine {
     }
 
     fn submit(&mut self, conn: ConnId, batch: Batch) -> Result<BatchId, SeamError> {
+        SeamError::check_limits(&batch, SeamLimits { strided: false, ..SeamLimits::UNLIMITED })?;
         let entries: Vec<Value> = batch
             .entries
             .iter()

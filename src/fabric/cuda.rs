@@ -31,7 +31,7 @@ use cudarc::driver::{
 
 use super::seam::{
     Batch, BatchId, BatchStatus, Cancelled, Check, Compare, Completion, ConnId, Event, Fill, Image, Kept, Landed,
-    Memory, MemoryKind, NodeId, Pattern, PeerAddress, RemoteMemory, SeamError, SeamLimits, TransferEngine,
+    Memory, MemoryKind, NodeId, Pattern, PeerAddress, RemoteMemory, Repeat, SeamError, SeamLimits, TransferEngine,
 };
 use super::transport::{Identity, Transport, TransportError};
 use super::verbs::Caps;
@@ -45,6 +45,11 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 struct Copy { u64 src; u64 dst; u64 len; };
 struct Check { u64 addr; u64 source; u64 len; };
+struct Run { u64 src; u64 dst; u64 len; u64 count; u64 src_stride; u64 dst_stride; };
+struct Paged {
+    u64 src; u64 src_off; u64 dst; u64 dst_off; u64 len; u64 count; u64 src_stride; u64 dst_stride;
+    u64 src_table; u64 dst_table; u64 src_item; u64 dst_item; u64 first_chunk; u64 per_chunk; u64 unit;
+};
 
 #define SENTINEL 0x5E5E5E5E5E5E5E5Eull
 #define LANE (threadIdx.x & 31u)
@@ -66,6 +71,124 @@ extern "C" __global__ void kv_gather(const Copy* copies, u64 count) {
             const unsigned char* s = (const unsigned char*)c.src; unsigned char* d = (unsigned char*)c.dst;
             for (u64 k = LANE; k < c.len; k += 32) d[k] = s[k];
         }
+    }
+}
+
+// One warp per run (at most 32 KiB of a strided entry: `count` elements of `len` bytes at strides on both sides): the
+// run's 16-byte words (8-byte or single bytes where addresses, strides or length are not aligned) spread over the
+// lanes in element order, so consecutive lanes read and write consecutive words; four loads in flight per lane
+// before their stores.
+#define RUN_AT(T, base, u) ((T*)((base) + (u64)((u) / per) * stride) + (u) % per)
+extern "C" __global__ void kv_strided(const Run* runs, u64 count) {
+    for (u64 i = WARP; i < count; i += WARPS) {
+        const Run r = runs[i];
+        const u64 align = r.src | r.dst | r.len | r.src_stride | r.dst_stride;
+        if ((align & 15) == 0) {
+            const unsigned per = (unsigned)(r.len / 16), total = per * (unsigned)r.count;
+            unsigned u = LANE;
+            for (; u + 96 < total; u += 128) {
+                u64 stride = r.src_stride;
+                const uint4 a = *RUN_AT(const uint4, r.src, u), b = *RUN_AT(const uint4, r.src, u + 32);
+                const uint4 c = *RUN_AT(const uint4, r.src, u + 64), d = *RUN_AT(const uint4, r.src, u + 96);
+                stride = r.dst_stride;
+                *RUN_AT(uint4, r.dst, u) = a; *RUN_AT(uint4, r.dst, u + 32) = b;
+                *RUN_AT(uint4, r.dst, u + 64) = c; *RUN_AT(uint4, r.dst, u + 96) = d;
+            }
+            for (; u < total; u += 32) {
+                u64 stride = r.src_stride;
+                const uint4 a = *RUN_AT(const uint4, r.src, u);
+                stride = r.dst_stride;
+                *RUN_AT(uint4, r.dst, u) = a;
+            }
+        } else if ((align & 7) == 0) {
+            const unsigned per = (unsigned)(r.len / 8), total = per * (unsigned)r.count;
+            for (unsigned u = LANE; u < total; u += 32) {
+                u64 stride = r.src_stride;
+                const u64 a = *RUN_AT(const u64, r.src, u);
+                stride = r.dst_stride;
+                *RUN_AT(u64, r.dst, u) = a;
+            }
+        } else {
+            const unsigned per = (unsigned)r.len, total = per * (unsigned)r.count;
+            for (unsigned u = LANE; u < total; u += 32) {
+                u64 stride = r.src_stride;
+                const unsigned char a = *RUN_AT(const unsigned char, r.src, u);
+                stride = r.dst_stride;
+                *RUN_AT(unsigned char, r.dst, u) = a;
+            }
+        }
+    }
+}
+
+#define RUN_BYTES 32768ull
+#define CHUNK_ELEMENTS 64
+#define BLOCK_WARPS 8
+
+// Region byte of logical byte `logical` through `table` (items of `item` bytes), or physical where there is none.
+__device__ __forceinline__ u64 paged_at(u64 base, const u32* table, u64 item, u64 logical) {
+    return table ? base + (u64)table[logical / item] * item + logical % item : base + logical;
+}
+
+// The warp moves `total` units of T: unit u is unit u % per of element u / per, whose addresses are src[] and dst[].
+template <typename T>
+__device__ __forceinline__ void move_units(const u64* src, const u64* dst, unsigned per, unsigned total) {
+    unsigned u = LANE;
+    for (; u + 96 < total; u += 128) {
+        const T a = ((const T*)src[u / per])[u % per];
+        const T b = ((const T*)src[(u + 32) / per])[(u + 32) % per];
+        const T c = ((const T*)src[(u + 64) / per])[(u + 64) % per];
+        const T d = ((const T*)src[(u + 96) / per])[(u + 96) % per];
+        ((T*)dst[u / per])[u % per] = a;
+        ((T*)dst[(u + 32) / per])[(u + 32) % per] = b;
+        ((T*)dst[(u + 64) / per])[(u + 64) % per] = c;
+        ((T*)dst[(u + 96) / per])[(u + 96) % per] = d;
+    }
+    for (; u < total; u += 32) ((T*)dst[u / per])[u % per] = ((const T*)src[u / per])[u % per];
+}
+
+// Paged and strided entries as they were submitted (one descriptor each, `count` elements at strides, offsets on a
+// paged side logical bytes of its page table, the tables after the descriptors), cut on the device into chunks of
+// at most CHUNK_ELEMENTS elements and RUN_BYTES bytes (an element over RUN_BYTES in pieces): one warp per chunk
+// finds its descriptor by binary search over the chunk prefix, resolves its elements' addresses through the tables
+// once into shared memory, then moves 16-byte words (8-byte or single bytes where anything is unaligned).
+extern "C" __global__ void kv_paged(const Paged* descs, u64 n, u64 chunks) {
+    __shared__ u64 addresses[BLOCK_WARPS][2][CHUNK_ELEMENTS];
+    const u32* tables = (const u32*)(descs + n);
+    u64* src = addresses[threadIdx.x >> 5][0];
+    u64* dst = addresses[threadIdx.x >> 5][1];
+    for (u64 c = WARP; c < chunks; c += WARPS) {
+        u64 lo = 0, hi = n;
+        while (hi - lo > 1) {
+            const u64 mid = (lo + hi) / 2;
+            if (descs[mid].first_chunk <= c) lo = mid; else hi = mid;
+        }
+        const Paged d = descs[lo];
+        const u64 local = c - d.first_chunk;
+        u64 first, elements, skip, bytes;
+        if (d.per_chunk) {
+            first = local * d.per_chunk;
+            elements = d.count - first < d.per_chunk ? d.count - first : d.per_chunk;
+            skip = 0;
+            bytes = d.len;
+        } else {
+            const u64 pieces = (d.len + RUN_BYTES - 1) / RUN_BYTES;
+            first = local / pieces;
+            elements = 1;
+            skip = (local % pieces) * RUN_BYTES;
+            bytes = d.len - skip < RUN_BYTES ? d.len - skip : RUN_BYTES;
+        }
+        const u32* st = d.src_table ? tables + (d.src_table - 1) : 0;
+        const u32* dt = d.dst_table ? tables + (d.dst_table - 1) : 0;
+        __syncwarp();
+        for (u64 k = LANE; k < elements; k += 32) {
+            src[k] = paged_at(d.src, st, d.src_item, d.src_off + (first + k) * d.src_stride) + skip;
+            dst[k] = paged_at(d.dst, dt, d.dst_item, d.dst_off + (first + k) * d.dst_stride) + skip;
+        }
+        __syncwarp();
+        const unsigned per = (unsigned)(bytes / d.unit), total = per * (unsigned)elements;
+        if (d.unit == 16) move_units<uint4>(src, dst, per, total);
+        else if (d.unit == 8) move_units<u64>(src, dst, per, total);
+        else move_units<unsigned char>(src, dst, per, total);
     }
 }
 
@@ -131,6 +254,10 @@ pub fn copy_engine_wins(entries: usize, bytes: u64) -> bool {
 /// Pieces a gather or judge descriptor is cut into, at most, so that one warp's share stays short.
 const PIECE_BYTES: u64 = 256 << 10;
 
+/// Bytes of one run of the strided kernel, at most (one warp's share): small enough that a batch of large state
+/// blocks still gives every warp of the GPU work.
+const RUN_BYTES: u64 = 32 << 10;
+
 /// Warps launched per grid (a grid-stride loop covers the rest): enough to fill 132 SMs several times over.
 const GRID_BLOCKS: u32 = 132 * 8;
 const BLOCK_THREADS: u32 = 256;
@@ -147,9 +274,14 @@ struct Shared {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     gather: CudaFunction,
+    strided: CudaFunction,
+    paged: CudaFunction,
     fill: CudaFunction,
     judge: CudaFunction,
     state: Mutex<State>,
+    /// Bumped whenever `State::live` changes: a connection's cached liveness of its peer's memory is current while
+    /// this is unchanged, so a batch takes the state's lock only after a registration came or went.
+    generation: std::sync::atomic::AtomicU64,
     /// The oracle's own stream and lock (its calls come from the harness's threads).
     judge_stream: Arc<CudaStream>,
     judge_lock: Mutex<()>,
@@ -198,12 +330,14 @@ impl Shared {
         let ptr = unsafe { result::malloc_sync(size) }.map_err(|error| driver("cuMemAlloc", error))?;
         let allocation = DeviceAlloc { ctx: self.ctx.clone(), ptr };
         self.state().live.insert(ptr, (len, owner));
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.account(size as i64);
         Ok((allocation, ptr))
     }
 
     fn forget(&self, ptr: u64, len: u64) {
         self.state().live.remove(&ptr);
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.account(-(len.max(1) as i64));
     }
 
@@ -281,6 +415,8 @@ impl Shared {
         if end.is_none_or(|end| end > region.len) {
             return Err(SeamError::OutOfRange { offset, len: out.len() as u64, region_len: region.len });
         }
+        // Every engine's stream: writes into the region from any of them come first.
+        self.ctx.synchronize().map_err(|error| driver("cuCtxSynchronize", error))?;
         // SAFETY: the range lies inside the region's live allocation (checked above); the stream is synchronised
         // before `out` is used.
         unsafe { result::memcpy_dtoh_async(out, region.ptr + offset, self.stream.cu_stream()) }
@@ -291,14 +427,15 @@ impl Shared {
     /// Keeps `region` on the device for the oracle's compare kernel (after everything on the stream ran): no
     /// engine may write it any more.
     fn keep_region(self: &Arc<Self>, region: Region) -> Result<Kept, SeamError> {
-        if let Err(error) = self.stream.synchronize() {
+        if let Err(error) = self.ctx.synchronize() {
             self.forget(region.ptr, region.len);
-            return Err(driver("cuStreamSynchronize", error));
+            return Err(driver("cuCtxSynchronize", error));
         }
         let mut state = self.state();
         state.live.remove(&region.ptr);
         state.resident.insert(region.ptr, region.len);
         drop(state);
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let (handle, len) = (region.ptr, region.len);
         let keep = Holder { shared: self.clone(), region: Some(region) };
         Ok(Kept { compare: Arc::new(DeviceCompare(self.clone())), handle, len, keep: Arc::new(keep) })
@@ -338,9 +475,12 @@ impl CudaTransport {
             ctx: device.ctx.clone(),
             stream: device.stream.clone(),
             gather: device.gather.clone(),
+            strided: device.strided.clone(),
+            paged: device.paged.clone(),
             fill: device.fill.clone(),
             judge: device.judge.clone(),
             state: Mutex::default(),
+            generation: 0.into(),
             judge_stream: device.judge_stream.clone(),
             judge_lock: Mutex::new(()),
             gpu,
@@ -364,6 +504,12 @@ impl CudaTransport {
     pub fn reset_peak(&self) {
         use std::sync::atomic::Ordering::Relaxed;
         self.shared.device.peak.store(self.shared.device.allocated.load(Relaxed), Relaxed);
+    }
+
+    /// A fresh engine for `node` as its own type (one a thread of its own can drive: ranks submit concurrently, as
+    /// ranks in their own processes do).
+    pub fn cuda_engine(&self, node: NodeId) -> CudaEngine {
+        CudaEngine::new(node, self.shared.clone())
     }
 
     /// The GPU's name.
@@ -464,6 +610,8 @@ struct Device {
     stream: Arc<CudaStream>,
     judge_stream: Arc<CudaStream>,
     gather: CudaFunction,
+    strided: CudaFunction,
+    paged: CudaFunction,
     fill: CudaFunction,
     judge: CudaFunction,
 }
@@ -501,10 +649,11 @@ impl Device {
             module.load_function(name).map_err(|error| unavailable(&format!("kernel {name}"), format!("{error:?}")))
         };
         let (gather, fill, judge) = (function("kv_gather")?, function("kv_fill_source")?, function("kv_judge")?);
+        let (strided, paged) = (function("kv_strided")?, function("kv_paged")?);
         let stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
         let judge_stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
         let (allocated, peak) = (0.into(), 0.into());
-        Ok(Device { allocated, peak, ctx, stream, judge_stream, gather, fill, judge })
+        Ok(Device { allocated, peak, ctx, stream, judge_stream, gather, strided, paged, fill, judge })
     }
 }
 
@@ -549,7 +698,7 @@ impl Transport for CudaTransport {
     }
 
     fn engine(&mut self, node: NodeId, _caps: Caps) -> Result<Box<dyn TransferEngine>, TransportError> {
-        Ok(Box::new(CudaEngine::new(node, self.shared.clone())))
+        Ok(Box::new(self.cuda_engine(node)))
     }
 
     fn step(&mut self) {
@@ -557,11 +706,11 @@ impl Transport for CudaTransport {
     }
 
     fn settle(&mut self) {
-        let _ = self.shared.stream.synchronize();
+        let _ = self.shared.ctx.synchronize();
     }
 
     fn reset(&mut self) {
-        let _ = self.shared.stream.synchronize();
+        let _ = self.shared.ctx.synchronize();
         self.shared.state().mail.clear();
     }
 }
@@ -594,34 +743,72 @@ struct Region {
 struct Peer {
     engine: u32,
     conn: ConnId,
-    remote: Vec<RemoteMemory>,
+    remote: Arc<[RemoteMemory]>,
+}
+
+/// A batch lowered for the GPU ([`CudaEngine::lower`]).
+enum Table {
+    /// Three words a copy: source, target, length.
+    Flat(Vec<u64>),
+    /// Six words a run: source, target, element length, count, source stride, target stride.
+    Runs(Vec<u64>),
 }
 
 /// A connection end.
 #[derive(Default)]
 struct Conn {
     peer: Option<Peer>,
+    /// Whether each of the peer's memories was registered (`None`: not looked at yet), as of a
+    /// [`Shared::generation`].
+    alive: Option<(u64, Vec<Option<bool>>)>,
 }
 
 /// A batch on the stream.
 struct InFlight {
     conn: ConnId,
     batch: BatchId,
-    event: CudaEvent,
-    /// Its descriptor table, kept until the kernel ran.
-    _table: Option<CudaSlice<u64>>,
+    /// Recorded after its launch (shared by the batches of one doorbell).
+    event: Arc<CudaEvent>,
+    /// Its descriptor tables, kept until the kernels ran.
+    _table: [Option<Arc<CudaSlice<u64>>>; 2],
     notify: Option<(u32, ConnId, u32)>,
 }
+
+/// Descriptors of the paged kernel (15 words each: source, source offset, target, target offset, element length,
+/// count, strides, tables (1 + their u32 index after the descriptors; 0 for none), item lengths, first chunk,
+/// elements per chunk (0: an element in pieces), unit), the page tables after them, and the chunks so far.
+#[derive(Default)]
+struct PagedQueue {
+    words: Vec<u64>,
+    tables: Vec<u32>,
+    chunks: u64,
+}
+
+/// Words of one descriptor of the paged kernel.
+const PAGED_WORDS: usize = 15;
+/// Elements of one chunk of the paged kernel, at most (its shared memory holds their addresses).
+const CHUNK_ELEMENTS: u64 = 64;
+
+/// A batch whose runs wait for the doorbell: its connection, id and notification.
+type Queued = (ConnId, BatchId, Option<(u32, ConnId, u32)>);
 
 /// One rank's engine on the `cuda` fabric.
 pub struct CudaEngine {
     node: NodeId,
     id: u32,
     shared: Arc<Shared>,
+    /// This engine's own stream: its batches run there, beside other engines' (each rank its own queue, as ranks in
+    /// their own processes have).
+    stream: Arc<CudaStream>,
     regions: BTreeMap<u32, Region>,
     next_region: u32,
     conns: BTreeMap<ConnId, Conn>,
     in_flight: VecDeque<InFlight>,
+    /// Runs of strided batches submitted since the last doorbell ([`CudaEngine::ring`]), and those batches.
+    queued: Vec<u64>,
+    queued_batches: Vec<Queued>,
+    /// Paged batches' descriptors, their page tables and chunks since the last doorbell.
+    paged: PagedQueue,
     ready: VecDeque<Event>,
     next_batch: u64,
     operations: u64,
@@ -636,14 +823,19 @@ impl CudaEngine {
             state.mail.insert(id, VecDeque::new());
             id
         };
+        let stream = shared.ctx.new_stream().unwrap_or_else(|_| shared.stream.clone());
         CudaEngine {
             node,
             id,
+            stream,
             shared,
             regions: BTreeMap::new(),
             next_region: 0,
             conns: BTreeMap::new(),
             in_flight: VecDeque::new(),
+            queued: Vec::new(),
+            queued_batches: Vec::new(),
+            paged: PagedQueue::default(),
             ready: VecDeque::new(),
             next_batch: 0,
             operations: 0,
@@ -662,81 +854,259 @@ impl CudaEngine {
         Memory { id, kind: MemoryKind::Device { gpu: self.shared.gpu }, addr, len, key: self.id }
     }
 
-    /// The copies of `batch` as a flat table of (source address, target address, length), each at most `piece`
-    /// bytes long, checked against this engine's regions and the peer's advertised memory; a remote range outside
-    /// it, or memory no longer registered, is the completion status instead.
-    fn lower(&self, peer: &Peer, batch: &Batch, piece: u64) -> Result<Result<Vec<u64>, BatchStatus>, SeamError> {
-        let mut copies = Vec::with_capacity(batch.entries.len() * 3);
-        let state = self.shared.state();
-        // Entries of one batch mostly name the same few regions: each is looked up and checked once.
+    /// The copies of `batch` appended to `table` for the GPU, checked against this engine's regions and the peer's
+    /// advertised memory (a remote range outside it, or memory no longer registered, is the completion status
+    /// instead, and `table` is left as it was). A flat batch: (source address, target address, length) per copy,
+    /// each at most `piece` bytes; a batch with strided entries: (source, target, element length, count, source
+    /// stride, target stride) per run of at most [`RUN_BYTES`], an element longer than that cut into pieces.
+    fn lower(
+        &self,
+        peer: &Peer,
+        alive: &[bool],
+        batch: &Batch,
+        piece: u64,
+        table: &mut Vec<u64>,
+    ) -> Result<Result<(), BatchStatus>, SeamError> {
+        let strided = batch.strided();
+        let before = table.len();
+        table.reserve(batch.entries.len() * if strided { 6 } else { 3 });
+        let failed = |table: &mut Vec<u64>, status| {
+            table.truncate(before);
+            Ok(Err(status))
+        };
+        // Entries of one batch mostly name the same few regions: each is looked up once. `alive`: whether each of the
+        // peer's memories is still registered.
         let mut local: Option<(u32, &Region)> = None;
-        let mut remote: Option<(u32, RemoteMemory)> = None;
         for entry in &batch.entries {
             let region = match local {
                 Some((id, region)) if id == entry.local => region,
                 _ => {
-                    let region = self.regions.get(&entry.local).ok_or(SeamError::UnknownMemory(entry.local))?;
+                    let Some(region) = self.regions.get(&entry.local) else {
+                        table.truncate(before);
+                        return Err(SeamError::UnknownMemory(entry.local));
+                    };
                     local = Some((entry.local, region));
                     region
                 }
             };
-            if entry.local_offset.checked_add(entry.len).is_none_or(|end| end > region.len) {
-                return Ok(Err(BatchStatus::LocalProtection));
+            if entry.local_end().is_none_or(|end| end > region.len) {
+                return failed(table, BatchStatus::LocalProtection);
             }
-            let target = match remote {
-                Some((index, target)) if index == entry.remote => target,
-                _ => {
-                    let Some(target) = peer.remote.get(entry.remote as usize).copied() else {
-                        return Ok(Err(BatchStatus::RemoteAccess));
-                    };
-                    let alive = state
-                        .live
-                        .get(&target.addr)
-                        .is_some_and(|(len, owner)| *len == target.len && *owner == target.key);
-                    if !alive {
-                        return Ok(Err(BatchStatus::RemoteAccess));
-                    }
-                    remote = Some((entry.remote, target));
-                    target
-                }
+            let index = entry.remote as usize;
+            let Some(target) = peer.remote.get(index).copied().filter(|_| alive[index]) else {
+                return failed(table, BatchStatus::RemoteAccess);
             };
-            if entry.remote_offset.checked_add(entry.len).is_none_or(|end| end > target.len) {
-                return Ok(Err(BatchStatus::RemoteAccess));
+            if entry.remote_end().is_none_or(|end| end > target.len) {
+                return failed(table, BatchStatus::RemoteAccess);
             }
             let (src, dst, len) = (region.ptr + entry.local_offset, target.addr + entry.remote_offset, entry.len);
-            let mut done = 0;
-            while done < len {
-                let take = (len - done).min(piece);
-                copies.extend([src + done, dst + done, take]);
-                done += take;
+            let Repeat { count, local_stride, remote_stride } = entry.repeat;
+            if !strided {
+                let mut done = 0;
+                while done < len {
+                    let take = (len - done).min(piece);
+                    table.extend([src + done, dst + done, take]);
+                    done += take;
+                }
+            } else if len > RUN_BYTES {
+                for k in 0..count {
+                    let (src, dst) = (src + k * local_stride, dst + k * remote_stride);
+                    let mut done = 0;
+                    while done < len {
+                        let take = (len - done).min(RUN_BYTES);
+                        table.extend([src + done, dst + done, take, 1, 0, 0]);
+                        done += take;
+                    }
+                }
+            } else if let Some(per_run) = RUN_BYTES.checked_div(len) {
+                let per_run = per_run.max(1);
+                let mut k = 0;
+                while k < count {
+                    let take = (count - k).min(per_run);
+                    table.extend([
+                        src + k * local_stride,
+                        dst + k * remote_stride,
+                        len,
+                        take,
+                        local_stride,
+                        remote_stride,
+                    ]);
+                    k += take;
+                }
             }
         }
-        Ok(Ok(copies))
+        Ok(Ok(()))
     }
 
-    /// Puts the flat `table` of copies ([`CudaEngine::lower`]) on the stream: one copy-engine copy each
-    /// (`copy_engines`, see [`copy_engine_wins`]) or one gather launch; the uploaded table, if any.
-    fn issue(&mut self, table: &[u64], copy_engines: bool) -> Result<Option<CudaSlice<u64>>, SeamError> {
-        if table.is_empty() {
-            return Ok(None);
-        }
-        let count = (table.len() / 3) as u64;
-        if copy_engines {
-            for copy in table.chunks_exact(3) {
-                // SAFETY: both ranges were checked against live allocations of this context.
-                unsafe {
-                    result::memcpy_dtod_async(copy[1], copy[0], copy[2] as usize, self.shared.stream.cu_stream())
-                }
-                .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;
+    /// The entries of a paged `batch` appended to the paged queue, checked like [`CudaEngine::lower`] (a paged side:
+    /// every item its table lists inside the region; the batch's offsets were checked against the tables at
+    /// submit); the status instead where a range is outside, and the queue left as it was.
+    fn lower_paged(
+        &self,
+        peer: &Peer,
+        alive: &[bool],
+        batch: &Batch,
+        queue: &mut PagedQueue,
+    ) -> Result<Result<(), BatchStatus>, SeamError> {
+        let (words, tables, chunks) = (queue.words.len(), queue.tables.len(), queue.chunks);
+        let reset = |queue: &mut PagedQueue| {
+            queue.words.truncate(words);
+            queue.tables.truncate(tables);
+            queue.chunks = chunks;
+        };
+        let failed = |queue: &mut PagedQueue, status| {
+            reset(queue);
+            Ok(Err(status))
+        };
+        // Each table the batch carries, once: where it starts in the queue's tables (plus one), and its reach.
+        let mut placed: Vec<Option<(u64, u64)>> = vec![None; batch.tables.len()];
+        let mut place = |queue: &mut PagedQueue, index: Option<u32>| -> Option<(u64, u64, u64)> {
+            let index = index? as usize;
+            let table = &batch.tables[index];
+            let (at, reach) = *placed[index].get_or_insert_with(|| {
+                let at = queue.tables.len() as u64 + 1;
+                queue.tables.extend(&table.pages);
+                (at, table.reach().unwrap_or(u64::MAX))
+            });
+            Some((at, reach, table.item_len))
+        };
+        for entry in &batch.entries {
+            let Some(region) = self.regions.get(&entry.local) else {
+                reset(queue);
+                return Err(SeamError::UnknownMemory(entry.local));
+            };
+            let index = entry.remote as usize;
+            let Some(target) = peer.remote.get(index).copied().filter(|_| alive[index]) else {
+                return failed(queue, BatchStatus::RemoteAccess);
+            };
+            let local = place(queue, entry.paging.local);
+            let remote = place(queue, entry.paging.remote);
+            let local_end = local.map_or(entry.local_end(), |(_, reach, _)| Some(reach));
+            if local_end.is_none_or(|end| end > region.len) {
+                return failed(queue, BatchStatus::LocalProtection);
             }
-            self.operations += count;
+            let remote_end = remote.map_or(entry.remote_end(), |(_, reach, _)| Some(reach));
+            if remote_end.is_none_or(|end| end > target.len) {
+                return failed(queue, BatchStatus::RemoteAccess);
+            }
+            let Repeat { count, local_stride, remote_stride } = entry.repeat;
+            let (len, src, dst) = (entry.len, region.ptr, target.addr);
+            if len == 0 || count == 0 {
+                continue;
+            }
+            let (local_table, local_item) = local.map_or((0, 0), |(at, _, item)| (at, item));
+            let (remote_table, remote_item) = remote.map_or((0, 0), |(at, _, item)| (at, item));
+            let align = src | dst | entry.local_offset | entry.remote_offset | len | local_item | remote_item;
+            let align = align | if count > 1 { local_stride | remote_stride } else { 0 };
+            let unit = if align % 16 == 0 {
+                16
+            } else if align % 8 == 0 {
+                8
+            } else {
+                1
+            };
+            let (per_chunk, chunks) = if len <= RUN_BYTES {
+                let per = (RUN_BYTES / len).clamp(1, CHUNK_ELEMENTS);
+                (per, count.div_ceil(per))
+            } else {
+                (0, count * len.div_ceil(RUN_BYTES))
+            };
+            queue.words.extend([
+                src,
+                entry.local_offset,
+                dst,
+                entry.remote_offset,
+                len,
+                count,
+                local_stride,
+                remote_stride,
+                local_table,
+                remote_table,
+                local_item,
+                remote_item,
+                queue.chunks,
+                per_chunk,
+                unit,
+            ]);
+            queue.chunks += chunks;
+        }
+        Ok(Ok(()))
+    }
+
+    /// Puts `table` ([`CudaEngine::lower`]) on the stream: a flat table as one copy-engine copy each
+    /// (`copy_engines`, see [`copy_engine_wins`]) or one gather launch, runs as one launch of the strided kernel;
+    /// the uploaded table, if any.
+    fn issue(&mut self, table: &Table, copy_engines: bool) -> Result<Option<CudaSlice<u64>>, SeamError> {
+        let (words, function, per_block) = match table {
+            Table::Flat(words) => (words, &self.shared.gather, false),
+            Table::Runs(words) => (words, &self.shared.strided, true),
+        };
+        if words.is_empty() {
             return Ok(None);
         }
-        let device = Shared::upload(&self.shared.stream, table)?;
-        let mut launch = self.shared.stream.launch_builder(&self.shared.gather);
+        if copy_engines && !per_block {
+            for copy in words.chunks_exact(3) {
+                // SAFETY: both ranges were checked against live allocations of this context.
+                unsafe { result::memcpy_dtod_async(copy[1], copy[0], copy[2] as usize, self.stream.cu_stream()) }
+                    .map_err(|error| driver("cuMemcpyDtoDAsync", error))?;
+            }
+            self.operations += (words.len() / 3) as u64;
+            return Ok(None);
+        }
+        let count = (words.len() / if per_block { 6 } else { 3 }) as u64;
+        let device = Shared::upload(&self.stream, words)?;
+        let mut launch = self.stream.launch_builder(function);
         launch.arg(&device).arg(&count);
         // SAFETY: every descriptor's source and target were checked against live allocations.
-        unsafe { launch.launch(Shared::launch_config(count)) }.map_err(|error| driver("kv_gather", error))?;
+        unsafe { launch.launch(Shared::launch_config(count)) }
+            .map_err(|error| driver(if per_block { "kv_strided" } else { "kv_gather" }, error))?;
+        self.operations += count;
+        Ok(Some(device))
+    }
+
+    /// The doorbell: every strided batch queued since the last one goes on the stream as one upload of their runs
+    /// and one launch of the strided kernel, with one event for all of them. A device error fails them.
+    fn ring(&mut self) {
+        if self.queued_batches.is_empty() {
+            return;
+        }
+        let table = Table::Runs(std::mem::take(&mut self.queued));
+        let paged = std::mem::take(&mut self.paged);
+        let batches = std::mem::take(&mut self.queued_batches);
+        let issued = self.issue(&table, false).and_then(|runs| {
+            let paged = self.issue_paged(paged)?;
+            let event = self.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?;
+            Ok((Arc::new(event), [runs.map(Arc::new), paged.map(Arc::new)]))
+        });
+        match issued {
+            Ok((event, tables)) => {
+                for (conn, batch, notify) in batches {
+                    let (event, _table) = (event.clone(), tables.clone());
+                    self.in_flight.push_back(InFlight { conn, batch, event, _table, notify });
+                }
+            }
+            Err(error) => {
+                for (conn, batch, _) in batches {
+                    self.complete_now(conn, batch, BatchStatus::Aborted, format!("the GPU refused the batch: {error}"));
+                }
+            }
+        }
+    }
+
+    /// One upload of the paged queue (descriptors, then the tables two to a word) and one launch of the paged kernel.
+    fn issue_paged(&mut self, mut queue: PagedQueue) -> Result<Option<CudaSlice<u64>>, SeamError> {
+        if queue.words.is_empty() {
+            return Ok(None);
+        }
+        let count = (queue.words.len() / PAGED_WORDS) as u64;
+        let tables =
+            queue.tables.chunks(2).map(|pair| u64::from(pair[0]) | u64::from(*pair.get(1).unwrap_or(&0)) << 32);
+        queue.words.extend(tables);
+        let device = Shared::upload(&self.stream, &queue.words)?;
+        let mut launch = self.stream.launch_builder(&self.shared.paged);
+        launch.arg(&device).arg(&count).arg(&queue.chunks);
+        // SAFETY: every descriptor's ranges were checked against live allocations (through its tables).
+        unsafe { launch.launch(Shared::launch_config(queue.chunks)) }.map_err(|error| driver("kv_paged", error))?;
         self.operations += count;
         Ok(Some(device))
     }
@@ -766,6 +1136,23 @@ impl CudaEngine {
         }
     }
 
+    /// A lowered batch queued for the doorbell, or completed at once with the status its lowering found.
+    fn enqueue(
+        &mut self,
+        conn: ConnId,
+        id: BatchId,
+        notify: Option<(u32, ConnId, u32)>,
+        lowered: Result<(), BatchStatus>,
+    ) -> Result<BatchId, SeamError> {
+        match lowered {
+            Ok(()) => self.queued_batches.push((conn, id, notify)),
+            Err(status) => {
+                self.complete_now(conn, id, status, format!("{}: a range outside registered memory", status.name()))
+            }
+        }
+        Ok(id)
+    }
+
     fn complete_now(&mut self, conn: ConnId, batch: BatchId, status: BatchStatus, detail: String) {
         let landed = if status == BatchStatus::Success { Landed::All } else { Landed::Entries(Vec::new()) };
         self.ready.push_back(Event::Completed(Completion { conn, batch, status, landed, detail }));
@@ -780,6 +1167,7 @@ impl Drop for CudaEngine {
         }
         state.mail.remove(&self.id);
         drop(state);
+        self.shared.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         for region in self.regions.values() {
             self.shared.account(-(region.len.max(1) as i64));
         }
@@ -819,7 +1207,13 @@ impl TransferEngine for CudaEngine {
     }
 
     fn limits(&self) -> SeamLimits {
-        SeamLimits { max_entries: 1 << 22, max_batch_bytes: u64::MAX, batches_in_flight: 1024 }
+        SeamLimits {
+            max_entries: 1 << 22,
+            max_batch_bytes: u64::MAX,
+            batches_in_flight: 1024,
+            strided: true,
+            paged: true,
+        }
     }
 
     fn memory_kind(&self) -> MemoryKind {
@@ -828,6 +1222,8 @@ impl TransferEngine for CudaEngine {
 
     fn register(&mut self, _kind: MemoryKind, len: u64, _item_len: u64, fill: Fill) -> Result<Memory, SeamError> {
         let region = self.shared.make_region(len, self.id, Contents::Fill(&fill))?;
+        // Complete before any engine's stream reads it.
+        self.shared.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
         Ok(self.add_region(region))
     }
 
@@ -839,6 +1235,8 @@ impl TransferEngine for CudaEngine {
         pattern: Pattern,
     ) -> Result<Memory, SeamError> {
         let region = self.shared.make_region(len, self.id, Contents::Pattern(pattern))?;
+        // Generated on the shared stream: complete before any engine's stream reads or writes it.
+        self.shared.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
         Ok(self.add_region(region))
     }
 
@@ -847,6 +1245,7 @@ impl TransferEngine for CudaEngine {
     }
 
     fn release(&mut self, memory: &Memory, _sparse: bool) -> Result<Image, SeamError> {
+        self.ring();
         let mut bytes = vec![0u8; self.region(memory)?.len as usize];
         self.read(memory, 0, &mut bytes)?;
         let region = self.regions.remove(&memory.id).ok_or(SeamError::UnknownMemory(memory.id))?;
@@ -856,6 +1255,7 @@ impl TransferEngine for CudaEngine {
 
     fn resident(&mut self, memory: &Memory) -> Option<Kept> {
         // Everything submitted has run before the oracle looks (keep_region synchronises).
+        self.ring();
         let region = self.regions.remove(&memory.id)?;
         self.shared.keep_region(region).ok()
     }
@@ -872,14 +1272,42 @@ impl TransferEngine for CudaEngine {
         if end.peer.is_some() {
             return Err(SeamError::AlreadyConnected(conn));
         }
-        end.peer = Some(Peer { engine, conn: peer_conn, remote: remote.to_vec() });
+        // The peer's memory is checked here, as a NIC checks keys when a peer connects: a batch takes the shared
+        // state's lock only after a registration came or went since.
+        let generation = self.shared.generation.load(std::sync::atomic::Ordering::Acquire);
+        let state = self.shared.state();
+        let live = |target: &RemoteMemory| {
+            Some(state.live.get(&target.addr).is_some_and(|(len, owner)| *len == target.len && *owner == target.key))
+        };
+        end.alive = Some((generation, remote.iter().map(live).collect()));
+        drop(state);
+        end.peer = Some(Peer { engine, conn: peer_conn, remote: Arc::from(remote) });
         Ok(())
     }
 
     fn submit(&mut self, conn: ConnId, batch: Batch) -> Result<BatchId, SeamError> {
         SeamError::check_limits(&batch, self.limits())?;
-        let end = self.conns.get(&conn).ok_or(SeamError::UnknownConnection(conn))?;
+        let generation = self.shared.generation.load(std::sync::atomic::Ordering::Acquire);
+        let end = self.conns.get_mut(&conn).ok_or(SeamError::UnknownConnection(conn))?;
         let peer = end.peer.clone().ok_or(SeamError::NotConnected(conn))?;
+        // Whether each peer memory the batch names is still registered: known for the connection until a
+        // registration comes or goes (the shared state's lock is taken only for memories not known yet).
+        let cache = match &mut end.alive {
+            Some((known, cache)) if *known == generation => cache,
+            slot => &mut slot.insert((generation, vec![None; peer.remote.len()])).1,
+        };
+        let unknown = batch.entries.iter().any(|entry| cache.get(entry.remote as usize).is_some_and(Option::is_none));
+        if unknown {
+            let state = self.shared.state();
+            for entry in &batch.entries {
+                let index = entry.remote as usize;
+                if let (Some(slot @ None), Some(target)) = (cache.get_mut(index), peer.remote.get(index)) {
+                    let live = state.live.get(&target.addr);
+                    *slot = Some(live.is_some_and(|(len, owner)| *len == target.len && *owner == target.key));
+                }
+            }
+        }
+        let alive: Vec<bool> = cache.iter().map(|alive| *alive == Some(true)).collect();
         // Refused whole when an entry names unknown memory, before anything else (entries mostly repeat a region).
         let mut known = None;
         for entry in &batch.entries {
@@ -895,23 +1323,42 @@ impl TransferEngine for CudaEngine {
         // Whole entries for the copy engines; pieces of at most PIECE_BYTES for the gather kernel's warps.
         let copy_engines = copy_engine_wins(batch.entries.len(), batch.byte_len().unwrap_or(u64::MAX));
         let piece = if copy_engines { u64::MAX } else { PIECE_BYTES };
-        let copies = match self.lower(&peer, &batch, piece)? {
-            Ok(copies) => copies,
-            Err(status) => {
-                self.complete_now(conn, id, status, format!("{}: a range outside registered memory", status.name()));
-                return Ok(id);
-            }
-        };
-        let table = self.issue(&copies, copy_engines)?;
-        let event = self.shared.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?;
         // The notification goes to the end the peer opened (the address it gave names it).
         let notify = batch.notify.map(|tag| (peer.engine, peer.conn, tag));
-        self.in_flight.push_back(InFlight { conn, batch: id, event, _table: table, notify });
+        // Paged and strided batches wait for the doorbell (flush, or the next poll), to share one upload and launch:
+        // their descriptors go straight into the doorbell's tables.
+        if batch.paged() {
+            let mut queue = std::mem::take(&mut self.paged);
+            let lowered = self.lower_paged(&peer, &alive, &batch, &mut queue);
+            self.paged = queue;
+            return self.enqueue(conn, id, notify, lowered?);
+        }
+        if batch.strided() {
+            let mut queued = std::mem::take(&mut self.queued);
+            let lowered = self.lower(&peer, &alive, &batch, piece, &mut queued);
+            self.queued = queued;
+            return self.enqueue(conn, id, notify, lowered?);
+        }
+        let mut words = Vec::new();
+        if let Err(status) = self.lower(&peer, &alive, &batch, piece, &mut words)? {
+            self.complete_now(conn, id, status, format!("{}: a range outside registered memory", status.name()));
+            return Ok(id);
+        }
+        let table = Table::Flat(words);
+        self.ring(); // stream order is submission order
+        let table = self.issue(&table, copy_engines)?.map(Arc::new);
+        let event = self.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?;
+        self.in_flight.push_back(InFlight { conn, batch: id, event: Arc::new(event), _table: [table, None], notify });
         Ok(id)
     }
 
+    fn flush(&mut self) {
+        self.ring();
+    }
+
     fn cancel(&mut self, batch: BatchId) -> Cancelled {
-        if self.in_flight.iter().any(|flight| flight.batch == batch) {
+        let queued = self.queued_batches.iter().any(|(_, queued, _)| *queued == batch);
+        if queued || self.in_flight.iter().any(|flight| flight.batch == batch) {
             Cancelled::Draining
         } else {
             Cancelled::Ended
@@ -919,6 +1366,7 @@ impl TransferEngine for CudaEngine {
     }
 
     fn poll(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
+        self.ring();
         self.reap();
         if let Some(mail) = self.shared.state().mail.get_mut(&self.id) {
             while let Some((conn, tag)) = mail.pop_front() {
@@ -933,6 +1381,7 @@ impl TransferEngine for CudaEngine {
     #[allow(clippy::disallowed_methods, reason = "a real-clock engine bounds its wait by the clock")]
     fn wait(&mut self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
+        self.ring();
         loop {
             self.reap();
             let mail = self.shared.state().mail.get(&self.id).is_some_and(|mail| !mail.is_empty());
@@ -975,6 +1424,7 @@ pub fn plant(keep: &(dyn std::any::Any + Send + Sync), offset: u64, byte: u8) ->
     if offset >= region.len {
         return Err(format!("byte {offset} is outside the {}-byte memory", region.len));
     }
+    holder.shared.ctx.synchronize().map_err(|error| format!("cuCtxSynchronize: {error:?}"))?;
     // SAFETY: one byte inside a live allocation.
     unsafe { result::memset_d8_async(region.ptr + offset, byte, 1, holder.shared.stream.cu_stream()) }
         .map_err(|error| format!("cuMemsetD8Async: {error:?}"))?;

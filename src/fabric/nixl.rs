@@ -52,7 +52,8 @@ use super::verbs::Caps;
 
 /// What kvrelay submits to one agent: NIXL has no fixed limits (a per-token list of 824,661 descriptors ran), so
 /// these are kvrelay's own bounds on one request and on requests in flight per connection.
-pub const LIMITS: SeamLimits = SeamLimits { max_entries: 1 << 20, max_batch_bytes: 1 << 40, batches_in_flight: 64 };
+pub const LIMITS: SeamLimits =
+    SeamLimits { max_entries: 1 << 20, max_batch_bytes: 1 << 40, batches_in_flight: 64, strided: false, paged: false };
 /// The script that fetches, unpacks and finds the pinned wheel.
 pub const SCRIPT: &str = "ci/engines.sh";
 /// The pinned wheel (host memory), and the one for GPU memory (CUDA 13).

@@ -179,14 +179,143 @@ impl fmt::Display for BatchId {
 }
 
 /// `len` bytes of local memory `local` from `local_offset` to the peer's advertised memory number `remote` (its
-/// index in the list given to [`TransferEngine::connect`]) from `remote_offset`.
+/// index in the list given to [`TransferEngine::connect`]) from `remote_offset`; [`Repeat`]ed at strides on both
+/// sides where the engine takes strided entries ([`SeamLimits::strided`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Entry {
     pub local: u32,
     pub local_offset: u64,
     pub remote: u32,
     pub remote_offset: u64,
+    /// Bytes of one element (the whole entry when it is not repeated).
     pub len: u64,
+    pub repeat: Repeat,
+    /// The page tables the offsets go through, if any ([`Paging`]).
+    pub paging: Paging,
+}
+
+/// Which of the batch's [`PageTable`]s ([`Batch::tables`]) an entry's offsets (and strides) on each side are
+/// logical bytes of: logical byte `l` of a table with `item_len`-byte items lies at region byte `pages[l /
+/// item_len] * item_len + l % item_len`. What a GPU kernel that addresses a KV cache by page index takes natively,
+/// and the tables the peers already exchange (domain.md §2.3: the prefill rank's pages, the decode's
+/// `dst_kv_indices`): a DCP relayout over the allocator's shuffled pages is then one entry per decode rank, layer and
+/// chunk (`plan::paged`). No element crosses an item on a paged side. Only an engine declaring
+/// [`SeamLimits::paged`] is handed one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Paging {
+    pub local: Option<u32>,
+    pub remote: Option<u32>,
+}
+
+impl Paging {
+    /// Physical offsets on both sides.
+    pub const NONE: Paging = Paging { local: None, remote: None };
+}
+
+/// Items of `item_len` bytes of a region, in a request's order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PageTable {
+    pub item_len: u64,
+    pub pages: Vec<u32>,
+}
+
+impl PageTable {
+    /// The region byte logical byte `logical` lies at, if the table lists its item (`None` on overflow).
+    pub fn physical(&self, logical: u64) -> Option<u64> {
+        let item = logical.checked_div(self.item_len)?;
+        let page = *self.pages.get(usize::try_from(item).ok()?)?;
+        u64::from(page).checked_mul(self.item_len)?.checked_add(logical % self.item_len)
+    }
+
+    /// One past the last region byte the table's items reach (`None` on overflow).
+    pub fn reach(&self) -> Option<u64> {
+        let last = self.pages.iter().copied().max().map_or(0, |page| u64::from(page) + 1);
+        last.checked_mul(self.item_len)
+    }
+
+    /// One past the last logical byte (`None` on overflow).
+    pub fn logical_len(&self) -> Option<u64> {
+        (self.pages.len() as u64).checked_mul(self.item_len)
+    }
+
+    /// Whether `count` elements of `len` bytes from logical `offset` on at `stride` each stay inside one item.
+    pub fn keeps_in_items(&self, offset: u64, stride: u64, len: u64, count: u64) -> bool {
+        let item = self.item_len;
+        if item == 0 || len > item {
+            return count == 0 || len == 0;
+        }
+        let fits = |at: u64| at % item + len <= item;
+        if count <= 1 || stride % item == 0 {
+            return count == 0 || fits(offset);
+        }
+        if item % stride == 0 && offset % stride + len <= stride {
+            return true; // every item boundary is a multiple of the stride, and no element crosses one
+        }
+        (0..count).all(|k| fits(offset + k * stride))
+    }
+}
+
+/// An entry's elements: `count` of them, the k-th `k * local_stride` bytes after the first on the local side and
+/// `k * remote_stride` on the remote side. What a GPU copy engine (`cuMemcpy2D`'s pitches) or a gather kernel
+/// takes natively, and a NIC through strided memory keys: one entry for a DCP relayout's every-DCP-th row
+/// (domain.md §2.4) instead of one per row. Engines that do not declare [`SeamLimits::strided`] are never handed
+/// one (a rank engine lowers it to single elements first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Repeat {
+    pub count: u64,
+    pub local_stride: u64,
+    pub remote_stride: u64,
+}
+
+impl Repeat {
+    /// One element: a plain entry.
+    pub const ONCE: Repeat = Repeat { count: 1, local_stride: 0, remote_stride: 0 };
+}
+
+impl Entry {
+    /// A plain (unrepeated) entry.
+    pub fn new(local: u32, local_offset: u64, remote: u32, remote_offset: u64, len: u64) -> Entry {
+        Entry { local, local_offset, remote, remote_offset, len, repeat: Repeat::ONCE, paging: Paging::NONE }
+    }
+
+    /// Bytes moved (`None` on overflow).
+    pub fn bytes(&self) -> Option<u64> {
+        self.len.checked_mul(self.repeat.count)
+    }
+
+    /// One past the last byte touched from `offset` on at `stride` (`None` on overflow; `offset` for no element).
+    fn end(&self, offset: u64, stride: u64) -> Option<u64> {
+        match self.repeat.count {
+            0 => Some(offset),
+            count => (count - 1).checked_mul(stride)?.checked_add(offset)?.checked_add(self.len),
+        }
+    }
+
+    /// One past the last local byte the entry reads (`None` on overflow).
+    pub fn local_end(&self) -> Option<u64> {
+        self.end(self.local_offset, self.repeat.local_stride)
+    }
+
+    /// One past the last remote byte the entry writes (`None` on overflow).
+    pub fn remote_end(&self) -> Option<u64> {
+        self.end(self.remote_offset, self.repeat.remote_stride)
+    }
+
+    /// The k-th element as a plain entry (offsets still logical where the entry is paged).
+    pub fn element(&self, k: u64) -> Entry {
+        Entry::new(
+            self.local,
+            self.local_offset + k * self.repeat.local_stride,
+            self.remote,
+            self.remote_offset + k * self.repeat.remote_stride,
+            self.len,
+        )
+    }
+
+    /// Every element as a plain entry, in order (the entry itself when it is not repeated).
+    pub fn elements(&self) -> impl Iterator<Item = Entry> + '_ {
+        (0..self.repeat.count).map(|k| self.element(k))
+    }
 }
 
 /// Writes to one peer, with an optional notification the peer sees after all of them landed.
@@ -194,12 +323,63 @@ pub struct Entry {
 pub struct Batch {
     pub entries: Vec<Entry>,
     pub notify: Option<u32>,
+    /// The page tables paged entries name ([`Paging`]).
+    pub tables: Vec<PageTable>,
 }
 
 impl Batch {
     /// The bytes the batch moves (`None` if the sum overflows).
     pub fn byte_len(&self) -> Option<u64> {
-        self.entries.iter().try_fold(0u64, |total, entry| total.checked_add(entry.len))
+        self.entries.iter().try_fold(0u64, |total, entry| total.checked_add(entry.bytes()?))
+    }
+
+    /// A batch of `entries` with no notification and no page table.
+    pub fn of(entries: Vec<Entry>) -> Batch {
+        Batch { entries, notify: None, tables: Vec::new() }
+    }
+
+    /// Whether an entry is repeated ([`Repeat`]).
+    pub fn strided(&self) -> bool {
+        self.entries.iter().any(|entry| entry.repeat != Repeat::ONCE)
+    }
+
+    /// Whether an entry is paged ([`Paging`]).
+    pub fn paged(&self) -> bool {
+        self.entries.iter().any(|entry| entry.paging != Paging::NONE)
+    }
+
+    /// Every element of every entry as a plain entry with physical offsets, in order: what an engine that takes
+    /// neither strided nor paged entries is handed instead. `None` where a paged offset is outside its table.
+    pub fn physical_elements(&self) -> Option<Vec<Entry>> {
+        let mut out = Vec::new();
+        for entry in &self.entries {
+            let table = |index: Option<u32>| match index {
+                Some(index) => self.tables.get(index as usize).map(Some),
+                None => Some(None),
+            };
+            let (local, remote) = (table(entry.paging.local)?, table(entry.paging.remote)?);
+            for element in entry.elements() {
+                let mut done = 0;
+                // An element stays inside one item on a paged side; cut it where an item ends anyway.
+                while done < element.len {
+                    let (from, to) = (element.local_offset + done, element.remote_offset + done);
+                    let room = |table: Option<&PageTable>, at: u64| {
+                        table.map_or(u64::MAX, |t| t.item_len - at % t.item_len.max(1))
+                    };
+                    let take = (element.len - done).min(room(local, from)).min(room(remote, to)).max(1);
+                    let physical = |table: Option<&PageTable>, at: u64| table.map_or(Some(at), |t| t.physical(at));
+                    out.push(Entry::new(
+                        element.local,
+                        physical(local, from)?,
+                        element.remote,
+                        physical(remote, to)?,
+                        take,
+                    ));
+                    done += take;
+                }
+            }
+        }
+        Some(out)
     }
 }
 
@@ -270,12 +450,21 @@ pub struct SeamLimits {
     pub max_batch_bytes: u64,
     /// Most batches in flight (submitted, not completed) on one connection.
     pub batches_in_flight: usize,
+    /// Whether entries may be [`Repeat`]ed (strided): the engine executes them natively.
+    pub strided: bool,
+    /// Whether entries may be [`Paging`]d through the batch's page tables: the engine executes them natively.
+    pub paged: bool,
 }
 
 impl SeamLimits {
     /// No limit an engine needs to respect (an engine that queues internally).
-    pub const UNLIMITED: SeamLimits =
-        SeamLimits { max_entries: usize::MAX, max_batch_bytes: u64::MAX, batches_in_flight: usize::MAX };
+    pub const UNLIMITED: SeamLimits = SeamLimits {
+        max_entries: usize::MAX,
+        max_batch_bytes: u64::MAX,
+        batches_in_flight: usize::MAX,
+        strided: false,
+        paged: false,
+    };
 }
 
 /// Whether a cancelled batch may still land bytes.
@@ -298,6 +487,7 @@ pub enum SeamErrorKind {
     AlreadyConnected,
     BadAddress,
     OverLimits,
+    Strided,
     OutOfRange,
     Exhausted,
     Engine,
@@ -318,6 +508,10 @@ pub enum SeamError {
     BadAddress { address: String, why: String },
     #[error("a batch of {entries} entries and {bytes} bytes exceeds the engine's limits ({max_entries} entries, {max_bytes} bytes): split it")]
     OverLimits { entries: usize, bytes: u64, max_entries: usize, max_bytes: u64 },
+    #[error("entry {entry} repeats {count} times at strides {local_stride}/{remote_stride}, and this engine takes no strided entries: submit each element as its own entry")]
+    Strided { entry: usize, count: u64, local_stride: u64, remote_stride: u64 },
+    #[error("entry {entry} is paged ({why}): {fix}")]
+    Paged { entry: usize, why: String, fix: &'static str },
     #[error("bytes {offset}..{offset}+{len} are outside the {region_len}-byte memory: stay within the memory")]
     OutOfRange { offset: u64, len: u64, region_len: u64 },
     #[error("the engine ran out of {0}: use fewer registrations or connections")]
@@ -336,14 +530,26 @@ impl SeamError {
             SeamError::AlreadyConnected(_) => SeamErrorKind::AlreadyConnected,
             SeamError::BadAddress { .. } => SeamErrorKind::BadAddress,
             SeamError::OverLimits { .. } => SeamErrorKind::OverLimits,
+            SeamError::Strided { .. } | SeamError::Paged { .. } => SeamErrorKind::Strided,
             SeamError::OutOfRange { .. } => SeamErrorKind::OutOfRange,
             SeamError::Exhausted(_) => SeamErrorKind::Exhausted,
             SeamError::Engine { .. } => SeamErrorKind::Engine,
         }
     }
 
-    /// Checks `batch` against `limits` ([`SeamError::OverLimits`]).
+    /// Checks `batch` against `limits` ([`SeamError::OverLimits`], [`SeamError::Strided`]).
     pub fn check_limits(batch: &Batch, limits: SeamLimits) -> Result<(), SeamError> {
+        if !limits.strided {
+            if let Some((entry, repeated)) =
+                batch.entries.iter().enumerate().find(|(_, entry)| entry.repeat != Repeat::ONCE)
+            {
+                let Repeat { count, local_stride, remote_stride } = repeated.repeat;
+                return Err(SeamError::Strided { entry, count, local_stride, remote_stride });
+            }
+        }
+        if batch.paged() {
+            check_paging(batch, limits)?;
+        }
         let bytes = batch.byte_len().unwrap_or(u64::MAX);
         if batch.entries.len() > limits.max_entries || bytes > limits.max_batch_bytes {
             return Err(SeamError::OverLimits {
@@ -355,6 +561,41 @@ impl SeamError {
         }
         Ok(())
     }
+}
+
+/// The paged entries of `batch` against `limits` and its tables: declared, naming a table the batch carries, inside
+/// the table's logical bytes, no element across an item.
+fn check_paging(batch: &Batch, limits: SeamLimits) -> Result<(), SeamError> {
+    for (index, entry) in batch.entries.iter().enumerate() {
+        if entry.paging == Paging::NONE {
+            continue;
+        }
+        let refuse = |why: String, fix| Err(SeamError::Paged { entry: index, why, fix });
+        if !limits.paged {
+            return refuse(
+                "this engine takes no paged entries".to_owned(),
+                "submit the entry's elements at their physical offsets (Batch::physical_elements)",
+            );
+        }
+        let sides = [
+            (entry.paging.local, entry.local_offset, entry.repeat.local_stride, entry.local_end()),
+            (entry.paging.remote, entry.remote_offset, entry.repeat.remote_stride, entry.remote_end()),
+        ];
+        for (table, offset, stride, end) in sides {
+            let Some(table) = table else { continue };
+            let Some(pages) = batch.tables.get(table as usize) else {
+                let tables = batch.tables.len();
+                return refuse(format!("it names table {table} of {tables}"), "name a table the batch carries");
+            };
+            if end.zip(pages.logical_len()).is_none_or(|(end, len)| end > len) {
+                return refuse(format!("it reaches past table {table}'s logical bytes"), "stay within the table");
+            }
+            if !pages.keeps_in_items(offset, stride, entry.len, entry.repeat.count) {
+                return refuse(format!("an element crosses an item of table {table}"), "cut elements at items");
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A released region's bytes: the chunks the engine can tell were touched, by start offset; a byte in no chunk

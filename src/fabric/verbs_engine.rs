@@ -394,6 +394,7 @@ impl<E: Endpoint> TransferEngine for VerbsEngine<E> {
     }
 
     fn submit(&mut self, conn: ConnId, batch: Batch) -> Result<BatchId, SeamError> {
+        SeamError::check_limits(&batch, self.limits())?;
         let qp = QpNum(conn.0);
         let state = self.conns.get(&qp).ok_or(SeamError::UnknownConnection(conn))?;
         if !state.connected {
@@ -509,10 +510,8 @@ mod tests {
         let (conn_b, address_b) = b.open().unwrap();
         a.connect(conn_a, &address_b, &[target.remote()]).unwrap();
         b.connect(conn_b, &address_a, &[]).unwrap();
-        let entries: Vec<Entry> = (0..20)
-            .map(|k| Entry { local: source.id, local_offset: 100 * k, remote: 0, remote_offset: 200 * k, len: 100 })
-            .collect();
-        let id = a.submit(conn_a, Batch { entries, notify: Some(9) }).unwrap();
+        let entries: Vec<Entry> = (0..20).map(|k| Entry::new(source.id, 100 * k, 0, 200 * k, 100)).collect();
+        let id = a.submit(conn_a, Batch { entries, notify: Some(9), tables: Vec::new() }).unwrap();
         a.flush();
         let mut events = Vec::new();
         for _ in 0..64 {
@@ -543,8 +542,8 @@ mod tests {
         let (conn_a, _) = a.open().unwrap();
         let (_, address_b) = b.open().unwrap();
         a.connect(conn_a, &address_b, &[]).unwrap();
-        let entry = Entry { local: source.id, local_offset: 0, remote: 0, remote_offset: 0, len: 8 };
-        let error = a.submit(conn_a, Batch { entries: vec![entry], notify: None }).unwrap_err();
+        let entry = Entry::new(source.id, 0, 0, 0, 8);
+        let error = a.submit(conn_a, Batch { entries: vec![entry], notify: None, tables: Vec::new() }).unwrap_err();
         assert_eq!(error.kind(), crate::fabric::seam::SeamErrorKind::OutOfRange);
     }
 

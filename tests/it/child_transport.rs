@@ -106,8 +106,8 @@ fn memory_is_shared_through_files_and_removed_at_release() {
     let (back, receiver_address) = receiver.open().unwrap();
     sender.connect(conn, &receiver_address, &[target.remote()]).unwrap();
     receiver.connect(back, &sender_address, &[]).unwrap();
-    let entry = Entry { local: source.id, local_offset: 0, remote: 0, remote_offset: 100, len: 10 };
-    let batch = sender.submit(conn, Batch { entries: vec![entry], notify: Some(5) }).unwrap();
+    let entry = Entry::new(source.id, 0, 0, 100, 10);
+    let batch = sender.submit(conn, Batch { entries: vec![entry], notify: Some(5), tables: Vec::new() }).unwrap();
     let mut events = Vec::new();
     for _ in 0..100 {
         sender.poll(&mut events, usize::MAX);

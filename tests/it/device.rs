@@ -229,6 +229,43 @@ mod gpu {
         }
     }
 
+    /// The `cuda` fabric takes strided entries (one per run of a DCP relayout, TP head slices, state slices) and
+    /// its strided kernel lands them byte-exact: the plan's descriptors executed straight through its engines, the
+    /// decode memory judged on the device, no violation; and the engines declare strided entries.
+    #[test]
+    fn strided_entries_run_on_the_gpu_byte_exact() {
+        use kvrelay::engine::direct::Direct;
+        use kvrelay::fabric::seam::{NodeId, TransferEngine as _};
+        let Some(transport) = gpu() else { return };
+        for file in [
+            "basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml",
+            "mha/llama-3-70b-tp4-to-tp8.yaml",
+            "state/qwen3-next-tp1-to-tp4.yaml",
+        ] {
+            let scenario = corpus(file);
+            let problem = &scenario.problem;
+            let descriptors = kvrelay::plan::plan(problem).expect("plans").descriptors();
+            assert!(descriptors.iter().any(|descriptor| descriptor.count > 1), "{file}: nothing strided");
+            let mut direct = Direct::prepare(problem, &descriptors, |node| {
+                let engine = transport.cuda_engine(NodeId(node as u32));
+                assert!(engine.limits().strided, "the cuda fabric declares strided entries");
+                Ok(engine)
+            })
+            .expect("prepared");
+            direct.execute_parallel(std::time::Duration::from_secs(10)).expect("every batch completes");
+            let observation = direct.observe().expect("observed");
+            assert!(observation.images.is_empty(), "{file}: decode memory came back to the host");
+            let ranks: Vec<_> = problem
+                .decode
+                .ranks
+                .iter()
+                .map(|layout| (layout.rank, kvrelay::verify::Verdicts::all_succeeded()))
+                .collect();
+            let violations = harness::check_ranks(problem, &observation, &ranks);
+            assert!(violations.is_empty(), "{file}: {}", violations[0]);
+        }
+    }
+
     /// NIXL on VRAM (features `nixl` and `cuda`): the GPU and the nixl-cu13 libraries, or why not (the caller
     /// skips, saying so).
     #[cfg(feature = "nixl")]

@@ -48,6 +48,8 @@ mod rdma;
 mod selftest;
 /// Shrinking: a failing scenario reduced, still failing the same way; refusals; byte-identical output.
 mod shrink;
+/// Strided entries through the seam: the plan's descriptors as repeated entries land every byte per-row entries do.
+mod strided;
 /// Shared `#[track_caller]` helpers: scenario builders and pipeline runners.
 mod support;
 /// Repository hygiene: module docs, purity of pure modules, scenario headers, golden coverage.

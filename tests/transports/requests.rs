@@ -46,7 +46,8 @@ use kvrelay::harness::Budget;
 /// Requests of more descriptors than this lose their last one under `--plant-dropped-tail`.
 pub(crate) const PLANT_FROM: usize = 32;
 /// What the sample engine accepts (NIXL has no such fixed limits; a real engine declares its own).
-pub(crate) const LIMITS: SeamLimits = SeamLimits { max_entries: 4096, max_batch_bytes: 1 << 30, batches_in_flight: 8 };
+pub(crate) const LIMITS: SeamLimits =
+    SeamLimits { max_entries: 4096, max_batch_bytes: 1 << 30, batches_in_flight: 8, strided: false, paged: false };
 /// The metadata prefix of an agent (what `open` advertises).
 const METADATA: &str = "nixl-sample/1 agent=";
 /// The largest registration the sample materialises.

@@ -73,7 +73,7 @@ pub struct Segment {
 }
 
 /// The items of `table` on `side` for `request`, or `None` for physical addressing.
-fn items(request: &Request, side: Side, table: Table) -> Option<&[u32]> {
+pub fn items(request: &Request, side: Side, table: Table) -> Option<&[u32]> {
     let (kv, state) = match side {
         Side::Prefill => (&request.prefill_pages, &request.prefill_state),
         Side::Decode => (&request.decode_pages, &request.decode_state),

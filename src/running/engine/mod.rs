@@ -15,6 +15,7 @@
 //! from distinct prefill ranks up to the expected number.
 
 mod decode;
+pub mod direct;
 mod handshake;
 pub mod live;
 mod prefill;

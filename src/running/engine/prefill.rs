@@ -11,11 +11,11 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::handshake::{classify, Abort, Kind, LinkAck};
-use super::seat::{own_copies, view, LinkQuery, SeatCopy, SeatError, SeatQuery, SharedPlanner};
+use super::seat::{own_copies, own_descriptors, view, LinkQuery, SeatCopy, SeatError, SeatQuery, SharedPlanner};
 use super::{Nic, Outbox, CHUNK_COMPUTE_NS, TRANSFER_TIMEOUT_NS};
 use crate::fabric::seam::{
-    Batch, BatchId, BatchStatus, Cancelled, Completion, ConnId, Entry, Event, Landed, Memory, NodeId, PeerAddress,
-    RemoteMemory, SeamLimits,
+    Batch, BatchId, BatchStatus, Cancelled, Completion, ConnId, Entry, Event, Landed, Memory, NodeId, Paging,
+    PeerAddress, RemoteMemory, Repeat, SeamLimits,
 };
 use crate::model::{ModelGeometry, RankId, RankLayout, Request, Topology};
 use crate::plan::{self, peer, Link, Local};
@@ -375,6 +375,15 @@ impl PrefillEngine {
             let view = view(request, meta, &self.model);
             let planned = match link {
                 PeerLink::Own(link) if !link.sends_anything() => continue,
+                // An engine that takes strided entries gets the plan's descriptors: one entry per strided run.
+                PeerLink::Own(link) if self.limits.strided => {
+                    let planned = own_descriptors(link, &view).map_err(|error| error.to_string())?;
+                    for (chunk, descriptors) in chunks.iter_mut().zip(planned) {
+                        let entries = self.strided_entries(&descriptors, descs)?;
+                        chunk.insert(*node, Pending { room: room_id, peer: *node, target: peer.rank, entries });
+                    }
+                    continue;
+                }
                 PeerLink::Own(link) => own_copies(link, &view).map_err(|error| error.to_string())?,
                 PeerLink::Seat(registration) => {
                     let query = SeatQuery { rank: self.rank, local: self.local(), registration, meta, request: &view };
@@ -449,13 +458,46 @@ impl PrefillEngine {
             {
                 return Err(format!("a copy to peer region {} leaves the address space", copy.target_region));
             }
-            entries.push(Entry {
+            entries.push(Entry::new(
+                source.id,
+                copy.source_offset,
+                copy.target_region,
+                copy.target_offset,
+                copy.length,
+            ));
+        }
+        Ok(entries)
+    }
+
+    /// The plan's strided descriptors as repeated batch entries (for an engine that declares
+    /// [`SeamLimits::strided`]).
+    fn strided_entries(&self, descriptors: &[plan::Descriptor], descs: &[MemoryDesc]) -> Result<Vec<Entry>, String> {
+        let mut entries = Vec::with_capacity(descriptors.len());
+        for descriptor in descriptors {
+            let source = self.regions.get(descriptor.source_region as usize).ok_or("a copy names no local region")?;
+            let region = descriptor.target_region;
+            let desc = descs.get(region as usize).ok_or("a copy names no peer region")?;
+            let repeat = Repeat {
+                count: descriptor.count,
+                local_stride: descriptor.source_stride,
+                remote_stride: descriptor.target_stride,
+            };
+            let entry = Entry {
                 local: source.id,
-                local_offset: copy.source_offset,
-                remote: copy.target_region,
-                remote_offset: copy.target_offset,
-                len: copy.length,
-            });
+                local_offset: descriptor.source_offset,
+                remote: region,
+                remote_offset: descriptor.target_offset,
+                len: descriptor.element_len,
+                repeat,
+                paging: Paging::NONE,
+            };
+            // The peer's address comes from the wire: the last element must not wrap.
+            if entry.remote_end().and_then(|end| desc.address.checked_add(end)).is_none()
+                || entry.local_end().and_then(|end| source.addr.checked_add(end)).is_none()
+            {
+                return Err(format!("a copy to peer region {region} leaves the address space"));
+            }
+            entries.push(entry);
         }
         Ok(entries)
     }
@@ -526,7 +568,7 @@ impl PrefillEngine {
         for (conn, (_, queue)) in &mut self.queues {
             while queue.in_flight.len() < depth {
                 let Some(pending) = queue.waiting.pop_front() else { break };
-                let batch = Batch { entries: pending.entries.clone(), notify: None };
+                let batch = Batch { entries: pending.entries.clone(), notify: None, tables: Vec::new() };
                 match nic.submit(*conn, batch) {
                     Ok(id) => {
                         self.posted.push(Posted { batch: id, room: pending.room, target: pending.target });
@@ -569,21 +611,13 @@ impl PrefillEngine {
         };
         for range in landed {
             for entry in pending.entries.get(range.start as usize..range.end as usize).unwrap_or_default() {
-                // Entries whose targets continue one another are one write in the log (as they were one RDMA WRITE).
-                let continues = self.written.last_mut().filter(|last| {
-                    (last.batch, last.region) == (completion.batch, entry.remote)
-                        && last.offset.checked_add(last.length) == Some(entry.remote_offset)
-                });
-                match continues {
-                    Some(last) => last.length += entry.len,
-                    None => self.written.push(Written {
-                        room: pending.room,
-                        batch: completion.batch,
-                        target: pending.target,
-                        region: entry.remote,
-                        offset: entry.remote_offset,
-                        length: entry.len,
-                    }),
+                // A strided entry whose elements follow one another on the target is one range there.
+                let whole = entry.repeat.count <= 1 || entry.repeat.remote_stride == entry.len;
+                let len = if whole { entry.bytes().unwrap_or(entry.len) } else { entry.len };
+                let elements = if whole { 1 } else { entry.repeat.count };
+                for k in 0..elements {
+                    let offset = entry.remote_offset + k * entry.repeat.remote_stride;
+                    self.log_write(&pending, completion.batch, entry.remote, offset, len);
                 }
             }
         }
@@ -599,6 +633,20 @@ impl PrefillEngine {
         self.report_finished(pending.room, out);
         self.answer_aborts(out);
         self.pump(nic, out);
+    }
+
+    /// Logs `length` confirmed bytes at `offset` of peer region `region`: entries whose targets continue one another
+    /// are one write in the log (as they were one RDMA WRITE).
+    fn log_write(&mut self, pending: &Pending, batch: BatchId, region: u32, offset: u64, length: u64) {
+        let continues = self.written.last_mut().filter(|last| {
+            (last.batch, last.region) == (batch, region) && last.offset.checked_add(last.length) == Some(offset)
+        });
+        match continues {
+            Some(last) => last.length += length,
+            None => {
+                self.written.push(Written { room: pending.room, batch, target: pending.target, region, offset, length })
+            }
+        }
     }
 
     /// An abort of `room_id` from decode peer `from` (module docs): the room fails here unless it already ended; the
@@ -723,14 +771,15 @@ fn split(pending: Pending, limits: SeamLimits) -> Vec<Pending> {
         && pending
             .entries
             .iter()
-            .try_fold(0u64, |sum, entry| sum.checked_add(entry.len))
+            .try_fold(0u64, |sum, entry| sum.checked_add(entry.bytes()?))
             .is_some_and(|b| b <= max_bytes);
     if fits {
         return vec![pending];
     }
     let mut batches = Vec::new();
     let (mut entries, mut bytes) = (Vec::new(), 0u64);
-    for entry in &pending.entries {
+    // Cut element by element: a strided entry over the limits becomes its elements.
+    for entry in pending.entries.iter().flat_map(Entry::elements) {
         let mut done = 0;
         while done < entry.len {
             if entries.len() == max_entries || bytes == max_bytes {
@@ -738,12 +787,13 @@ fn split(pending: Pending, limits: SeamLimits) -> Vec<Pending> {
                 bytes = 0;
             }
             let len = (entry.len - done).min(max_bytes - bytes);
-            entries.push(Entry {
-                local_offset: entry.local_offset + done,
-                remote_offset: entry.remote_offset + done,
+            entries.push(Entry::new(
+                entry.local,
+                entry.local_offset + done,
+                entry.remote,
+                entry.remote_offset + done,
                 len,
-                ..*entry
-            });
+            ));
             bytes += len;
             done += len;
         }

@@ -9,7 +9,7 @@ use std::fmt;
 use std::rc::Rc;
 
 use crate::model::{ModelGeometry, RankId, Request, StateIndices, StateKind};
-use crate::plan::{Link, Local, Plan, TransferGroup};
+use crate::plan::{Descriptor, Link, Local, Plan, TransferGroup};
 use crate::wire::{Registration, RequestMeta};
 
 /// What a prefill rank knows when it plans one room for one peer (domain.md §6.1 step 5).
@@ -109,6 +109,17 @@ pub fn own_copies(link: &Link, view: &Request) -> Result<Vec<Vec<SeatCopy>>, Sea
     for index in 0..view.chunks.len() {
         let groups = link.chunk_groups(view, index as u32)?;
         planned.push(group_copies(groups));
+    }
+    Ok(planned)
+}
+
+/// kvrelay's own planner as strided descriptors per chunk (`plan::descriptor`): for an engine that takes strided
+/// entries, the same bytes as [`own_copies`] in a form that does not grow with the rows.
+pub fn own_descriptors(link: &Link, view: &Request) -> Result<Vec<Vec<Descriptor>>, SeatError> {
+    let mut planned = Vec::new();
+    for index in 0..view.chunks.len() {
+        let groups = link.chunk_groups(view, index as u32)?;
+        planned.push(Plan { groups, explain: Vec::new() }.descriptors());
     }
     Ok(planned)
 }

@@ -76,7 +76,7 @@ fn pair_advertising(transport: &mut dyn Transport, advertised: u64) -> Result<Pa
 
 impl Pair {
     fn entry(&self, source_offset: u64, target_offset: u64, len: u64) -> Entry {
-        Entry { local: self.source.id, local_offset: source_offset, remote: 0, remote_offset: target_offset, len }
+        Entry::new(self.source.id, source_offset, 0, target_offset, len)
     }
 
     /// Polls both engines (settling the transport between rounds) until `batches` all completed: the completions
@@ -146,7 +146,10 @@ fn batch_lands_exactly(transport: &mut dyn Transport) -> Result<(), CaseError> {
     let mut pair = pair(transport)?;
     let copies = scattered();
     let entries = copies.iter().map(|&(s, t, l)| pair.entry(s, t, l)).collect();
-    let id = pair.sender.submit(pair.conn, Batch { entries, notify: Some(77) }).map_err(|e| failed("submitting", e))?;
+    let id = pair
+        .sender
+        .submit(pair.conn, Batch { entries, notify: Some(77), tables: Vec::new() })
+        .map_err(|e| failed("submitting", e))?;
     let (completions, notified) = pair.drive(transport, &[id], &copies)?;
     let completion = &completions[0];
     if completion.status != BatchStatus::Success || completion.landed != Landed::All {
@@ -173,7 +176,7 @@ fn one_completion_per_batch(transport: &mut dyn Transport) -> Result<(), CaseErr
     let mut pair = pair(transport)?;
     let mut ids = Vec::new();
     for k in 0..12u64 {
-        let batch = Batch { entries: vec![pair.entry(64 * k, 4096 * k, 64)], notify: None };
+        let batch = Batch { entries: vec![pair.entry(64 * k, 4096 * k, 64)], notify: None, tables: Vec::new() };
         ids.push(pair.sender.submit(pair.conn, batch).map_err(|e| failed("submitting", e))?);
         if ids.len() >= pair.sender.limits().batches_in_flight.min(4) {
             let (completions, _) = pair.drive(transport, &ids, &[])?;
@@ -208,7 +211,7 @@ fn out_of_range_touches_nothing_outside(transport: &mut dyn Transport) -> Result
     let mut pair = pair(transport)?;
     let good = [(0, 100, 50), (200, 300, 50)];
     let entries = vec![pair.entry(0, 100, 50), pair.entry(0, REGION - 10, 20), pair.entry(200, 300, 50)];
-    match pair.sender.submit(pair.conn, Batch { entries, notify: None }) {
+    match pair.sender.submit(pair.conn, Batch { entries, notify: None, tables: Vec::new() }) {
         // Refused at submit (NIXL's way): nothing ran.
         Err(error) if error.kind() == SeamErrorKind::OutOfRange || error.kind() == SeamErrorKind::Engine => {
             transport.settle();
@@ -248,7 +251,7 @@ fn unknown_connection_is_refused(transport: &mut dyn Transport) -> Result<(), Ca
     let mut pair = pair(transport)?;
     let entries = vec![pair.entry(0, 0, 8)];
     let bogus = ConnId(pair.conn.0.wrapping_add(1000));
-    match pair.sender.submit(bogus, Batch { entries, notify: None }) {
+    match pair.sender.submit(bogus, Batch { entries, notify: None, tables: Vec::new() }) {
         Err(error) if error.kind() == SeamErrorKind::UnknownConnection => Ok(()),
         Err(error) => Err(failed("a batch on a connection never opened was refused with the wrong kind", error)),
         Ok(id) => Err(CaseError::Failed(format!("a batch on a connection never opened was accepted as {id}"))),
@@ -263,7 +266,7 @@ fn over_limits_is_refused(transport: &mut dyn Transport) -> Result<(), CaseError
         return Ok(()); // no entry limit a batch of this size could pass
     };
     let entries = (0..count).map(|k| pair.entry((k % 1024) as u64, (k % 1024) as u64, 1)).collect();
-    match pair.sender.submit(pair.conn, Batch { entries, notify: None }) {
+    match pair.sender.submit(pair.conn, Batch { entries, notify: None, tables: Vec::new() }) {
         Err(error) if error.kind() == SeamErrorKind::OverLimits => Ok(()),
         Err(error) => Err(failed("a batch over the declared entry limit was refused with the wrong kind", error)),
         Ok(id) => {
@@ -281,7 +284,7 @@ fn one_bad_entry_fails_and_claims_only_what_landed(transport: &mut dyn Transport
     let mut pair = pair_advertising(transport, 2 * REGION)?;
     let good = [(0, 100, 50), (200, 300, 50)];
     let entries = vec![pair.entry(0, 100, 50), pair.entry(0, REGION + 4096, 64), pair.entry(200, 300, 50)];
-    let id = match pair.sender.submit(pair.conn, Batch { entries, notify: Some(5) }) {
+    let id = match pair.sender.submit(pair.conn, Batch { entries, notify: Some(5), tables: Vec::new() }) {
         Err(_) => {
             transport.settle();
             return match stray(&pair.target_bytes()?, &[]) {
@@ -335,10 +338,10 @@ fn unregistered_source_is_refused(transport: &mut dyn Transport) -> Result<(), C
         .register(pair.sender.memory_kind(), 4096, 0, fill)
         .map_err(|e| failed("registering a second source", e))?;
     pair.sender.release(&gone, false).map_err(|e| failed("releasing the second source", e))?;
-    let released = Entry { local: gone.id, local_offset: 0, remote: 0, remote_offset: 0, len: 64 };
+    let released = Entry::new(gone.id, 0, 0, 0, 64);
     let past = pair.entry(REGION - 32, 1024, 64);
     for (what, entry) in [("a released source", released), ("a source range past its registration", past)] {
-        match pair.sender.submit(pair.conn, Batch { entries: vec![entry], notify: None }) {
+        match pair.sender.submit(pair.conn, Batch { entries: vec![entry], notify: None, tables: Vec::new() }) {
             Err(_) => {}
             Ok(id) => {
                 let (completions, _) = pair.drive(transport, &[id], &[])?;
@@ -362,7 +365,7 @@ fn notification_never_precedes_its_data(transport: &mut dyn Transport) -> Result
     let copies: Vec<(u64, u64, u64)> = (0..256u64).map(|k| (256 * ((k * 97) % 256), 256 * k, 256)).collect();
     for round in 0..4u32 {
         let entries = copies.iter().map(|&(s, t, l)| pair.entry(s, t, l)).collect();
-        let batch = Batch { entries, notify: Some(100 + round) };
+        let batch = Batch { entries, notify: Some(100 + round), tables: Vec::new() };
         let id = pair.sender.submit(pair.conn, batch).map_err(|e| failed("submitting", e))?;
         pair.sender.flush();
         let (mut completed, mut notified, mut events) = (false, false, Vec::new());
@@ -418,7 +421,7 @@ fn queue_full_leaves_the_peer_usable(transport: &mut dyn Transport) -> Result<()
     let mut accepted = Vec::new();
     for k in 0..flood {
         let entries = (0..width).map(|i| pair.entry((i % 4096) as u64, (i % 4096) as u64, 8)).collect();
-        match pair.sender.submit(pair.conn, Batch { entries, notify: None }) {
+        match pair.sender.submit(pair.conn, Batch { entries, notify: None, tables: Vec::new() }) {
             Ok(id) => accepted.push(id),
             Err(error) if error.kind() == SeamErrorKind::OverLimits => break,
             Err(error) => return Err(failed(&format!("flood batch {k} was refused with the wrong kind"), error)),
@@ -429,7 +432,7 @@ fn queue_full_leaves_the_peer_usable(transport: &mut dyn Transport) -> Result<()
     let entries = vec![pair.entry(1000, 60000, 512)];
     let id = pair
         .sender
-        .submit(pair.conn, Batch { entries, notify: Some(9) })
+        .submit(pair.conn, Batch { entries, notify: Some(9), tables: Vec::new() })
         .map_err(|e| failed("after a flood of batches, a batch to the same peer", e))?;
     let (completions, _) = pair.drive(transport, &[id], &after)?;
     let completion = completions.iter().find(|completion| completion.batch == id).expect("driven");
@@ -475,16 +478,11 @@ fn complete_alone(
 fn a_peer_that_dies_mid_transfer_fails_within_the_deadline(transport: &mut dyn Transport) -> Result<(), CaseError> {
     let Pair { mut sender, receiver, source, conn, .. } = pair(transport)?;
     let width = sender.limits().max_entries.clamp(1, 4096);
-    let entry = |i: u64| Entry {
-        local: source.id,
-        local_offset: i * 16 % 60000,
-        remote: 0,
-        remote_offset: i * 16 % 60000,
-        len: 16,
-    };
+    let entry = |i: u64| Entry::new(source.id, i * 16 % 60000, 0, i * 16 % 60000, 16);
     let entries = (0..width as u64).map(entry).collect();
-    let id =
-        sender.submit(conn, Batch { entries, notify: Some(5) }).map_err(|e| failed("the batch before the death", e))?;
+    let id = sender
+        .submit(conn, Batch { entries, notify: Some(5), tables: Vec::new() })
+        .map_err(|e| failed("the batch before the death", e))?;
     sender.flush();
     drop(receiver);
     if complete_alone(transport, sender.as_mut(), id).is_none() {
@@ -492,7 +490,7 @@ fn a_peer_that_dies_mid_transfer_fails_within_the_deadline(transport: &mut dyn T
             "a batch of {width} entries to a peer that died after the submit never completed ({ROUNDS} rounds): a hang"
         )));
     }
-    match sender.submit(conn, Batch { entries: vec![entry(1)], notify: None }) {
+    match sender.submit(conn, Batch { entries: vec![entry(1)], notify: None, tables: Vec::new() }) {
         Err(_) => {}
         Ok(late) => match complete_alone(transport, sender.as_mut(), late) {
             None => return Err(CaseError::Failed("a batch to a dead peer never completed: a hang".to_owned())),
@@ -513,10 +511,7 @@ fn a_peer_that_dies_mid_transfer_fails_within_the_deadline(transport: &mut dyn T
     sender.connect(next, &address, &[target.remote()]).map_err(|e| failed("connecting to the new peer", e))?;
     fresh.connect(back, &next_address, &[]).map_err(|e| failed("connecting the new peer back", e))?;
     let copy = [(2048, 4096, 1024)];
-    let batch = Batch {
-        entries: vec![Entry { local: source.id, local_offset: 2048, remote: 0, remote_offset: 4096, len: 1024 }],
-        notify: None,
-    };
+    let batch = Batch::of(vec![Entry::new(source.id, 2048, 0, 4096, 1024)]);
     let after = sender.submit(next, batch).map_err(|e| failed("a batch to a new peer after the death", e))?;
     let completion = complete_alone(transport, sender.as_mut(), after)
         .ok_or_else(|| CaseError::Failed("after a peer died, a batch to a new peer never completed".to_owned()))?;

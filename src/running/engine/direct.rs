@@ -1,0 +1,323 @@
+//! The plan executed straight through a transport's engines, with no protocol around it: every rank's regions
+//! registered as the rank engines register them (the source pattern, the decode sentinel), every prefill engine
+//! connected to every decode engine it writes to, the plan's descriptors submitted as one batch per pair (strided
+//! entries where the engine takes them, their elements otherwise), completions awaited, and the decode memory
+//! observed as a run's, so the oracle judges what moved. This is what `kvrelay bench` times as a fabric's "writes
+//! and completions, after planning": bootstrap, metadata and planning are not in [`Direct::execute`].
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::sim::{decode_node, prefill_node};
+use crate::fabric::seam::{
+    Batch, BatchStatus, ConnId, Entry, Event, Memory, PageTable, Paging, RemoteMemory, Repeat, SeamError,
+    TransferEngine,
+};
+use crate::model::{Problem, RankId, Side};
+use crate::plan::paged::Table as PagedTable;
+use crate::plan::Descriptor;
+use crate::verify::{Observation, RegionKey, Sources, WriteRecord};
+
+/// Seconds [`Direct::execute`] spent submitting (checking and lowering the batches), at the doorbells (uploads and
+/// launches), and waiting for completions after the last doorbell.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Phases {
+    pub submit: f64,
+    pub flush: f64,
+    pub wait: f64,
+    /// Entries submitted.
+    pub entries: usize,
+    /// From the first submit to the last completion.
+    pub total: f64,
+}
+
+/// One (prefill, decode) pair's entries and the page tables they name, each table once per (request, side, rank,
+/// table, item length).
+#[derive(Default)]
+struct Pair {
+    entries: Vec<Entry>,
+    tables: Vec<PageTable>,
+    index: BTreeMap<(u32, Side, RankId, PagedTable, u64), u32>,
+}
+
+impl Pair {
+    /// The batch table a paged descriptor's side addresses through (`None`: physical).
+    fn table(
+        &mut self,
+        problem: &Problem,
+        request: Option<&crate::model::Request>,
+        (side, rank, region, table): (Side, RankId, u32, PagedTable),
+    ) -> Result<Option<u32>, SeamError> {
+        if table == PagedTable::Physical {
+            return Ok(None);
+        }
+        let missing = SeamError::Exhausted("a page table the plan names");
+        let request = request.ok_or(missing.clone())?;
+        let item_len = problem.side(side).rank(rank).regions.get(region as usize).ok_or(missing.clone())?.item_len;
+        let key = (request.id, side, rank, table, item_len);
+        if let Some(index) = self.index.get(&key) {
+            return Ok(Some(*index));
+        }
+        let pages = crate::plan::paged::items(request, side, table).ok_or(missing)?.to_vec();
+        let index = self.tables.len() as u32;
+        self.tables.push(PageTable { item_len, pages });
+        self.index.insert(key, index);
+        Ok(Some(index))
+    }
+}
+
+/// One prefill engine's batches, by connection.
+struct Sender<N> {
+    nic: N,
+    batches: Vec<(ConnId, RankId, Batch)>,
+}
+
+/// Every rank's engine with its memory registered and its connections made, the batches built.
+pub struct Direct<N> {
+    senders: Vec<Sender<N>>,
+    receivers: Vec<(RankId, N, Vec<Memory>)>,
+    bytes: u64,
+    /// The writes the batches make, for the observation (computed before anything is timed).
+    writes: Vec<WriteRecord>,
+}
+
+impl<N: TransferEngine> Direct<N> {
+    /// Registers every rank of `problem` on the engine `open` gives it (prefill ranks first, as the rank engines'
+    /// nodes), connects each prefill engine to the decode engines `descriptors` write to, and builds one batch per
+    /// pair from them.
+    pub fn prepare(
+        problem: &Problem,
+        descriptors: &[Descriptor],
+        mut open: impl FnMut(usize) -> Result<N, SeamError>,
+    ) -> Result<Direct<N>, SeamError> {
+        let sources = Sources::new(problem);
+        let mut node = 0;
+        let mut senders = BTreeMap::new();
+        for layout in &problem.prefill.ranks {
+            let built = prefill_node(problem, &sources, layout, open(node)?)?;
+            node += 1;
+            senders.insert(layout.rank, (built.nic, built.regions));
+        }
+        let mut receivers = BTreeMap::new();
+        for layout in &problem.decode.ranks {
+            let built = decode_node(problem, layout, open(node)?)?;
+            node += 1;
+            receivers.insert(layout.rank, (built.nic, built.regions));
+        }
+        // The entries of each (prefill, decode) pair, in plan order: through the requests' page tables where the
+        // engines take paged entries (`plan::paged::compact`), at physical offsets otherwise.
+        let paged = senders.values().next().is_some_and(|(nic, _)| nic.limits().paged);
+        let descriptors = if paged {
+            crate::plan::paged::compact(problem, descriptors)
+        } else {
+            descriptors.iter().map(crate::plan::paged::physical).collect()
+        };
+        let mut pairs: BTreeMap<(RankId, RankId), Pair> = BTreeMap::new();
+        for descriptor in &descriptors {
+            let (_, regions) =
+                senders.get(&descriptor.source).ok_or(SeamError::UnknownMemory(descriptor.source_region))?;
+            let local = regions
+                .get(descriptor.source_region as usize)
+                .ok_or(SeamError::UnknownMemory(descriptor.source_region))?;
+            let pair = pairs.entry((descriptor.source, descriptor.target)).or_default();
+            let request = problem.requests.iter().find(|request| request.id == descriptor.request);
+            let prefill = (Side::Prefill, descriptor.source, descriptor.source_region, descriptor.source_table);
+            let decode = (Side::Decode, descriptor.target, descriptor.target_region, descriptor.target_table);
+            let paging =
+                Paging { local: pair.table(problem, request, prefill)?, remote: pair.table(problem, request, decode)? };
+            let repeat = Repeat {
+                count: descriptor.count,
+                local_stride: descriptor.source_stride,
+                remote_stride: descriptor.target_stride,
+            };
+            pair.entries.push(Entry {
+                local: local.id,
+                local_offset: descriptor.source_offset,
+                remote: descriptor.target_region,
+                remote_offset: descriptor.target_offset,
+                len: descriptor.element_len,
+                repeat,
+                paging,
+            });
+        }
+        let mut bytes = 0u64;
+        let mut batches: BTreeMap<RankId, Vec<(ConnId, RankId, Batch)>> = BTreeMap::new();
+        for ((source, target), Pair { entries, tables, .. }) in pairs {
+            let (sender, _) = senders.get_mut(&source).expect("listed above");
+            let (receiver, regions) = receivers.get_mut(&target).ok_or(SeamError::UnknownMemory(0))?;
+            let (conn, address) = sender.open()?;
+            let (back, peer_address) = receiver.open()?;
+            let remote: Vec<RemoteMemory> = regions.iter().map(Memory::remote).collect();
+            sender.connect(conn, &peer_address, &remote)?;
+            receiver.connect(back, &address, &[])?;
+            let mut batch = Batch { entries, notify: None, tables };
+            bytes += batch.byte_len().unwrap_or(0);
+            if !sender.limits().strided {
+                batch = Batch::of(batch.physical_elements().ok_or(SeamError::Exhausted("page table entries"))?);
+            }
+            batches.entry(source).or_default().push((conn, target, batch));
+        }
+        let senders: Vec<Sender<N>> = senders
+            .into_iter()
+            .map(|(rank, (nic, _))| Sender { nic, batches: batches.remove(&rank).unwrap_or_default() })
+            .collect();
+        let receivers = receivers.into_iter().map(|(rank, (nic, regions))| (rank, nic, regions)).collect();
+        let writes = write_records(&senders);
+        Ok(Direct { senders, receivers, bytes, writes })
+    }
+
+    /// Bytes the batches move.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Submits every batch (each engine's, then its doorbell) and waits for every completion, at most `timeout` per
+    /// wait; the first batch that did not succeed, in words. The batches are handed over: a second call submits
+    /// nothing.
+    #[allow(clippy::disallowed_methods, reason = "the phases are timed at this edge for the benchmark")]
+    pub fn execute(&mut self, timeout: Duration) -> Result<Phases, String> {
+        let start = std::time::Instant::now();
+        let mut phases = Phases::default();
+        let mut waiting = Vec::with_capacity(self.senders.len());
+        for sender in &mut self.senders {
+            phases.entries += sender.entries();
+            let (count, submit, flush) = sender.submit()?;
+            waiting.push(count);
+            phases.submit += submit;
+            phases.flush += flush;
+        }
+        let submitted = start.elapsed();
+        for (sender, waiting) in self.senders.iter_mut().zip(waiting) {
+            sender.wait(waiting, timeout)?;
+        }
+        phases.wait = (start.elapsed() - submitted).as_secs_f64();
+        phases.total = start.elapsed().as_secs_f64();
+        Ok(phases)
+    }
+
+    /// The decode memory as an observation (kept where it lives where the engine can, read back otherwise) and
+    /// the writes the batches made, for the oracle.
+    pub fn observe(mut self) -> Result<Observation, SeamError> {
+        let mut observation = Observation { writes: std::mem::take(&mut self.writes), ..Observation::default() };
+        for (rank, nic, regions) in &mut self.receivers {
+            for (index, region) in regions.iter().enumerate() {
+                let key = RegionKey { side: Side::Decode, rank: *rank, region: index as u32 };
+                if let Some(kept) = nic.resident(region) {
+                    observation.resident.insert(key, super::resident::resident(kept));
+                } else {
+                    let mut image = nic.release(region, false)?;
+                    observation.images.insert(key, image.remove(&0).unwrap_or_default());
+                }
+            }
+        }
+        Ok(observation)
+    }
+}
+
+impl<N: TransferEngine + Send> Direct<N> {
+    /// [`Direct::execute`] with each prefill engine driven by a thread of its own, as ranks in their own processes
+    /// submit concurrently; the phases are the slowest thread's.
+    #[allow(clippy::disallowed_methods, reason = "the phases are timed at this edge for the benchmark")]
+    pub fn execute_parallel(&mut self, timeout: Duration) -> Result<Phases, String> {
+        let barrier = std::sync::Barrier::new(self.senders.len() + 1);
+        let (start, results) = std::thread::scope(|scope| {
+            let barrier = &barrier;
+            let threads: Vec<_> = self
+                .senders
+                .iter_mut()
+                .map(|sender| {
+                    scope.spawn(move || {
+                        // Every thread exists before the clock starts: spawning is not the fabric's time.
+                        barrier.wait();
+                        let entries = sender.entries();
+                        let (count, submit, flush) = sender.submit()?;
+                        let start = std::time::Instant::now();
+                        sender.wait(count, timeout)?;
+                        let wait = start.elapsed().as_secs_f64();
+                        Ok((Phases { submit, flush, wait, entries, total: 0.0 }, std::time::Instant::now()))
+                    })
+                })
+                .collect();
+            barrier.wait();
+            let start = std::time::Instant::now();
+            let results: Vec<Result<(Phases, std::time::Instant), String>> = threads
+                .into_iter()
+                .map(|thread| thread.join().unwrap_or_else(|_| Err("a sender thread panicked".to_owned())))
+                .collect();
+            (start, results)
+        });
+        let mut phases = Phases::default();
+        for result in results {
+            let (one, end) = result?;
+            phases.submit = phases.submit.max(one.submit);
+            phases.flush = phases.flush.max(one.flush);
+            phases.wait = phases.wait.max(one.wait);
+            phases.entries += one.entries;
+            phases.total = phases.total.max(end.saturating_duration_since(start).as_secs_f64());
+        }
+        Ok(phases)
+    }
+}
+
+impl<N: TransferEngine> Sender<N> {
+    /// Entries in this engine's batches.
+    fn entries(&self) -> usize {
+        self.batches.iter().map(|(_, _, batch)| batch.entries.len()).sum()
+    }
+
+    /// Submits this engine's batches and rings its doorbell: how many, and the seconds each took.
+    #[allow(clippy::disallowed_methods, reason = "the phases are timed at this edge for the benchmark")]
+    fn submit(&mut self) -> Result<(usize, f64, f64), String> {
+        let start = std::time::Instant::now();
+        let mut count = 0;
+        for (conn, _, batch) in std::mem::take(&mut self.batches) {
+            self.nic.submit(conn, batch).map_err(|error| format!("submitting: {error}"))?;
+            count += 1;
+        }
+        let flush = std::time::Instant::now();
+        self.nic.flush();
+        Ok((count, (flush - start).as_secs_f64(), flush.elapsed().as_secs_f64()))
+    }
+
+    /// Waits for `waiting` completions, at most `timeout` per wait; the first batch that did not succeed, in words.
+    fn wait(&mut self, mut waiting: usize, timeout: Duration) -> Result<(), String> {
+        let mut events = Vec::new();
+        while waiting > 0 {
+            events.clear();
+            if self.nic.poll(&mut events, usize::MAX) == 0 && !self.nic.wait(timeout) {
+                return Err(format!("{waiting} batches did not complete within {timeout:?}"));
+            }
+            for event in &events {
+                if let Event::Completed(completion) = event {
+                    if completion.status != BatchStatus::Success {
+                        return Err(format!("a batch ended {}: {}", completion.status.name(), completion.detail));
+                    }
+                    waiting -= 1;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every element the senders' batches write, as write records (targets that continue one another merged).
+fn write_records<N>(senders: &[Sender<N>]) -> Vec<WriteRecord> {
+    let mut writes: Vec<WriteRecord> = Vec::new();
+    for sender in senders {
+        for (_, target, batch) in &sender.batches {
+            for element in batch.physical_elements().unwrap_or_default() {
+                {
+                    let target = RegionKey { side: Side::Decode, rank: *target, region: element.remote };
+                    let record = WriteRecord { target, offset: element.remote_offset, length: element.len };
+                    match writes.last_mut() {
+                        Some(last) if last.target == target && last.offset + last.length == record.offset => {
+                            last.length += record.length;
+                        }
+                        _ => writes.push(record),
+                    }
+                }
+            }
+        }
+    }
+    writes
+}
