@@ -5,11 +5,13 @@
 //!   kernel for the source pattern, `cuMemsetD8` for the sentinel), so nothing is staged through host memory. A
 //!   peer is told the allocation's device address; a write lands at that address plus its offset.
 //! - **A batch** is validated on the host (local ranges, the peer's advertised ranges, that the peer's memory is
-//!   still registered), then runs on the GPU's one stream as either one `cuMemcpyDtoDAsync` per entry (few large
-//!   entries: the copy engines) or one launch of a row-gather kernel over a descriptor table (many entries; the
-//!   table, 24 bytes an entry, is the only thing uploaded). Which of the two: [`copy_engine_wins`], measured. A CUDA
-//!   event recorded after the batch is its completion; the peer's notification is handed out only after that
-//!   event completed.
+//!   still registered: checked at connect and again only after a registration came or went), then runs on the
+//!   engine's own stream. A plain batch: one `cuMemcpyDtoDAsync` per entry (few large entries: the copy engines,
+//!   [`copy_engine_wins`], measured) or one launch of the row-gather kernel over a descriptor table. Strided and
+//!   paged batches (the engine declares both, `SeamLimits`) wait for the doorbell (`flush`, or the next poll) and go
+//!   as one upload and one launch each of `kv_strided` (a warp per run) and `kv_paged` (entries cut into chunks on
+//!   the device, addresses resolved through the batch's page tables). A CUDA event recorded after the batch is its
+//!   completion; the peer's notification is handed out only after that event completed.
 //! - **Comparing on the device.** [`CudaEngine::resident`] keeps a decode region where it is, with a [`Compare`]
 //!   that checks it against patterns in one compare launch per batch of checks (the oracle's questions, asked
 //!   through the running layer): bytes come back to the host only where they differ.

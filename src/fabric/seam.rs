@@ -9,7 +9,8 @@
 //!   end and says what to tell the peer (verbs: a queue pair's number, LID and GID; NIXL: the agent's metadata;
 //!   Mooncake: a session id); [`TransferEngine::connect`] joins it to the peer's address and the peer's advertised
 //!   memory. The bootstrap carries the addresses (the registration's engine desc, the link answer).
-//! - **A transfer is a [`Batch`]** of ([`Entry`]: local memory, offset, remote memory, offset, length) to one
+//! - **A transfer is a [`Batch`]** of ([`Entry`]: local memory, offset, remote memory, offset, length; [`Repeat`]ed
+//!   at strides and [`Paging`]d through the batch's page tables where the engine declares it) to one
 //!   connection with an optional notification, which the peer sees ([`Event::Notified`]) only after every byte of the
 //!   batch landed. The engine reports **one completion per batch** ([`Event::Completed`]) with a typed
 //!   [`BatchStatus`] and, where it can tell, which entries landed ([`Landed`]).
