@@ -46,7 +46,7 @@ const KERNELS: &str = r#"
 typedef unsigned long long u64;
 typedef unsigned int u32;
 struct Copy { u64 src; u64 dst; u64 len; };
-struct Check { u64 addr; u64 source; u64 len; };
+struct Check { u64 addr; u64 source; u64 len; u64 block; u64 stride; };
 struct Run { u64 src; u64 dst; u64 len; u64 count; u64 src_stride; u64 dst_stride; };
 struct Paged {
     u64 src; u64 src_off; u64 dst; u64 dst_off; u64 len; u64 count; u64 src_stride; u64 dst_stride;
@@ -210,30 +210,41 @@ __device__ __forceinline__ unsigned char expected_byte(u64 source, u64 sentinel,
     return (unsigned char)(word >> (8 * (at % 8)));
 }
 
-// One warp per check: whether `len` bytes at `addr` are source `number`'s from byte `offset` on (source packs
-// number << 40 | offset), or the sentinel (len's top bit). A failing check sets bad[i] and *any.
+// Whether `len` bytes at `addr` are source `base`'s words from byte `offset` on (the sentinel where `sentinel`): a
+// warp's lanes OR the differences they see.
+__device__ __forceinline__ u64 judge_block(u64 addr, u64 offset, u64 len, u64 source, u64 sentinel) {
+    const u64 base = sentinel ? 0 : ((1ull << 63) | ((source >> 40) << 40));
+    u64 diff = 0;
+    if (((addr | offset | len) & 15) == 0) {
+        const uint4* found = (const uint4*)addr;
+        for (u64 k = LANE; k < len / 16; k += 32) {
+            const uint4 f = found[k];
+            const u64 w0 = sentinel ? SENTINEL : (base | (offset / 8 + 2 * k));
+            const u64 w1 = sentinel ? SENTINEL : (base | (offset / 8 + 2 * k + 1));
+            diff |= ((((u64)f.y << 32) | f.x) ^ w0) | ((((u64)f.w << 32) | f.z) ^ w1);
+        }
+    } else if (((addr | offset | len) & 7) == 0) {
+        const u64* found = (const u64*)addr;
+        for (u64 k = LANE; k < len / 8; k += 32) diff |= found[k] ^ (sentinel ? SENTINEL : (base | (offset / 8 + k)));
+    } else {
+        const unsigned char* found = (const unsigned char*)addr;
+        for (u64 k = LANE; k < len; k += 32) diff |= found[k] ^ expected_byte(source, sentinel, offset + k);
+    }
+    return diff;
+}
+
+// One warp per check: whether `len` bytes at `addr`, as blocks of `block` bytes, are source `number`'s with block k
+// from byte `offset + k * stride` on (source packs number << 40 | offset), or the sentinel (len's top bit). A failing
+// check sets bad[i] and *any.
 extern "C" __global__ void kv_judge(const Check* checks, u64 count, u32* bad, u32* any) {
     for (u64 i = WARP; i < count; i += WARPS) {
         const Check c = checks[i];
         const u64 sentinel = c.len >> 63;
         const u64 len = c.len & ~(1ull << 63);
         const u64 offset = c.source & ((1ull << 40) - 1);
-        const u64 base = sentinel ? 0 : ((1ull << 63) | ((c.source >> 40) << 40));
         u64 diff = 0;
-        if (((c.addr | offset | len) & 15) == 0) {
-            const uint4* found = (const uint4*)c.addr;
-            for (u64 k = LANE; k < len / 16; k += 32) {
-                const uint4 f = found[k];
-                const u64 w0 = sentinel ? SENTINEL : (base | (offset / 8 + 2 * k));
-                const u64 w1 = sentinel ? SENTINEL : (base | (offset / 8 + 2 * k + 1));
-                diff |= ((((u64)f.y << 32) | f.x) ^ w0) | ((((u64)f.w << 32) | f.z) ^ w1);
-            }
-        } else if (((c.addr | offset | len) & 7) == 0) {
-            const u64* found = (const u64*)c.addr;
-            for (u64 k = LANE; k < len / 8; k += 32) diff |= found[k] ^ (sentinel ? SENTINEL : (base | (offset / 8 + k)));
-        } else {
-            const unsigned char* found = (const unsigned char*)c.addr;
-            for (u64 k = LANE; k < len; k += 32) diff |= found[k] ^ expected_byte(c.source, sentinel, offset + k);
+        for (u64 at = 0, k = 0; at < len; at += c.block, k++) {
+            diff |= judge_block(c.addr + at, offset + k * c.stride, c.block, c.source, sentinel);
         }
         if (__any_sync(0xffffffffu, diff != 0) && LANE == 0) { bad[i] = 1; *any = 1; }
     }
@@ -1439,8 +1450,7 @@ struct DeviceCompare(Arc<Shared>);
 impl Compare for DeviceCompare {
     fn compare(&self, checks: &[Check]) -> Result<Vec<bool>, String> {
         let shared = &self.0;
-        let _lock = shared.judge_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut table = Vec::with_capacity(checks.len() * 3);
+        let mut table = Vec::with_capacity(checks.len() * 5);
         let mut owner = Vec::with_capacity(checks.len());
         {
             let state = shared.state();
@@ -1454,26 +1464,38 @@ impl Compare for DeviceCompare {
                         check.start, check.len
                     ));
                 }
+                let plain = check.block == check.len || check.pattern == Pattern::Sentinel;
+                if !plain && (check.block == 0 || check.len % check.block != 0) {
+                    return Err(format!("a check of {} bytes is not made of {}-byte blocks", check.len, check.block));
+                }
+                let (block, stride) = if plain { (check.len, 0) } else { (check.block, check.pattern_stride) };
                 let (source, flag) = match check.pattern {
                     Pattern::Source { number } => {
                         let offset = check.pattern_offset;
-                        if offset.checked_add(check.len).is_none_or(|end| end >= 1 << 40) || number >= 1 << 23 {
+                        let last = (check.len / block.max(1)).saturating_sub(1);
+                        let end = last.checked_mul(stride).and_then(|span| span.checked_add(offset + block));
+                        if end.is_none_or(|end| end >= 1 << 40) || number >= 1 << 23 {
                             return Err(format!("source {number} bytes {offset}.. are outside the pattern's range"));
                         }
                         (u64::from(number) << 40 | offset, 0)
                     }
                     Pattern::Sentinel => (0, 1u64 << 63),
                 };
+                // Pieces of at most PIECE_BYTES: whole blocks where blocks are smaller, a plain check cut anywhere.
+                let per_piece = if plain { PIECE_BYTES } else { (PIECE_BYTES / block).max(1) * block };
                 let mut done = 0;
                 while done < check.len {
-                    let piece = (check.len - done).min(PIECE_BYTES);
-                    let source = if flag == 0 { source + done } else { 0 };
-                    table.extend([handle + check.start + done, source, piece | flag]);
+                    let piece = (check.len - done).min(per_piece);
+                    let skipped = if plain { done } else { done / block * stride };
+                    let source = if flag == 0 { source + skipped } else { 0 };
+                    let piece_block = if plain { piece } else { block };
+                    table.extend([handle + check.start + done, source, piece | flag, piece_block, stride]);
                     owner.push(index as u32);
                     done += piece;
                 }
             }
         }
+        let _lock = shared.judge_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let count = owner.len() as u64;
         let mut answers = vec![true; checks.len()];
         if count == 0 {
@@ -1581,11 +1603,11 @@ fn ceilings(shared: &Arc<Shared>, bytes: u64, row: u64) -> Result<Ceilings, Seam
     let rows = bytes / row;
     let stride = (rows / 2 + 1) | 1;
     let mut table = Vec::with_capacity(rows as usize * 3);
-    let mut checks = Vec::with_capacity(rows as usize * 3);
+    let mut checks = Vec::with_capacity(rows as usize * 5);
     for index in 0..rows {
         let from = (index * stride) % rows;
         table.extend([src_ptr + from * row, dst_ptr + index * row, row]);
-        checks.extend([dst_ptr + index * row, (1u64 << 40) | (from * row), row]);
+        checks.extend([dst_ptr + index * row, (1u64 << 40) | (from * row), row, row, 0]);
     }
     let device_table = Shared::upload(stream, &table)?;
     let count = rows;

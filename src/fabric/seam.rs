@@ -62,15 +62,19 @@ impl Pattern {
     }
 }
 
-/// One comparison of kept memory with a pattern: `len` bytes of kept memory `handle` from `start` on hold
-/// `pattern`'s bytes from its byte `pattern_offset` on (ignored for the sentinel, which is the same everywhere).
+/// One comparison of kept memory with a pattern: `len` bytes of kept memory `handle` from `start` on, as blocks of
+/// `block` bytes back to back (`block == len`: one block), hold `pattern`'s bytes: block `k` from the pattern's byte
+/// `pattern_offset + k * pattern_stride` on (both ignored for the sentinel, which is the same everywhere). A run of
+/// rows gathered from strided source rows is one check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Check {
     pub handle: u64,
     pub start: u64,
     pub len: u64,
+    pub block: u64,
     pub pattern: Pattern,
     pub pattern_offset: u64,
+    pub pattern_stride: u64,
 }
 
 /// Memory that compares itself with patterns where it lives (a GPU compares its own memory) and reads parts back.

@@ -43,6 +43,10 @@ impl Judge for HostJudge {
                 let bytes = &regions[handle][query.start as usize..query.end as usize];
                 match query.expect {
                     Expect::Source { number, offset } => pattern::matches_source(number, offset, bytes),
+                    Expect::Strided { number, offset, block, stride } => bytes
+                        .chunks(block as usize)
+                        .zip(0u64..)
+                        .all(|(block, k)| pattern::matches_source(number, offset + k * stride, block)),
                     Expect::Sentinel => pattern::matches_sentinel(query.start, bytes),
                 }
             })
@@ -87,7 +91,18 @@ fn a_clean_resident_observation_passes_in_one_round_of_queries() {
     let (scenario, observation) = dense_run("engines/dcp-relayout-two-stages.yaml");
     let (moved, judge) = resident(&observation);
     assert!(verify::check(&scenario.problem, &moved).is_empty());
-    assert!(*judge.asked.lock().unwrap() > 0, "the resident path asked nothing");
+    let asked = *judge.asked.lock().unwrap();
+    assert!(asked > 0, "the resident path asked nothing");
+    // Runs of token rows are asked whole: fewer questions than the decode rows written.
+    let written_rows: u64 = observation
+        .writes
+        .iter()
+        .map(|write| {
+            let region = &scenario.problem.decode.rank(write.target.rank).regions[write.target.region as usize];
+            write.length / region.row_len()
+        })
+        .sum();
+    assert!((asked as u64) < written_rows, "{asked} questions for {written_rows} rows: runs were asked row by row");
     // One round per decode rank (every piece and gap asked in one call), nothing read back.
     assert_eq!(*judge.calls.lock().unwrap(), scenario.problem.decode.ranks.len());
     assert_eq!(*judge.reads.lock().unwrap(), 0, "clean memory was read back");

@@ -1,10 +1,16 @@
 //! The rules, restated from domain.md without the planner: where every decode byte must come from.
 
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
 use super::decode::rank_heads;
 use super::ViolationKind;
 use crate::model::{Attention, KvPart, LayerId, Problem, RankId, Region, RegionKind, Request, StateKind, TensorShape};
 
-/// `length` bytes at `target_offset` of a decode region must equal source region bytes at `source_offset`.
+/// `count` elements of `length` bytes, back to back from `target_offset` of a decode region: element `k` must equal
+/// the source region's bytes at `source_offset + k * source_stride` (one element: a plain piece). A run of token rows
+/// is one piece, so that the oracle's enumeration and its questions to device memory cost per run, not per row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Piece {
     /// The request whose bytes these are.
@@ -14,6 +20,110 @@ pub(crate) struct Piece {
     pub(crate) source: RankId,
     pub(crate) source_region: u32,
     pub(crate) source_offset: u64,
+    pub(crate) count: u64,
+    pub(crate) source_stride: u64,
+}
+
+impl Piece {
+    /// One element: `length` bytes at `target_offset` from `source_offset`.
+    fn single(request: u32, target_offset: u64, length: u64, source: (RankId, u32), source_offset: u64) -> Piece {
+        let (source, source_region) = source;
+        Piece { request, target_offset, length, source, source_region, source_offset, count: 1, source_stride: length }
+    }
+
+    /// The decode bytes the piece covers, element after element.
+    pub(crate) fn span(&self) -> u64 {
+        self.count * self.length
+    }
+
+    /// Element `k` alone.
+    pub(crate) fn element(&self, k: u64) -> Piece {
+        Piece {
+            target_offset: self.target_offset + k * self.length,
+            source_offset: self.source_offset + k * self.source_stride,
+            count: 1,
+            source_stride: self.length,
+            ..*self
+        }
+    }
+}
+
+/// `count` token rows: decode rows `target`, `target + 1`, ... hold prefill rows `source`, `source + step`, ...
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Rows {
+    target: u64,
+    source: u64,
+    count: u64,
+    step: u64,
+}
+
+impl Rows {
+    /// Every row of the run as (decode row, prefill row).
+    fn each(self) -> impl Iterator<Item = (u64, u64)> {
+        (0..self.count).map(move |k| (self.target + k, self.source + k * self.step))
+    }
+}
+
+/// Every token-row run a decode rank receives, by request (token rows or draft rows), with the notes their
+/// enumeration made, sorted by decode row: enumerated once and shared by every region of the rank (its layers all
+/// receive the same rows of a request).
+#[derive(Debug, Default)]
+pub(crate) struct RowCache {
+    target: Cell<Option<RankId>>,
+    known: RefCell<BTreeMap<(u32, bool), Rc<Enumerated>>>,
+}
+
+type Enumerated = (Vec<Rows>, Vec<(u64, ViolationKind)>);
+
+impl RowCache {
+    /// `request`'s rows on `target` (draft rows when `draft`), its notes appended to `notes` on every call.
+    fn rows(
+        &self,
+        problem: &Problem,
+        target: RankId,
+        request: &Request,
+        draft: bool,
+        notes: &mut Vec<(u64, ViolationKind)>,
+    ) -> Rc<Enumerated> {
+        if self.target.get() != Some(target) {
+            self.known.borrow_mut().clear();
+            self.target.set(Some(target));
+        }
+        let known = self.known.borrow().get(&(request.id, draft)).cloned();
+        let enumerated = known.unwrap_or_else(|| {
+            let mut made = Vec::new();
+            let mut rows = if draft {
+                draft_rows(problem, request, &mut made)
+            } else {
+                token_rows(problem, target, request, &mut made)
+            };
+            rows.sort_unstable_by_key(|run| (run.target, run.source, run.count, run.step));
+            let enumerated = Rc::new((rows, made));
+            self.known.borrow_mut().insert((request.id, draft), enumerated.clone());
+            enumerated
+        });
+        notes.extend(enumerated.1.iter().cloned());
+        enumerated
+    }
+}
+
+/// Appends `rows`, extending the last run when it continues it on both sides (one step throughout).
+fn push_rows(res: &mut Vec<Rows>, rows: Rows) {
+    if let Some(last) = res.last_mut() {
+        // The joined run's step: the last run's, or (a single row) the distance to the new one.
+        let step = if last.count > 1 { Some(last.step) } else { rows.source.checked_sub(last.source) };
+        let joins = step.filter(|step| {
+            (rows.count == 1 || rows.step == *step)
+                && last.target + last.count == rows.target
+                && last.count.checked_mul(*step).and_then(|span| last.source.checked_add(span)) == Some(rows.source)
+        });
+        if let Some(step) = joins {
+            last.step = step;
+            last.count += rows.count;
+            return;
+        }
+    }
+    res.push(rows);
 }
 
 /// Every piece decode region `region` of rank `target` must hold; problems of the problem itself go to `notes`.
@@ -21,12 +131,13 @@ pub(crate) fn pieces(
     problem: &Problem,
     target: RankId,
     region: u32,
+    rows: &RowCache,
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
     let decode_region = &problem.decode.rank(target).regions[region as usize];
     match decode_region.kind {
-        RegionKind::Kv(KvPart::Latent) | RegionKind::Draft => row_pieces(problem, target, decode_region, notes),
-        RegionKind::Kv(part) => head_pieces(problem, target, decode_region, part, notes),
+        RegionKind::Kv(KvPart::Latent) | RegionKind::Draft => row_pieces(problem, target, decode_region, rows, notes),
+        RegionKind::Kv(part) => head_pieces(problem, target, decode_region, part, rows, notes),
         RegionKind::State { component, tensor } => {
             state_pieces(problem, target, decode_region, component, tensor, notes)
         }
@@ -39,6 +150,7 @@ fn row_pieces(
     problem: &Problem,
     target: RankId,
     decode_region: &Region,
+    cache: &RowCache,
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
     let mut res = Vec::new();
@@ -54,19 +166,17 @@ fn row_pieces(
         return res;
     }
     for request in &problem.requests {
-        let rows = if decode_region.kind == RegionKind::Draft {
-            draft_rows(problem, request, notes)
-        } else {
-            token_rows(problem, target, request, notes)
-        };
-        for (target_row, source_row) in rows {
+        let draft = decode_region.kind == RegionKind::Draft;
+        for run in &cache.rows(problem, target, request, draft, notes).0 {
             res.push(Piece {
                 request: request.id,
-                target_offset: target_row * target_len,
+                target_offset: run.target * target_len,
                 length: target_len,
                 source,
                 source_region,
-                source_offset: source_row * source_len,
+                source_offset: run.source * source_len,
+                count: run.count,
+                source_stride: run.step * source_len,
             });
         }
     }
@@ -80,6 +190,7 @@ fn head_pieces(
     target: RankId,
     decode_region: &Region,
     part: KvPart,
+    cache: &RowCache,
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
     let mut res = Vec::new();
@@ -108,15 +219,16 @@ fn head_pieces(
             continue;
         };
         for request in &problem.requests {
-            for (target_row, source_row) in token_rows(problem, target, request, notes) {
-                res.push(Piece {
-                    request: request.id,
-                    target_offset: target_row * target_len + u64::from(local) * head_len,
-                    length: head_len,
-                    source,
-                    source_region,
-                    source_offset: source_row * source_len + u64::from(holder_local) * head_len,
-                });
+            // Heads of one row interleave with other holders' heads: one piece per row.
+            let rows = cache.rows(problem, target, request, false, notes);
+            for (target_row, source_row) in rows.0.iter().flat_map(|run| run.each()) {
+                res.push(Piece::single(
+                    request.id,
+                    target_row * target_len + u64::from(local) * head_len,
+                    head_len,
+                    (source, source_region),
+                    source_row * source_len + u64::from(holder_local) * head_len,
+                ));
             }
         }
     }
@@ -185,14 +297,13 @@ fn slot_pieces(
         held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
     {
         for request in &problem.requests {
-            res.push(Piece {
-                request: request.id,
-                target_offset: u64::from(request.decode_state.slot) * item_len,
-                length: item_len,
-                source,
-                source_region,
-                source_offset: u64::from(request.prefill_state.slot) * item_len,
-            });
+            res.push(Piece::single(
+                request.id,
+                u64::from(request.decode_state.slot) * item_len,
+                item_len,
+                (source, source_region),
+                u64::from(request.prefill_state.slot) * item_len,
+            ));
         }
     }
     res
@@ -231,14 +342,13 @@ fn page_pieces(
         }
         // Paged kinds pair the common prefix of both index lists (domain.md §8: truncate to m).
         for (source_page, target_page) in source_pages.iter().zip(target_pages) {
-            res.push(Piece {
-                request: request.id,
-                target_offset: u64::from(*target_page) * item_len,
-                length: item_len,
-                source,
-                source_region,
-                source_offset: u64::from(*source_page) * item_len,
-            });
+            res.push(Piece::single(
+                request.id,
+                u64::from(*target_page) * item_len,
+                item_len,
+                (source, source_region),
+                u64::from(*source_page) * item_len,
+            ));
         }
     }
     res
@@ -261,14 +371,13 @@ fn aux_pieces(
         return res;
     };
     for request in &problem.requests {
-        res.push(Piece {
-            request: request.id,
-            target_offset: u64::from(request.decode_state.aux) * item_len,
-            length: item_len,
-            source,
-            source_region,
-            source_offset: u64::from(request.prefill_state.aux) * item_len,
-        });
+        res.push(Piece::single(
+            request.id,
+            u64::from(request.decode_state.aux) * item_len,
+            item_len,
+            (source, source_region),
+            u64::from(request.prefill_state.aux) * item_len,
+        ));
     }
     res
 }
@@ -320,13 +429,14 @@ fn holder(
     })
 }
 
-/// (decode row, prefill row) of every token row `target` receives for `request` (domain.md §2.1, §2.4, §2.5).
+/// (decode row, prefill row) of every token row `target` receives for `request` (domain.md §2.1, §2.4, §2.5), as
+/// runs.
 fn token_rows(
     problem: &Problem,
     target: RankId,
     request: &Request,
     notes: &mut Vec<(u64, ViolationKind)>,
-) -> Vec<(u64, u64)> {
+) -> Vec<Rows> {
     let prefill = &problem.prefill.topology;
     let decode = &problem.decode.topology;
     if prefill.dcp == decode.dcp {
@@ -348,7 +458,7 @@ fn token_rows(
 
 /// Draft rows: pools paged by the allocator page `V`; under relayout every send-range token goes to every DCP rank
 /// at its send-range-relative index (domain.md §2.4 draft rows).
-fn draft_rows(problem: &Problem, request: &Request, notes: &mut Vec<(u64, ViolationKind)>) -> Vec<(u64, u64)> {
+fn draft_rows(problem: &Problem, request: &Request, notes: &mut Vec<(u64, ViolationKind)>) -> Vec<Rows> {
     let prefill = &problem.prefill.topology;
     let decode = &problem.decode.topology;
     let virtual_page = u64::from(decode.virtual_page_size());
@@ -360,12 +470,7 @@ fn draft_rows(problem: &Problem, request: &Request, notes: &mut Vec<(u64, Violat
 }
 
 /// Send-range allocator page k moves whole (`rows` rows) from the prefill page to decode page k.
-fn whole_pages(
-    problem: &Problem,
-    request: &Request,
-    rows: u64,
-    notes: &mut Vec<(u64, ViolationKind)>,
-) -> Vec<(u64, u64)> {
+fn whole_pages(problem: &Problem, request: &Request, rows: u64, notes: &mut Vec<(u64, ViolationKind)>) -> Vec<Rows> {
     let allocator_page = problem.prefill.topology.virtual_page_size();
     let first_page = (request.decode_prefix / allocator_page) as usize;
     let mut res = Vec::new();
@@ -377,9 +482,8 @@ fn whole_pages(
             notes.push((0, ViolationKind::Unplaceable { request: request.id, position }));
             break;
         };
-        for slot in 0..rows {
-            res.push((u64::from(*target_page) * rows + slot, u64::from(*source_page) * rows + slot));
-        }
+        let (target, source) = (u64::from(*target_page) * rows, u64::from(*source_page) * rows);
+        push_rows(&mut res, Rows { target, source, count: rows, step: 1 });
     }
     res
 }
@@ -392,9 +496,19 @@ fn relaid_rows(
     owner: Option<(u32, u32)>,
     rows: u64,
     notes: &mut Vec<(u64, ViolationKind)>,
-) -> Vec<(u64, u64)> {
-    let page = u64::from(problem.prefill.topology.page_size);
-    let (dcp, rank) = owner.unwrap_or((1, 0));
+) -> Vec<Rows> {
+    relaid_runs(request, owner.unwrap_or((1, 0)), rows, u64::from(problem.prefill.topology.page_size), notes)
+}
+
+/// [`relaid_rows`] for DCP rank `owner` = (c, r), prefill pages of `page` rows: one run per stretch of positions
+/// that stays inside one decode page and one prefill page (consecutive decode rows, source rows `c` apart).
+fn relaid_runs(
+    request: &Request,
+    (dcp, rank): (u32, u32),
+    rows: u64,
+    page: u64,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Rows> {
     let mut res = Vec::new();
     // The positions owned by `rank` (those with `position % dcp == rank`): from the first at or after the prefix,
     // every `dcp`-th; none for a rank outside the group.
@@ -402,17 +516,24 @@ fn relaid_rows(
         .then(|| request.decode_prefix.checked_add((rank + dcp - request.decode_prefix % dcp) % dcp))
         .flatten()
         .unwrap_or(request.tokens);
-    for position in (first..request.tokens).step_by(dcp as usize) {
-        let local = u64::from((position - request.decode_prefix) / dcp);
+    let (step, tokens) = (u64::from(dcp), u64::from(request.tokens));
+    let mut position = u64::from(first);
+    while position < tokens {
+        let local = (position - u64::from(request.decode_prefix)) / step;
         let Some(target_page) = request.decode_pages.get((local / rows) as usize) else {
-            notes.push((local, ViolationKind::Unplaceable { request: request.id, position }));
+            notes.push((local, ViolationKind::Unplaceable { request: request.id, position: position as u32 }));
+            position += step;
             continue;
         };
-        let source_page = request.prefill_pages[(u64::from(position) / page) as usize];
-        res.push((
-            u64::from(*target_page) * rows + local % rows,
-            u64::from(source_page) * page + u64::from(position) % page,
-        ));
+        let source_page = request.prefill_pages[(position / page) as usize];
+        // The run goes on while the decode page, the prefill page and the request's positions do.
+        let in_target = rows - local % rows;
+        let in_source = (page - position % page).div_ceil(step);
+        let count = in_target.min(in_source).min((tokens - position).div_ceil(step));
+        let target = u64::from(*target_page) * rows + local % rows;
+        let source = u64::from(source_page) * page + position % page;
+        push_rows(&mut res, Rows { target, source, count, step });
+        position += count * step;
     }
     res
 }
@@ -464,18 +585,17 @@ fn mamba_pieces(
                     if let Some((source, source_region)) = holders[holder_tp as usize] {
                         push_merged(
                             res,
-                            Piece {
-                                request: request.id,
-                                target_offset: u64::from(request.decode_state.slot) * target_item
+                            Piece::single(
+                                request.id,
+                                u64::from(request.decode_state.slot) * target_item
                                     + row * target_row
                                     + (target_start + index) * unit,
-                                length: run * unit,
-                                source,
-                                source_region,
-                                source_offset: u64::from(request.prefill_state.slot) * source_item
+                                run * unit,
+                                (source, source_region),
+                                u64::from(request.prefill_state.slot) * source_item
                                     + row * source_row
                                     + (source_start + within) * unit,
-                            },
+                            ),
                         );
                     }
                     index += run;
@@ -497,6 +617,7 @@ fn push_merged(res: &mut Vec<Piece>, piece: Piece) {
             && last.source_offset + last.length == piece.source_offset;
         if continues {
             last.length += piece.length;
+            last.source_stride = last.length;
             return;
         }
     }
@@ -517,4 +638,72 @@ pub(crate) fn territory(problem: &Problem, target: RankId, region: u32, request:
     };
     let len = decode_region.item_len;
     items.iter().map(|item| (u64::from(*item) * len, (u64::from(*item) + 1) * len)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::model::StateIndices;
+
+    /// Position by position, as domain.md §2.4 states it: (decode row, prefill row) of every position `rank` owns.
+    fn rows_one_by_one(request: &Request, (dcp, rank): (u32, u32), rows: u64, page: u64) -> Vec<(u64, u64)> {
+        let start = request.decode_prefix;
+        (start..request.tokens)
+            .filter(|position| position % dcp == rank)
+            .filter_map(|position| {
+                let local = u64::from((position - start) / dcp);
+                let target_page = request.decode_pages.get((local / rows) as usize)?;
+                let source_page = request.prefill_pages[(u64::from(position) / page) as usize];
+                Some((
+                    u64::from(*target_page) * rows + local % rows,
+                    u64::from(source_page) * page + u64::from(position) % page,
+                ))
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// The runs, expanded row by row, are exactly the position-by-position enumeration, whatever the pages,
+        /// prefix, page sizes and DCP rank: runs change the oracle's cost, never what it expects.
+        #[test]
+        fn runs_expand_to_the_rows_position_by_position(
+            tokens in 1u32..300,
+            prefix_share in 0u32..100,
+            dcp in 1u32..9,
+            rank_pick in 0u32..9,
+            rows in 1u64..20,
+            page in 1u64..20,
+            shuffle in any::<u64>(),
+            short in 0usize..3,
+        ) {
+            let rank = rank_pick % dcp;
+            let decode_prefix = tokens * prefix_share / 100;
+            let prefill_count = u64::from(tokens).div_ceil(page) as u32;
+            let decode_count = (u64::from(tokens - decode_prefix).div_ceil(rows) as usize).saturating_sub(short);
+            // Pages in a scrambled order, some consecutive, so that runs both break and join across pages.
+            let scramble = |k: u32| if shuffle >> (k % 64) & 1 == 1 { k * 3 + 1 } else { k * 2 };
+            let request = Request {
+                id: 7,
+                tokens,
+                decode_prefix,
+                chunks: vec![tokens - decode_prefix],
+                prefill_pages: (0..prefill_count).map(scramble).collect(),
+                decode_pages: (0..decode_count as u32).map(scramble).collect(),
+                prefill_state: StateIndices::default(),
+                decode_state: StateIndices::default(),
+                cached_prefix: 0,
+            };
+            let mut notes = Vec::new();
+            let runs = relaid_runs(&request, (dcp, rank), rows, page, &mut notes);
+            let expanded: Vec<(u64, u64)> = runs.iter().flat_map(|run| run.each()).collect();
+            prop_assert_eq!(expanded, rows_one_by_one(&request, (dcp, rank), rows, page));
+            prop_assert!(runs.iter().all(|run| run.count >= 1));
+            // A position without a decode page is a note, one per position.
+            let placed = runs.iter().map(|run| run.count).sum::<u64>() as usize;
+            let owned = (decode_prefix..tokens).filter(|position| position % dcp == rank).count();
+            prop_assert_eq!(placed + notes.len(), owned);
+        }
+    }
 }

@@ -162,6 +162,25 @@ impl<'a> Image<'a> {
         cursor >= end || hole_matches(cursor, end)
     }
 
+    /// Whether every element of run `piece` holds its source bytes (region `number`): one question to resident
+    /// memory, element by element elsewhere.
+    fn holds_run(&self, piece: &expect::Piece, number: u32) -> bool {
+        if let Image::Resident(region, asker) = self {
+            let (start, end) = (piece.target_offset, piece.target_offset + piece.span());
+            let expect = resident::Expect::Strided {
+                number,
+                offset: piece.source_offset,
+                block: piece.length,
+                stride: piece.source_stride,
+            };
+            return asker.ask(region.handle, resident::Query { start, end, expect });
+        }
+        (0..piece.count).map(|k| piece.element(k)).all(|element| {
+            let (start, end) = (element.target_offset, element.target_offset + element.length);
+            self.holds_source(start, end, number, element.source_offset)
+        })
+    }
+
     /// The chunks that hold a byte of `[start, end)`, in order, with their start offsets.
     fn overlapping<'c>(image: &'c Chunks<'a>, start: u64, end: u64) -> impl Iterator<Item = (u64, &'a [u8])> + 'c {
         // The last chunk starting at or before `start` may reach into the range; every later one starting before
@@ -322,6 +341,7 @@ pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankI
 /// decode process can verify its own memory.
 pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, verdicts: &Verdicts) -> Vec<Violation> {
     let sources = Sources::new(problem);
+    let rows = expect::RowCache::default();
     let mut violations = Vec::new();
     let mut resident = Vec::new();
     for index in 0..problem.decode.rank(rank).regions.len() as u32 {
@@ -335,10 +355,10 @@ pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, ve
             (None, Some(image)) => Image::Sparse(Chunks::new(image)),
             (None, None) => panic!("observation lacks decode region {key:?}"),
         };
-        let region = RegionCheck { problem, sources: &sources, key, bytes, verdicts };
+        let region = RegionCheck { problem, sources: &sources, key, bytes, verdicts, rows: &rows };
         region.run(&mut violations);
     }
-    judge_resident(problem, &sources, &resident, verdicts, &mut violations);
+    judge_resident(problem, &sources, &rows, &resident, verdicts, &mut violations);
     check_writes(problem, observation, rank, verdicts, &mut violations);
     violations
 }
@@ -348,6 +368,7 @@ pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, ve
 fn judge_resident(
     problem: &Problem,
     sources: &Sources<'_>,
+    rows: &expect::RowCache,
     regions: &[(RegionKey, &ResidentRegion)],
     verdicts: &Verdicts,
     violations: &mut Vec<Violation>,
@@ -358,7 +379,7 @@ fn judge_resident(
         let mut round = Vec::new();
         for (key, region) in regions {
             let bytes = Image::Resident(region, &asker);
-            RegionCheck { problem, sources, key: *key, bytes, verdicts }.run(&mut round);
+            RegionCheck { problem, sources, key: *key, bytes, verdicts, rows }.run(&mut round);
         }
         let settled = if asker.pending() { asker.answer(first.judge.as_ref()) } else { Ok(true) };
         let errors = std::mem::take(asker.errors.get_mut());
@@ -390,14 +411,16 @@ pub fn cross_check_region(
 ) -> Option<String> {
     let region = observation.resident.get(&key)?;
     let sources = Sources::new(problem);
+    let rows = expect::RowCache::default();
     let mut on_device = Vec::new();
-    judge_resident(problem, &sources, &[(key, region)], verdicts, &mut on_device);
+    judge_resident(problem, &sources, &rows, &[(key, region)], verdicts, &mut on_device);
     let bytes = match region.read_all() {
         Ok(bytes) => bytes,
         Err(error) => return Some(format!("decode {} region {}: read-back failed: {error}", key.rank, key.region)),
     };
     let mut on_host = Vec::new();
-    RegionCheck { problem, sources: &sources, key, bytes: Image::Dense(&bytes), verdicts }.run(&mut on_host);
+    RegionCheck { problem, sources: &sources, key, bytes: Image::Dense(&bytes), verdicts, rows: &rows }
+        .run(&mut on_host);
     (on_device != on_host).then(|| {
         let show = |list: &[Violation]| list.iter().take(2).map(ToString::to_string).collect::<Vec<_>>().join("; ");
         format!(
@@ -419,6 +442,8 @@ struct RegionCheck<'a> {
     key: RegionKey,
     bytes: Image<'a>,
     verdicts: &'a Verdicts,
+    /// The rank's token rows, enumerated once for all its regions.
+    rows: &'a expect::RowCache,
 }
 
 impl RegionCheck<'_> {
@@ -452,7 +477,7 @@ impl RegionCheck<'_> {
             return (Vec::new(), Vec::new());
         }
         let mut notes = Vec::new();
-        let mut pieces = expect::pieces(self.problem, self.key.rank, self.key.region, &mut notes);
+        let mut pieces = expect::pieces(self.problem, self.key.rank, self.key.region, self.rows, &mut notes);
         // A problem of the problem itself matters only for requests that claim success.
         let all_failed = self.problem.requests.iter().all(|request| self.verdicts.failed.contains(&request.id));
         for (row, kind) in notes {
@@ -469,7 +494,16 @@ impl RegionCheck<'_> {
         pieces.retain(|piece| !self.verdicts.failed.contains(&piece.request));
         // Unstable is deterministic here: the key is every field.
         pieces.sort_unstable_by_key(|piece| {
-            (piece.target_offset, piece.length, piece.request, piece.source, piece.source_region, piece.source_offset)
+            (
+                piece.target_offset,
+                piece.length,
+                piece.count,
+                piece.request,
+                piece.source,
+                piece.source_region,
+                piece.source_offset,
+                piece.source_stride,
+            )
         });
         let mut free = Vec::new();
         for request in self.problem.requests.iter().filter(|request| self.verdicts.failed.contains(&request.id)) {
@@ -482,14 +516,15 @@ impl RegionCheck<'_> {
     fn run(&self, violations: &mut Vec<Violation>) {
         let (mut pieces, free) = self.expectations(violations);
         let region_len = self.bytes.len();
-        if let Some(piece) = pieces.iter().find(|piece| piece.target_offset + piece.length > region_len) {
-            let (start, end) = (piece.target_offset, piece.target_offset + piece.length);
+        if let Some(piece) = pieces.iter().find(|piece| piece.target_offset + piece.span() > region_len) {
+            let (start, end) = (piece.target_offset, piece.target_offset + piece.span());
             violations.push(
                 self.violation(format!("bytes {start}..{end}"), ViolationKind::OutsideRegion { end, region_len }),
             );
-            pieces.retain(|piece| piece.target_offset + piece.length <= region_len);
+            pieces.retain(|piece| piece.target_offset + piece.span() <= region_len);
         }
         let mut cursor = 0u64;
+        let mut last = None;
         for piece in &pieces {
             assert!(
                 piece.target_offset >= cursor,
@@ -498,13 +533,24 @@ impl RegionCheck<'_> {
                 self.key
             );
             self.check_gap(cursor, piece.target_offset, &free, violations);
-            let number = self.sources.number(piece.source, piece.source_region);
-            let (start, end) = (piece.target_offset, piece.target_offset + piece.length);
-            if !self.bytes.holds_source(start, end, number, piece.source_offset) {
-                let expected = Content::From(self.sources.describe(number, piece.source_offset, piece.length));
-                self.report(piece.target_offset, piece.length, expected, violations);
+            // Consecutive pieces mostly share their source region: looked up once for them.
+            let number = match last {
+                Some((source, region, number)) if (source, region) == (piece.source, piece.source_region) => number,
+                _ => self.sources.number(piece.source, piece.source_region),
+            };
+            last = Some((piece.source, piece.source_region, number));
+            // A run is asked whole; only where it fails, element by element (each reported as the row it is).
+            if piece.count == 1 || !self.bytes.holds_run(piece, number) {
+                for element in (0..piece.count).map(|k| piece.element(k)) {
+                    let (start, end) = (element.target_offset, element.target_offset + element.length);
+                    if !self.bytes.holds_source(start, end, number, element.source_offset) {
+                        let expected =
+                            Content::From(self.sources.describe(number, element.source_offset, element.length));
+                        self.report(element.target_offset, element.length, expected, violations);
+                    }
+                }
             }
-            cursor = piece.target_offset + piece.length;
+            cursor = piece.target_offset + piece.span();
         }
         self.check_gap(cursor, region_len, &free, violations);
     }

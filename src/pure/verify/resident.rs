@@ -22,6 +22,9 @@ use std::sync::Arc;
 pub enum Expect {
     /// Source region `number`'s pattern from its byte `offset` on (`pattern::source_word`).
     Source { number: u32, offset: u64 },
+    /// Blocks of `block` bytes back to back (the query's length a multiple of it): block `k` holds source region
+    /// `number`'s pattern from byte `offset + k * stride` on (a run of token rows gathered from strided rows).
+    Strided { number: u32, offset: u64, block: u64, stride: u64 },
     /// The decode sentinel (`pattern::SENTINEL_WORD`), as registered.
     Sentinel,
 }
@@ -105,7 +108,10 @@ impl Asker {
             return Err(format!("the judge answered {} of {} queries", answers.len(), asked.len()));
         }
         let all = answers.iter().all(|answer| *answer);
-        self.answers.extend(asked.into_iter().zip(answers));
+        // Where every answer is yes the walk that assumed them is final: nothing is asked again.
+        if !all {
+            self.answers.extend(asked.into_iter().zip(answers));
+        }
         Ok(all)
     }
 

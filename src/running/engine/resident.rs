@@ -20,11 +20,15 @@ impl Judge for Answers {
         let checks: Vec<Check> = queries
             .iter()
             .map(|(handle, query)| {
-                let (pattern, pattern_offset) = match query.expect {
-                    Expect::Source { number, offset } => (Pattern::Source { number }, offset),
-                    Expect::Sentinel => (Pattern::Sentinel, 0),
+                let len = query.end - query.start;
+                let (pattern, pattern_offset, block, pattern_stride) = match query.expect {
+                    Expect::Source { number, offset } => (Pattern::Source { number }, offset, len, len),
+                    Expect::Strided { number, offset, block, stride } => {
+                        (Pattern::Source { number }, offset, block, stride)
+                    }
+                    Expect::Sentinel => (Pattern::Sentinel, 0, len, len),
                 };
-                Check { handle: *handle, start: query.start, len: query.end - query.start, pattern, pattern_offset }
+                Check { handle: *handle, start: query.start, len, block, pattern, pattern_offset, pattern_stride }
             })
             .collect();
         self.0.compare(&checks)
