@@ -5,7 +5,9 @@
 #   3. diff --fabric cuda    every scenario's decode images against the in-memory fabric's
 #   4. selftest --fabric cuda  every mutant caught with the bytes on the GPU
 #   5. bench --fabric cuda   ceilings (copy, host<->device), gather and compare kernels, the Kimi-K3 request
-#   6. replay --fabric cuda  the seed's load (128 x 32,768 tokens at concurrency 16), moved and verified on the GPU
+#   6. replay --fabric cuda  the seed's load (128 x 32,768 tokens at concurrency 16), moved and verified on the GPU:
+#                            through rank engines (live driver), then with --direct (each wave's plan executed
+#                            straight through the fabric's engines)
 #   NIXL on GPU memory (--fabric nixl-cuda: NIXL's agents, UCX cuda_copy/cuda_ipc, regions registered as VRAM), when
 #   the nixl-cu13 wheel's libraries are here (bash ci/engines.sh --nixl-cu13, or $KVRELAY_NIXL_LIB):
 #   7. check --fabric nixl-cuda    every scenario, ranks as agents of one process
@@ -101,6 +103,7 @@ run_stage 3 "diff" "$bin" diff --fabric cuda "${scenarios[@]}"
 run_stage 4 "selftest" "$bin" selftest --fabric cuda
 run_stage 5 "bench" "$bin" bench --fabric cuda --iterations 3
 run_stage 6 "replay" "$bin" replay --fabric cuda
+run_stage 6 "replay direct" "$bin" replay --fabric cuda --direct
 if [ "$features" = cuda,nixl ]; then
     say ""
     # A stage that hangs is a failure (rc 124), not a stuck script.

@@ -30,6 +30,12 @@ pub struct ReplayArgs {
     /// the GPU, with the live driver on the real clock).
     #[arg(long, default_value = "sim")]
     pub fabric: String,
+    /// With `--fabric cuda`: each wave's plan executed straight through the fabric's engines (`engine::direct`, as
+    /// `bench --fabric cuda` times one request: memory registered, descriptors submitted as paged entries, every
+    /// completion awaited) instead of rank engines speaking the wire protocol; every decode byte still judged on the
+    /// GPU by the oracle.
+    #[arg(long)]
+    pub direct: bool,
 }
 
 /// The scenario text of one wave: the Kimi-K3 PP8/TP1 -> TP8/DCP8 shape (scenarios/basic/kimi-k3-...) with its

@@ -29,7 +29,18 @@ struct Wave {
     oracle_seconds: f64,
 }
 
-fn run_wave(scenario: &Scenario, fabric: &harness::Fabric) -> anyhow::Result<Wave> {
+/// What a wave's time went to, in seconds, where the driver tells them apart.
+#[derive(Default)]
+struct Phases {
+    plan: f64,
+    prepare: f64,
+    execute: f64,
+}
+
+fn run_wave(scenario: &Scenario, fabric: &harness::Fabric, direct: Option<&Device>) -> anyhow::Result<(Wave, Phases)> {
+    if let Some(device) = direct {
+        return device.direct_wave(scenario);
+    }
     let live = LiveOptions { time_limit: Duration::from_secs(300), ..LiveOptions::default() };
     let start = Instant::now();
     let run = harness::Run::new(scenario, &Budget::unbounded(DEVICE_BOUND)).on(fabric).live_options(&live).engines()?;
@@ -40,7 +51,7 @@ fn run_wave(scenario: &Scenario, fabric: &harness::Fabric) -> anyhow::Result<Wav
     let oracle_seconds = start.elapsed().as_secs_f64();
     let cross_check =
         harness::cross_check(scenario, Some(&run), &run.observation).into_iter().map(|it| it.text).collect();
-    Ok(Wave {
+    let wave = Wave {
         failed: run.failures().len(),
         violations,
         cross_check,
@@ -48,7 +59,8 @@ fn run_wave(scenario: &Scenario, fabric: &harness::Fabric) -> anyhow::Result<Wav
         latencies_ms: request_latencies_ms(&run),
         engine_seconds,
         oracle_seconds,
-    })
+    };
+    Ok((wave, Phases::default()))
 }
 
 /// Requests per wave: `concurrency`, halved while a wave's registered memory would not fit in `free` bytes.
@@ -72,12 +84,20 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
         fabric.name()
     );
     let device = Device::open(fabric)?;
+    let direct = match (&device, args.direct) {
+        (Some(device), true) if matches!(fabric, harness::Fabric::Cuda) => Some(device),
+        (_, true) => anyhow::bail!("--direct runs on the cuda fabric only (fix: --fabric cuda, or leave --direct out)"),
+        _ => None,
+    };
+    if direct.is_some() {
+        outln!("driver: each wave's plan executed straight through the cuda fabric's engines (engine::direct), no rank engines or wire protocol");
+    }
     let batch = wave_size(concurrency, tokens, device.as_ref().map(Device::free_bytes))?;
     if batch < concurrency {
         outln!("note: {concurrency} requests of {tokens} tokens do not fit the device's free memory; waves of {batch}");
     }
     let warm = scenario::parse_seeded(&wave_text(1, tokens), "<replay>", "replay-kimi-k3", Some(0))?;
-    let probe = run_wave(&warm, fabric)?;
+    let (probe, _) = run_wave(&warm, fabric, direct)?;
     if probe.violations > 0 || probe.failed > 0 || !probe.cross_check.is_empty() {
         anyhow::bail!("the one-request warm-up wave failed: run `kvrelay replay --fabric {} --requests 1 --concurrency 1 --tokens {tokens}`", fabric.name());
     }
@@ -90,11 +110,16 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
         (0u64, 0usize, 0usize, 0.0, 0.0);
     let mut cross_check = Vec::new();
     let mut latencies_ms = Vec::new();
+    let mut phases = Phases::default();
     let mut stderr = std::io::stderr();
     while done < requests {
         let count = batch.min(requests - done);
         let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave + 1))?;
-        let figures = run_wave(&scenario, fabric).map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
+        let (figures, wave_phases) =
+            run_wave(&scenario, fabric, direct).map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
+        phases.plan += wave_phases.plan;
+        phases.prepare += wave_phases.prepare;
+        phases.execute += wave_phases.execute;
         failed += figures.failed;
         violations += figures.violations;
         cross_check.extend(figures.cross_check);
@@ -113,6 +138,14 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     outln!("requests: {requests}");
     outln!("input tokens: {input_tokens}");
     outln!("seconds: {seconds:.3} (engines {engine_seconds:.3}, oracle {oracle_seconds:.3})");
+    if direct.is_some() {
+        outln!(
+            "  engines: planning {:.3}, registering (device allocations, source patterns) and building batches {:.3}, writes and completions {:.3}",
+            phases.plan,
+            phases.prepare,
+            phases.execute
+        );
+    }
     outln!("input tokens/s: {:.0}", input_tokens as f64 / seconds.max(1e-12));
     outln!("bytes moved: {bytes}");
     outln!("bytes/s: {:.0}", bytes as f64 / seconds.max(1e-12));
@@ -120,7 +153,12 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
         outln!("device: {}", device.name());
         outln!("device memory peak bytes: {}", device.peak_bytes());
     }
-    outln!("{}", latency_line("real clock, each request's last decode room in its wave", &latencies_ms));
+    let latency_what = if direct.is_some() {
+        "real clock, a wave's writes and completions (its requests complete together)"
+    } else {
+        "real clock, each request's last decode room in its wave"
+    };
+    outln!("{}", latency_line(latency_what, &latencies_ms));
     outln!("failed requests: {failed}");
     outln!("violations: {violations}");
     outln!("cross-check disagreements (device oracle vs host read-back): {}", cross_check.len());
@@ -155,6 +193,42 @@ impl Device {
     fn name(&self) -> String {
         self.0.device_name().to_owned()
     }
+
+    /// One wave through `engine::direct` on this GPU: planned, registered, executed with one thread per prefill
+    /// engine, then judged on the GPU (every decode rank, in parallel) and cross-checked by a host read-back.
+    fn direct_wave(&self, scenario: &Scenario) -> anyhow::Result<(Wave, Phases)> {
+        use crate::engine::direct::Direct;
+        use crate::fabric::seam::NodeId;
+
+        let problem = &scenario.problem;
+        let start = Instant::now();
+        let descriptors = crate::plan::plan(problem)?.descriptors();
+        let plan = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let mut direct = Direct::prepare(problem, &descriptors, |node| Ok(self.0.cuda_engine(NodeId(node as u32))))?;
+        let prepare = start.elapsed().as_secs_f64();
+        let executed = direct.execute_parallel(Duration::from_secs(60)).map_err(anyhow::Error::msg)?;
+        let bytes = direct.bytes();
+        let observation = direct.observe()?;
+        let engine_seconds = plan + prepare + executed.total;
+        let start = Instant::now();
+        let ranks: Vec<_> =
+            problem.decode.ranks.iter().map(|layout| (layout.rank, crate::verify::Verdicts::all_succeeded())).collect();
+        let violations = harness::check_ranks(problem, &observation, &ranks).len();
+        let oracle_seconds = start.elapsed().as_secs_f64();
+        let cross_check =
+            harness::cross_check_ranks(problem, &observation, &ranks).into_iter().map(|it| it.text).collect();
+        let wave = Wave {
+            failed: 0,
+            violations,
+            cross_check,
+            bytes,
+            latencies_ms: vec![executed.total * 1e3; problem.requests.len()],
+            engine_seconds,
+            oracle_seconds,
+        };
+        Ok((wave, Phases { plan, prepare, execute: executed.total }))
+    }
 }
 
 /// No GPU in this build: nothing to ask.
@@ -175,5 +249,8 @@ impl Device {
     }
     fn name(&self) -> String {
         String::new()
+    }
+    fn direct_wave(&self, _: &Scenario) -> anyhow::Result<(Wave, Phases)> {
+        anyhow::bail!("--direct needs the cuda feature (fix: build with --features cuda)")
     }
 }

@@ -782,9 +782,36 @@ struct InFlight {
     batch: BatchId,
     /// Recorded after its launch (shared by the batches of one doorbell).
     event: Arc<CudaEvent>,
-    /// Its descriptor tables, kept until the kernels ran.
-    _table: [Option<Arc<CudaSlice<u64>>>; 2],
     notify: Option<(u32, ConnId, u32)>,
+}
+
+/// A descriptor table's way to the GPU, reused from doorbell to doorbell: page-locked host words (so that the upload
+/// is an asynchronous DMA, not a staged copy the submitting thread waits for) and device words of the same
+/// capacity. Free again once `busy`, the event recorded after the launch that read it, has completed.
+struct Staging {
+    host: *mut u64,
+    device: DeviceAlloc,
+    words: usize,
+    busy: Option<Arc<CudaEvent>>,
+    /// Staged for a launch whose event is not recorded yet (set by `stage`, cleared by `staged`); a buffer whose
+    /// launch failed stays reserved, never rewritten while a copy may still read it.
+    reserved: bool,
+}
+
+// SAFETY: `host` is page-locked memory owned by this value alone (allocated in `CudaEngine::stage`, freed once in
+// `drop`); nothing else holds the pointer.
+unsafe impl Send for Staging {}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Some(event) = &self.busy {
+            let _ = event.synchronize();
+        }
+        if self.device.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `host` came from cuMemHostAlloc and is freed once, here, after the last launch that read it.
+            let _ = unsafe { result::free_host(self.host.cast()) };
+        }
+    }
 }
 
 /// Descriptors of the paged kernel (15 words each: source, source offset, target, target offset, element length,
@@ -825,6 +852,8 @@ pub struct CudaEngine {
     ready: VecDeque<Event>,
     next_batch: u64,
     operations: u64,
+    /// Descriptor tables' buffers, reused ([`Staging`]).
+    staging: Vec<Staging>,
 }
 
 impl CudaEngine {
@@ -852,6 +881,53 @@ impl CudaEngine {
             ready: VecDeque::new(),
             next_batch: 0,
             operations: 0,
+            staging: Vec::new(),
+        }
+    }
+
+    /// `words` on their way to the GPU on this engine's stream, through a free staging buffer (a new one, of the next
+    /// power of two words, when none is free and large enough): its index and the device address the kernel reads.
+    fn stage(&mut self, words: &[u64]) -> Result<(usize, u64), SeamError> {
+        let free = self.staging.iter().position(|staging| {
+            !staging.reserved
+                && staging.words >= words.len()
+                && staging.busy.as_ref().is_none_or(|event| event.is_complete())
+        });
+        let index = match free {
+            Some(index) => index,
+            None => {
+                let capacity = words.len().max(1 << 12).next_power_of_two();
+                let bytes = capacity * std::mem::size_of::<u64>();
+                self.shared.ctx.bind_to_thread().map_err(|error| driver("cuCtxSetCurrent", error))?;
+                // SAFETY: the context is current; both allocations are freed once by `Staging`'s drop (the device
+                // words through `DeviceAlloc`).
+                let device = unsafe { result::malloc_sync(bytes) }.map_err(|error| driver("cuMemAlloc", error))?;
+                let device = DeviceAlloc { ctx: self.shared.ctx.clone(), ptr: device };
+                // SAFETY: as above; the page-locked words are freed once by `Staging`'s drop.
+                let host = unsafe { result::malloc_host(bytes, 0) }.map_err(|error| driver("cuMemHostAlloc", error))?;
+                self.staging.push(Staging { host: host.cast(), device, words: capacity, busy: None, reserved: false });
+                self.staging.len() - 1
+            }
+        };
+        let staging = &mut self.staging[index];
+        // SAFETY: `host` holds `staging.words >= words.len()` words, and no copy reads them any more (its last
+        // launch's event completed, or it never had one).
+        let host = unsafe { std::slice::from_raw_parts_mut(staging.host, words.len()) };
+        host.copy_from_slice(words);
+        // SAFETY: the device words hold as many; the host words stay untouched until `busy` completes.
+        unsafe { result::memcpy_htod_async(staging.device.ptr, &*host, self.stream.cu_stream()) }
+            .map_err(|error| driver("cuMemcpyHtoDAsync", error))?;
+        staging.busy = None;
+        staging.reserved = true;
+        Ok((index, staging.device.ptr))
+    }
+
+    /// Marks the staging buffers `used` busy until `event`.
+    fn staged(&mut self, used: &[Option<usize>], event: &Arc<CudaEvent>) {
+        for index in used.iter().flatten() {
+            let staging = &mut self.staging[*index];
+            staging.busy = Some(event.clone());
+            staging.reserved = false;
         }
     }
 
@@ -1049,10 +1125,10 @@ impl CudaEngine {
     /// Puts `table` ([`CudaEngine::lower`]) on the stream: a flat table as one copy-engine copy each
     /// (`copy_engines`, see [`copy_engine_wins`]) or one gather launch, runs as one launch of the strided kernel;
     /// the uploaded table, if any.
-    fn issue(&mut self, table: &Table, copy_engines: bool) -> Result<Option<CudaSlice<u64>>, SeamError> {
+    fn issue(&mut self, table: &Table, copy_engines: bool) -> Result<Option<usize>, SeamError> {
         let (words, function, per_block) = match table {
-            Table::Flat(words) => (words, &self.shared.gather, false),
-            Table::Runs(words) => (words, &self.shared.strided, true),
+            Table::Flat(words) => (words, self.shared.gather.clone(), false),
+            Table::Runs(words) => (words, self.shared.strided.clone(), true),
         };
         if words.is_empty() {
             return Ok(None);
@@ -1067,14 +1143,15 @@ impl CudaEngine {
             return Ok(None);
         }
         let count = (words.len() / if per_block { 6 } else { 3 }) as u64;
-        let device = Shared::upload(&self.stream, words)?;
-        let mut launch = self.stream.launch_builder(function);
+        let (index, device) = self.stage(words)?;
+        let mut launch = self.stream.launch_builder(&function);
         launch.arg(&device).arg(&count);
-        // SAFETY: every descriptor's source and target were checked against live allocations.
+        // SAFETY: every descriptor's source and target were checked against live allocations; `device` holds the
+        // table, uploaded before the launch on the same stream.
         unsafe { launch.launch(Shared::launch_config(count)) }
             .map_err(|error| driver(if per_block { "kv_strided" } else { "kv_gather" }, error))?;
         self.operations += count;
-        Ok(Some(device))
+        Ok(Some(index))
     }
 
     /// The doorbell: every strided batch queued since the last one goes on the stream as one upload of their runs
@@ -1089,13 +1166,13 @@ impl CudaEngine {
         let issued = self.issue(&table, false).and_then(|runs| {
             let paged = self.issue_paged(paged)?;
             let event = self.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?;
-            Ok((Arc::new(event), [runs.map(Arc::new), paged.map(Arc::new)]))
+            Ok((Arc::new(event), [runs, paged]))
         });
         match issued {
-            Ok((event, tables)) => {
+            Ok((event, used)) => {
+                self.staged(&used, &event);
                 for (conn, batch, notify) in batches {
-                    let (event, _table) = (event.clone(), tables.clone());
-                    self.in_flight.push_back(InFlight { conn, batch, event, _table, notify });
+                    self.in_flight.push_back(InFlight { conn, batch, event: event.clone(), notify });
                 }
             }
             Err(error) => {
@@ -1107,7 +1184,7 @@ impl CudaEngine {
     }
 
     /// One upload of the paged queue (descriptors, then the tables two to a word) and one launch of the paged kernel.
-    fn issue_paged(&mut self, mut queue: PagedQueue) -> Result<Option<CudaSlice<u64>>, SeamError> {
+    fn issue_paged(&mut self, mut queue: PagedQueue) -> Result<Option<usize>, SeamError> {
         if queue.words.is_empty() {
             return Ok(None);
         }
@@ -1115,13 +1192,15 @@ impl CudaEngine {
         let tables =
             queue.tables.chunks(2).map(|pair| u64::from(pair[0]) | u64::from(*pair.get(1).unwrap_or(&0)) << 32);
         queue.words.extend(tables);
-        let device = Shared::upload(&self.stream, &queue.words)?;
-        let mut launch = self.stream.launch_builder(&self.shared.paged);
+        let (index, device) = self.stage(&queue.words)?;
+        let function = self.shared.paged.clone();
+        let mut launch = self.stream.launch_builder(&function);
         launch.arg(&device).arg(&count).arg(&queue.chunks);
-        // SAFETY: every descriptor's ranges were checked against live allocations (through its tables).
+        // SAFETY: every descriptor's ranges were checked against live allocations (through its tables); `device`
+        // holds them, uploaded before the launch on the same stream.
         unsafe { launch.launch(Shared::launch_config(queue.chunks)) }.map_err(|error| driver("kv_paged", error))?;
         self.operations += count;
-        Ok(Some(device))
+        Ok(Some(index))
     }
 
     /// Moves completed batches (in stream order) to `ready`, handing their notifications to the peers.
@@ -1359,9 +1438,10 @@ impl TransferEngine for CudaEngine {
         }
         let table = Table::Flat(words);
         self.ring(); // stream order is submission order
-        let table = self.issue(&table, copy_engines)?.map(Arc::new);
-        let event = self.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?;
-        self.in_flight.push_back(InFlight { conn, batch: id, event: Arc::new(event), _table: [table, None], notify });
+        let used = self.issue(&table, copy_engines)?;
+        let event = Arc::new(self.stream.record_event(None).map_err(|error| driver("cuEventRecord", error))?);
+        self.staged(&[used], &event);
+        self.in_flight.push_back(InFlight { conn, batch: id, event, notify });
         Ok(id)
     }
 

@@ -260,15 +260,28 @@ const CROSS_CHECK_BYTES: u64 = 256 << 20;
 /// decode rank (its first, or its smallest when the first is over [`CROSS_CHECK_BYTES`]): both verdicts must be
 /// identical, violation for violation. Nothing for a run whose memory came back to the host.
 pub fn cross_check(scenario: &Scenario, run: Option<&SimRun>, observation: &Observation) -> Vec<Failure> {
-    let Some(run) = run.filter(|_| !observation.resident.is_empty()) else { return Vec::new() };
-    let problem = &scenario.problem;
+    let Some(run) = run else { return Vec::new() };
+    let ranks: Vec<_> = scenario
+        .problem
+        .decode
+        .ranks
+        .iter()
+        .map(|layout| (layout.rank, verdicts(&scenario.expect, run, layout.rank)))
+        .collect();
+    cross_check_ranks(&scenario.problem, observation, &ranks)
+}
+
+/// [`cross_check`] with each decode rank's verdicts given (a run without rooms: `engine::direct`).
+pub fn cross_check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Failure> {
     let mut failures = Vec::new();
-    for layout in &problem.decode.ranks {
-        let keys = observation.resident.iter().filter(|(key, _)| key.rank == layout.rank);
+    if observation.resident.is_empty() {
+        return failures;
+    }
+    for (rank, verdicts) in ranks {
+        let keys = observation.resident.iter().filter(|(key, _)| key.rank == *rank);
         let first = keys.clone().next().filter(|(_, region)| region.len <= CROSS_CHECK_BYTES);
         let Some((key, _)) = first.or_else(|| keys.min_by_key(|(_, region)| region.len)) else { continue };
-        let verdicts = verdicts(&scenario.expect, run, layout.rank);
-        if let Some(text) = verify::cross_check_region(problem, observation, *key, &verdicts) {
+        if let Some(text) = verify::cross_check_region(problem, observation, *key, verdicts) {
             failures.push(Failure::new(FailureKind::Oracle, text));
         }
     }
