@@ -1,5 +1,5 @@
 //! `kvrelay explain`: which of SGLang 0.5.23's transfer code paths a scenario's transfers take (MLA page copy, DCP
-//! relayout, head slice, Mamba state slice, replicated state, paged SWA/DSA state, aux), with the wheel's file:line
+//! relayout, head slice, Mamba state slice, replicated state, paged SWA/DSA state, SWA head slice, aux), with the wheel's file:line
 //! for each, so a user sees which parts of upstream their deployment exercises.
 //!
 //! Each path is read off kvrelay's own plan (what moves, between which ranks, how many bytes); the citations are
@@ -36,6 +36,8 @@ pub enum Path {
     ReplicatedState,
     /// Paged state (SWA window, DSA index keys) and position rings.
     PagedState,
+    /// SWA pages of a non-MLA model under a TP change: per-token head slices.
+    SwaHeadSlice,
     /// Aux (metadata) rows.
     Aux,
 }
@@ -75,6 +77,10 @@ impl Path {
                 "utils.py:872-904 should_send_replicated_state, 1004-1016",
             ),
             Path::PagedState => ("paged state (SWA window, DSA keys, rings)", "mooncake/conn.py:1943 maybe_send_extra"),
+            Path::SwaHeadSlice => (
+                "SWA pages head-sliced under a TP change, one descriptor per token",
+                "mooncake/conn.py:2435-2476 _send_swa_state_slice; common/conn.py:1751-1851 _get_mha_head_slice_blocks",
+            ),
             Path::Aux => ("aux rows with the last chunk", "mooncake/conn.py:1780-1803 send_aux"),
         }
     }
@@ -158,6 +164,9 @@ pub fn explain(problem: &Problem) -> Explanation {
                         StateKind::Mamba if prefill.tp == decode.tp => Path::MambaSlot,
                         StateKind::Mamba if replicated => Path::ReplicatedState,
                         StateKind::Mamba => Path::MambaSlice,
+                        StateKind::Swa if prefill.tp != decode.tp && !problem.model.pool_kind().replicated_latent() => {
+                            Path::SwaHeadSlice
+                        }
                         StateKind::Swa | StateKind::Dsa | StateKind::SwaRing => Path::PagedState,
                     };
                     *by_path.entry(path).or_default() += entry.length * rows;

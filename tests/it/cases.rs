@@ -223,10 +223,15 @@ const HYBRID: &str = "model:\n  layers: 4\n  kv_layers: [1, 3]\n";
 
 /// State rejections of domain.md §3.4 and §8, each raised before any byte moves.
 #[rstest]
-#[case::non_mla_swa_cannot_change_tp(
-    "  kv_heads: 4\n  head_dim: 64\n  dtype_bytes: 2\n  state: [{kind: swa, layers: [0, 2], tensors: [{name: k, item_len: 4096}]}]\nprefill: {tp: 2, page_size: 8}\ndecode: {tp: 4, page_size: 8}\nrequests: [{tokens: 30}]\n",
+#[case::non_mla_dsa_cannot_change_tp(
+    "  kv_heads: 4\n  head_dim: 64\n  dtype_bytes: 2\n  state: [{kind: dsa, layers: [0, 2], tensors: [{name: k, item_len: 4096}]}]\nprefill: {tp: 2, page_size: 8}\ndecode: {tp: 4, page_size: 8}\nrequests: [{tokens: 30}]\n",
     PlanErrorKind::TpMismatch,
-    "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models yet."
+    "PD Disaggregation does NOT support PD different TP sizes for non-MLA DSA hybrid models yet."
+)]
+#[case::non_mla_swa_head_slices_need_one_prefill_stage(
+    "  kv_heads: 4\n  head_dim: 64\n  dtype_bytes: 2\n  state: [{kind: swa, layers: [0, 2], tensors: [{name: k, item_len: 2048}]}]\nprefill: {tp: 2, pp: 2, page_size: 8}\ndecode: {tp: 4, page_size: 8}\nrequests: [{tokens: 30}]\n",
+    PlanErrorKind::TpMismatch,
+    "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models with pipeline parallelism yet."
 )]
 #[case::replicated_mamba_item_lengths_differ(
     "  kv_lora_rank: 12\n  qk_rope_head_dim: 4\n  dtype_bytes: 2\n  state: [{kind: mamba, tensors: [{name: gate, item_len: 64}]}]\nprefill: {tp: 1, page_size: 8}\ndecode: {tp: 2, page_size: 8, state_item_lens: [{component: 0, tensor: 0, item_len: 32}]}\nrequests: [{tokens: 30}]\n",

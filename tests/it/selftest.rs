@@ -51,6 +51,16 @@ fn budget() -> Budget {
     "probes/aggregation-mha-tp4-to-tp1-aux.yaml",
     "kv-mha"
 )]
+#[case::swa_swapped_head_slice_scatter(
+    Mutant::SwaSwappedHeadSlice,
+    "state/swa-head-slice-tp2-to-tp4.yaml",
+    "paged-state"
+)]
+#[case::swa_swapped_head_slice_aggregation(
+    Mutant::SwaSwappedHeadSlice,
+    "state/swa-head-slice-tp4-to-tp1.yaml",
+    "paged-state"
+)]
 #[case::aux_from_wrong_stage(Mutant::AuxFromWrongStage, "draft/kimi-k3-draft-dcp8.yaml", "aux")]
 #[case::state_block_wrong_rank(Mutant::StateBlockWrongRank, "state/older-peer-metadata-defaults.yaml", "mamba-state")]
 fn the_oracle_catches_the_mutant(#[case] mutant: Mutant, #[case] file: &str, #[case] kind: &str) {
@@ -72,6 +82,7 @@ fn the_oracle_catches_the_mutant(#[case] mutant: Mutant, #[case] file: &str, #[c
 #[case::gqa_replication("mha/gqa-replication-tp1-to-tp16.yaml")]
 #[case::mamba_state("state/older-peer-metadata-defaults.yaml")]
 #[case::paged_state_under_pp("state/dsa-pp2-to-pp1.yaml")]
+#[case::swa_head_slices("state/swa-head-slice-tp4-to-tp1.yaml")]
 #[case::a_failing_room_as_expected("engines/one-request-fails-beside-one.yaml")]
 fn kvrelays_own_plans_in_the_mutant_seat_raise_no_false_alarm(#[case] file: &str) {
     let case = selftest::run_case(&corpus(file), &budget(), None).expect("within the budget");
@@ -85,6 +96,7 @@ fn kvrelays_own_plans_in_the_mutant_seat_raise_no_false_alarm(#[case] file: &str
     Mutant::GqaReplicationFormula,
     "probes/replicated-heads-tp2-to-tp8.yaml"
 )]
+#[case::swa_swap_between_replicas(Mutant::SwaSwappedHeadSlice, "state/swa-head-slice-gqa-tp1-to-tp4.yaml")]
 #[case::aux_stage_without_pp(Mutant::AuxFromWrongStage, "probes/aggregation-mha-tp4-to-tp1-aux.yaml")]
 fn a_mutant_that_cannot_change_a_byte_is_not_applicable(#[case] mutant: Mutant, #[case] file: &str) {
     let case = selftest::run_case(&corpus(file), &budget(), Some(mutant)).expect("within the budget");

@@ -59,9 +59,18 @@ pub enum PlanError {
     /// domain.md §2.5 decode-side gate.
     #[error("PD decode DCP requires an MLA or hybrid-MLA KV pool.")]
     DcpNeedsMla,
-    /// domain.md §3.4, non-MLA SWA hybrid models.
-    #[error("PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models yet.")]
-    SwaTpMismatch,
+    /// domain.md §3.4: non-MLA paged state other than SWA under a TP change (SGLang 0.5.23 `mooncake/conn.py:2089-2092`
+    /// names the kind in upper case).
+    #[error("PD Disaggregation does NOT support PD different TP sizes for non-MLA {} hybrid models yet.", kind.name().to_uppercase())]
+    PagedStateTpMismatch { kind: StateKind },
+    /// SWA head slicing with prefill PP > 1 (SGLang 0.5.23 `common/conn.py:1764-1768`): SWA entries carry no layer
+    /// ids and every stage's pool starts at layer 0.
+    #[error("PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models with pipeline parallelism yet.")]
+    SwaSliceUnderPp,
+    /// SWA head slicing: a page item that is not `page_size` tokens of whole heads on both sides (SGLang 0.5.23
+    /// `common/conn.py:1820-1830`).
+    #[error("KV item lengths (prefill={prefill}, decode={decode}) do not split into {prefill_heads} and {decode_heads} heads of {total_heads} total with page_size={page_size}")]
+    SwaHeadSplit { prefill: u64, decode: u64, prefill_heads: u32, decode_heads: u32, total_heads: u32, page_size: u32 },
     /// [I] paged state is not token-sharded; relaying it into a DCP decode is not modelled (dsa_dcp.py aside).
     #[error("PD DCP relayout does not support paged state component {kind}")]
     PagedStateUnderDcp { kind: StateKind },
@@ -156,7 +165,8 @@ impl PlanError {
             | PlanError::DcpGeometryAt { .. }
             | PlanError::ItemLength { .. }
             | PlanError::AuxGeometry { .. } => K::GeometryMismatch,
-            PlanError::SwaTpMismatch => K::TpMismatch,
+            PlanError::PagedStateTpMismatch { .. } | PlanError::SwaSliceUnderPp => K::TpMismatch,
+            PlanError::SwaHeadSplit { .. } => K::StateLayout,
             PlanError::SliceTooLarge { .. } => K::SliceTooLarge,
             PlanError::MambaSlotSize { .. }
             | PlanError::MambaLayouts { .. }

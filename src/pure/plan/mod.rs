@@ -442,9 +442,16 @@ fn model_state_gates(
     pool: PoolKind,
 ) -> Result<(), PlanError> {
     for component in &model.state {
-        // domain.md §3.4: "Non-MLA SWA/DSA hybrid with TP mismatch" is rejected; Mamba state slices instead.
+        // domain.md §3.4 rejects non-MLA SWA/DSA state under a TP change; SGLang 0.5.23 Mooncake head-slices SWA pages
+        // (`mooncake/conn.py:2081-2092`, `_send_swa_state_slice`), except with prefill PP > 1 (`common/conn.py:1764`).
+        // [I] kvrelay follows 0.5.23 (src/pure/plan/SGLANG.md); Mamba state slices by channel instead.
         if component.kind != StateKind::Mamba && !pool.replicated_latent() && prefill.tp != decode.tp {
-            return Err(PlanError::SwaTpMismatch);
+            if component.kind != StateKind::Swa {
+                return Err(PlanError::PagedStateTpMismatch { kind: component.kind });
+            }
+            if prefill.pp > 1 {
+                return Err(PlanError::SwaSliceUnderPp);
+            }
         }
         if component.kind != StateKind::Mamba && prefill.dcp != decode.dcp {
             return Err(PlanError::PagedStateUnderDcp { kind: component.kind });
@@ -614,8 +621,14 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
         decode_rank: connection.decode.tp,
     };
     for (component, kind) in source_layout.state.kinds.iter().enumerate() {
-        // Mamba state is sliced per TP rank, so every prefill rank of the group sends; paged state is replicated.
-        if *kind != StateKind::Mamba && !primary {
+        // Mamba state is sliced per TP rank, so every prefill rank of the group sends; head-sliced SWA state comes from
+        // the KV writers (one replica of each head); other paged state is replicated.
+        let sends = match kind {
+            StateKind::Mamba => true,
+            _ if swa_head_slice(ends, *kind) => kv_writer,
+            _ => primary,
+        };
+        if !sends {
             continue;
         }
         let (mut entries, by_id) = state_pairs(ends, component, *kind, shard)?;
@@ -775,6 +788,10 @@ fn state_pairs(
         let target_index = target_regions[target_entry];
         let source = &source_layout.regions[source_index as usize];
         let target = &target_layout.regions[target_index as usize];
+        if swa_head_slice(ends, kind) {
+            res.extend(swa_blocks(ends, shard, source_index, target_index, source, target)?);
+            continue;
+        }
         if kind != StateKind::Mamba {
             if source.item_len != target.item_len {
                 return Err(PlanError::StateItemLength {
@@ -809,6 +826,66 @@ fn state_pairs(
         }
     }
     Ok((res, by_id))
+}
+
+/// Whether state of `kind` moves as head slices on this connection: SWA pages of a non-MLA model under a TP change
+/// (SGLang 0.5.23 `slice_kv_heads`, `mooncake/conn.py:2081-2088`).
+fn swa_head_slice(ends: &Ends<'_>, kind: StateKind) -> bool {
+    kind == StateKind::Swa && !ends.model.pool_kind().replicated_latent() && ends.prefill.tp != ends.decode.tp
+}
+
+/// One SWA entry's head slices (SGLang 0.5.23 `_get_mha_head_slice_blocks`, `common/conn.py:1751-1851`): a page item
+/// is `page_size` tokens of the side's local heads (NHD), and the connection's heads of each token move as one block.
+fn swa_blocks(
+    ends: &Ends<'_>,
+    shard: state::Shard,
+    source_index: u32,
+    target_index: u32,
+    source: &crate::model::Region,
+    target: &crate::model::Region,
+) -> Result<Vec<EntryPair>, PlanError> {
+    let total_heads = match ends.model.attention {
+        crate::model::Attention::Mha { kv_heads, .. } => kv_heads,
+        _ => 1,
+    };
+    let page_size = ends.prefill.page_size;
+    let (prefill_heads, decode_heads) =
+        ((total_heads / shard.prefill_tp).max(1), (total_heads / shard.decode_tp).max(1));
+    let head_len = source.item_len / (u64::from(page_size) * u64::from(prefill_heads));
+    let token = |heads: u32| head_len * u64::from(heads);
+    if token(prefill_heads) * u64::from(page_size) != source.item_len
+        || token(decode_heads) * u64::from(page_size) != target.item_len
+        || head_len == 0
+    {
+        return Err(PlanError::SwaHeadSplit {
+            prefill: source.item_len,
+            decode: target.item_len,
+            prefill_heads,
+            decode_heads,
+            total_heads,
+            page_size,
+        });
+    }
+    let slice = heads::head_slice(
+        total_heads,
+        shard.prefill_tp,
+        shard.decode_tp,
+        shard.prefill_rank,
+        shard.decode_rank,
+        head_len,
+    )?;
+    Ok((0..u64::from(page_size))
+        .map(|t| EntryPair {
+            source_region: source_index,
+            target_region: target_index,
+            layer: source.layer,
+            source_row_len: source.item_len,
+            target_row_len: target.item_len,
+            source_column: t * token(prefill_heads) + slice.source_offset,
+            target_column: t * token(decode_heads) + slice.target_offset,
+            length: slice.length,
+        })
+        .collect())
 }
 
 fn describe_mode(mode: Mode, pool: PoolKind) -> String {

@@ -320,6 +320,12 @@ fn page_pieces(
 ) -> Vec<Piece> {
     let mut res = Vec::new();
     let item_len = decode_region.item_len;
+    if let (StateKind::Swa, Attention::Mha { kv_heads, .. }) = (kind, problem.model.attention) {
+        if problem.prefill.topology.tp != problem.decode.topology.tp {
+            swa_head_pieces(problem, target, decode_region, component, kv_heads, &mut res, notes);
+            return res;
+        }
+    }
     let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
     let Some((source, source_region)) =
         held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
@@ -352,6 +358,59 @@ fn page_pieces(
         }
     }
     res
+}
+
+/// SWA pages of an MHA model under a TP change: a page item is `page_size` tokens of the side's local KV heads (NHD,
+/// SGLang 0.5.23 `_send_swa_state_slice`); each of `target`'s heads of each token from the prefill rank that holds
+/// the head (as for KV rows, domain.md §3.2), over the truncated page index pairs (domain.md §8).
+fn swa_head_pieces(
+    problem: &Problem,
+    target: RankId,
+    decode_region: &Region,
+    component: u32,
+    kv_heads: u32,
+    res: &mut Vec<Piece>,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) {
+    let page_size = u64::from(problem.prefill.topology.page_size);
+    let prefill_tp = problem.prefill.topology.tp;
+    let (first_head, head_count) = rank_heads(kv_heads, problem.decode.topology.tp, target.tp);
+    let target_item = decode_region.item_len;
+    let head_len = target_item / (page_size * u64::from(head_count)).max(1);
+    for local in 0..head_count {
+        let head = first_head + local;
+        let holder_tp = head_holder_tp(problem, target, kv_heads, head);
+        let Some((source, source_region)) =
+            holder(problem, holder_tp, target, decode_region.kind, decode_region.layer, None)
+        else {
+            continue;
+        };
+        let source_item = problem.prefill.rank(source).regions[source_region as usize].item_len;
+        let (holder_first, holder_count) = rank_heads(kv_heads, prefill_tp, holder_tp);
+        let whole = |heads: u32| head_len * u64::from(heads) * page_size;
+        if head_len == 0 || whole(head_count) != target_item || whole(holder_count) != source_item {
+            notes.push((0, ViolationKind::Geometry { source_len: source_item, target_len: target_item }));
+            return;
+        }
+        let holder_local = u64::from(head - holder_first);
+        for request in &problem.requests {
+            let (source_pages, target_pages) =
+                (&request.prefill_state.pages[component as usize], &request.decode_state.pages[component as usize]);
+            for (source_page, target_page) in source_pages.iter().zip(target_pages) {
+                for token in 0..page_size {
+                    res.push(Piece::single(
+                        request.id,
+                        u64::from(*target_page) * target_item
+                            + (token * u64::from(head_count) + u64::from(local)) * head_len,
+                        head_len,
+                        (source, source_region),
+                        u64::from(*source_page) * source_item
+                            + (token * u64::from(holder_count) + holder_local) * head_len,
+                    ));
+                }
+            }
+        }
+    }
 }
 
 /// The auxiliary item: one per request, from the last prefill stage.

@@ -40,10 +40,13 @@ pub enum Mutant {
     /// A replicated state tensor under decode TP < prefill TP written by the group's second prefill rank instead of
     /// the first (`should_send_replicated_state` elects `lp % k == 0`, SGLang 0.5.23 `utils.py:872-904`).
     ReplicatedStateWrongWriter,
+    /// SWA pages head-sliced under a TP change (SGLang 0.5.23 `_send_swa_state_slice`) with two neighbouring ranks'
+    /// head slices exchanged, token by token (§3.2 applied to SWA state, `src/pure/plan/SGLANG.md`).
+    SwaSwappedHeadSlice,
 }
 
 /// Every mutant, in table order.
-pub const ALL: [Mutant; 11] = [
+pub const ALL: [Mutant; 12] = [
     Mutant::LocalLayerOrdinal,
     Mutant::DecodePagesPerChunk,
     Mutant::FinalPageOffByOne,
@@ -55,6 +58,7 @@ pub const ALL: [Mutant; 11] = [
     Mutant::AuxFromWrongStage,
     Mutant::StateBlockWrongRank,
     Mutant::ReplicatedStateWrongWriter,
+    Mutant::SwaSwappedHeadSlice,
 ];
 
 /// What one prefill rank knows while one chunk of one room is planned for one peer.
@@ -80,6 +84,7 @@ impl Mutant {
             Mutant::AuxFromWrongStage => "aux-from-wrong-stage",
             Mutant::StateBlockWrongRank => "state-block-wrong-rank",
             Mutant::ReplicatedStateWrongWriter => "replicated-state-wrong-writer",
+            Mutant::SwaSwappedHeadSlice => "swa-swapped-head-slice",
         }
     }
 
@@ -94,7 +99,7 @@ impl Mutant {
             Mutant::LocalLayerOrdinal => "§4.3",
             Mutant::DecodePagesPerChunk => "§2.3",
             Mutant::FinalPageOffByOne => "§2.3",
-            Mutant::GqaReplicationFormula | Mutant::SwappedHeadSlice => "§3.2",
+            Mutant::GqaReplicationFormula | Mutant::SwappedHeadSlice | Mutant::SwaSwappedHeadSlice => "§3.2",
             Mutant::FlatConvSplit | Mutant::StateBlockWrongRank | Mutant::ReplicatedStateWrongWriter => "§5.3",
             Mutant::DestinationBySourceIndex => "§8",
             Mutant::OddListLastEntry => "§4.5",
@@ -150,6 +155,12 @@ impl Mutant {
                 require(!problem.model.aux_item_lens.is_empty(), "no aux buffers")?;
                 require(prefill.pp > 1, "one prefill stage")
             }
+            Mutant::SwaSwappedHeadSlice => {
+                let Attention::Mha { kv_heads, .. } = problem.model.attention else { return Err("no head-sharded KV") };
+                let swa = problem.model.state.iter().any(|component| component.kind == StateKind::Swa);
+                require(swa && prefill.tp != decode.tp, "no SWA state head-sliced across TP")?;
+                require(prefill.tp.max(decode.tp) <= kv_heads, "neighbouring ranks are replicas of the same heads")
+            }
             Mutant::ReplicatedStateWrongWriter => {
                 let replicated = problem.model.state.iter().any(|component| {
                     component.kind == StateKind::Mamba
@@ -176,6 +187,7 @@ impl Mutant {
             Mutant::OddListLastEntry => odd_list_last_entry(groups),
             Mutant::AuxFromWrongStage => aux_from_wrong_stage(site, groups),
             Mutant::ReplicatedStateWrongWriter => replicated_state_wrong_writer(site, groups),
+            Mutant::SwaSwappedHeadSlice => swa_swapped_head_slice(site, groups),
         })
     }
 }
@@ -369,6 +381,37 @@ fn head_slices(site: &Site<'_>, groups: Vec<TransferGroup>, bug: HeadBug) -> Vec
                 HeadBug::Neighbour => (((decode_rank ^ 1) / replicas) * target_heads) % source_heads,
             };
             res.source_column = u64::from(head) * head_len;
+        }
+        Some(res)
+    })
+}
+
+/// SWA head slices recomputed for the neighbouring rank: a page item is `page_size` tokens of the side's heads (NHD);
+/// the slice of token `t` keeps its token and takes the neighbour's head offset on the side that picks it (§3.2).
+fn swa_swapped_head_slice(site: &Site<'_>, groups: Vec<TransferGroup>) -> Vec<TransferGroup> {
+    let model = site.query.local.model;
+    let Attention::Mha { kv_heads, .. } = model.attention else { return groups };
+    let (heads, prefill_tp, decode_tp) = (kv_heads.max(1), site.query.local.topology.tp.max(1), site.peer.tp.max(1));
+    let (source_heads, target_heads) = ((heads / prefill_tp).max(1), (heads / decode_tp).max(1));
+    let (prefill_rank, decode_rank) = (site.query.local.layout.rank.tp, site.peer.rank.tp);
+    let page = u64::from(site.query.local.topology.page_size.max(1));
+    let select = |group: &TransferGroup| {
+        let TransferKind::State { component } = group.kind else { return false };
+        prefill_tp != decode_tp && model.state.get(component as usize).is_some_and(|it| it.kind == StateKind::Swa)
+    };
+    map_entries(groups, select, |_, entry| {
+        let head_len = entry.source_row_len / (page * u64::from(source_heads));
+        let (source_token, target_token) = (head_len * u64::from(source_heads), head_len * u64::from(target_heads));
+        if head_len == 0 {
+            return None;
+        }
+        let mut res = entry.clone();
+        if prefill_tp > decode_tp {
+            let head = (((prefill_rank ^ 1) / (prefill_tp / heads).max(1)) * source_heads) % target_heads;
+            res.target_column = entry.target_column / target_token * target_token + u64::from(head) * head_len;
+        } else {
+            let head = (((decode_rank ^ 1) / (decode_tp / heads).max(1)) * target_heads) % source_heads;
+            res.source_column = entry.source_column / source_token * source_token + u64::from(head) * head_len;
         }
         Some(res)
     })

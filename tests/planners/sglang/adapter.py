@@ -221,6 +221,7 @@ class Adapter:
             kv_item_lens=local.kv_item_lens,
             kv_layer_ids=local.kv_layer_ids,
             num_draft_entries=local.num_draft,
+            swa_kv_cache_layout="nhd",  # kvrelay's SWA pages are [page_size, heads, head_dim]
         )
 
     def link(self, q: dict):
@@ -537,7 +538,16 @@ class Adapter:
                 m = min(len(src_idx), len(dst_idx))
                 src_idx, dst_idx = src_idx[:m], dst_idx[:m]
             if slice_heads:
-                raise RuntimeError("SWA head-sliced state (_send_swa_state_slice) is not modelled by the adapter")
+                # _send_swa_state_slice (mooncake/conn.py:2435-2476) through the wheel's _get_mha_head_slice_blocks
+                # (common/conn.py:1751-1851): one block per token of every window page, per K/V entry.
+                blocks = mgr._get_mha_head_slice_blocks(
+                    src_ptrs=src_ptrs, src_item_lens=list(src_lens), dst_ptrs=list(dst_ptrs),
+                    dst_item_lens=list(dst_lens), src_page_indices=np.asarray(src_idx),
+                    dst_page_indices=np.asarray(dst_idx), dst_attn_tp_size=peer.tp, dst_tp_rank=peer.tp_rank)
+                for src_addrs, dst_addrs, length in blocks:
+                    out.add(ci, [(int(a), int(b), int(length)) for a, b in zip(src_addrs.tolist(),
+                                                                              dst_addrs.tolist())])
+                continue
             self.send_kvcache_generic(out, ci, local, mgr, src_ptrs, dst_ptrs, src_lens,
                                       np.array(src_idx, dtype=np.int32), np.array(dst_idx, dtype=np.int32),
                                       src_ids, dst_ids, state_type=st, dst_item_lens=dst_lens)
