@@ -182,3 +182,25 @@ fn a_side_without_draft_entries() {
         "{res}"
     );
 }
+
+/// A request's own slot or aux index must lie in the side's pool, past the reserved index 0, and be named once.
+#[rstest::rstest]
+#[case::outside(
+    "{slot: {decode: 9}}",
+    "requests[0].slot.decode: slot 9 is outside 1..4 (fix: an index from 1, or raise decode.slots)"
+)]
+#[case::zero(
+    "{aux: {prefill: 0}}",
+    "requests[0].aux.prefill: aux 0 is outside 1..4 (fix: an index from 1, or raise prefill.slots)"
+)]
+#[case::twice(
+    "{slot: {prefill: 2}}, {tokens: 9, slot: {prefill: 2}}",
+    "requests[1].slot.prefill: slot 2 is named by two requests on the prefill side"
+)]
+fn a_bad_slot_or_aux_index_names_the_field_and_the_fix(#[case] request: &str, #[case] wanted: &str) {
+    let request = request.replacen('{', "{tokens: 20, ", 1);
+    let res = error(&format!(
+        "model: {{preset: llama-3-8b, layers: 2, aux: [64]}}\nprefill: {{page_size: 16, slots: 4}}\ndecode: {{page_size: 16, slots: 4}}\nrequests: [{request}]\nexpect: ok\n"
+    ));
+    assert!(res.contains(wanted), "{res}");
+}

@@ -198,7 +198,7 @@ fn push_component(
     }
     state.kinds.push(component.kind);
     state.regions.push(entry_regions);
-    state.layer_ids.push(layer_ids);
+    state.layer_ids.push(if component.publishes_layer_ids { layer_ids } else { Vec::new() });
     state.dims.push(dims);
     state.conv_groups.push(groups);
     state.outer_counts.push(outers);

@@ -167,6 +167,9 @@ pub struct StateComponent {
     pub tensors: Vec<StateTensor>,
     /// Paged kinds: pages a request keeps (the sliding window); `None` keeps every page of the request.
     pub window_pages: Option<u32>,
+    /// Whether both sides' pools publish the component's layer ids in the registration (SGLang's SWA pools publish
+    /// none: `disaggregation/utils.py:1548-1550`); entries then pair by position.
+    pub publishes_layer_ids: bool,
 }
 
 /// Speculative draft KV entries appended after the target entries (domain.md §2.4 draft rows, §2.6).

@@ -254,7 +254,7 @@ fn side_options(
 ) -> SideOptions {
     let page_count = allocate(side, raw_side, raw_requests, requests, seed, diagnostics);
     let slot_count = raw_side.slots.unwrap_or(requests.len() as u32 + 1);
-    allocate_slots(side, slot_count, requests, seed, diagnostics);
+    allocate_slots(side, slot_count, raw_requests, requests, seed, diagnostics);
     let state_page_counts = allocate_state_pages(side, model, requests, seed, diagnostics);
     let overrides = raw_side
         .metadata_overrides
@@ -506,6 +506,7 @@ fn linear_attention(layers: Vec<u32>, conv: (u32, u64, u32, Vec<u32>), heads: u3
     StateComponent {
         kind: StateKind::Mamba,
         window_pages: None,
+        publishes_layer_ids: true,
         layers,
         tensors: vec![
             StateTensor {
@@ -572,6 +573,7 @@ fn preset(name: &str) -> Option<ModelGeometry> {
             state: vec![StateComponent {
                 kind: StateKind::Dsa,
                 window_pages: None,
+                publishes_layer_ids: true,
                 layers: (0..61).collect(),
                 tensors: vec![StateTensor {
                     name: "index_k".to_owned(),
@@ -854,7 +856,13 @@ fn lower_state(
         if kind != StateKind::Mamba && raw.window_pages == Some(0) {
             diagnostics.push(format!("{path}.window_pages"), "must be at least 1");
         }
-        res.push(StateComponent { kind, layers: component_layers, tensors, window_pages: raw.window_pages });
+        res.push(StateComponent {
+            kind,
+            layers: component_layers,
+            tensors,
+            window_pages: raw.window_pages,
+            publishes_layer_ids: raw.layer_ids,
+        });
     }
     res
 }
@@ -1205,7 +1213,16 @@ fn allocate(
 }
 
 /// Hands every request a Mamba slot and an aux row on one side, shuffled from `1..slot_count`.
-fn allocate_slots(side: Side, slot_count: u32, requests: &mut [Request], seed: Seed, diagnostics: &mut Diagnostics) {
+/// A request's own `slot` or `aux` index (`requests[i].slot.decode: 3`) replaces the allocator's; the allocator hands
+/// the others what no request named, so that no two requests of a side share a slot or an aux row.
+fn allocate_slots(
+    side: Side,
+    slot_count: u32,
+    raw_requests: &[RawRequest],
+    requests: &mut [Request],
+    seed: Seed,
+    diagnostics: &mut Diagnostics,
+) {
     if slot_count <= requests.len() as u32 {
         diagnostics.push(
             format!("{side}.slots"),
@@ -1219,9 +1236,33 @@ fn allocate_slots(side: Side, slot_count: u32, requests: &mut [Request], seed: S
         return;
     }
     for (stream, pick) in [("slots", 0), ("aux", 1)] {
-        let mut free: Vec<u32> = (1..slot_count).collect();
+        let field = if pick == 0 { "slot" } else { "aux" };
+        let explicit: Vec<Option<u32>> = raw_requests
+            .iter()
+            .map(|raw| {
+                let sides = if pick == 0 { raw.slot.as_ref() } else { raw.aux.as_ref() };
+                sides.and_then(|sides| if side == Side::Prefill { sides.prefill } else { sides.decode })
+            })
+            .collect();
+        let mut named = BTreeSet::new();
+        for (index, given) in explicit.iter().enumerate() {
+            let Some(given) = *given else { continue };
+            let path = format!("requests[{index}].{field}.{side}");
+            if given == 0 || given >= slot_count {
+                diagnostics.push(
+                    path,
+                    format!("{field} {given} is outside 1..{slot_count} (fix: an index from 1, or raise {side}.slots)"),
+                );
+            } else if !named.insert(given) {
+                diagnostics.push(path, format!("{field} {given} is named by two requests on the {side} side"));
+            }
+        }
+        let mut free: Vec<u32> = (1..slot_count).filter(|index| !named.contains(index)).collect();
         free.shuffle(&mut seed.stream(&format!("{stream}.{side}")));
-        for (request, index) in requests.iter_mut().zip(free) {
+        let mut free = free.into_iter();
+        let indices: Vec<u32> =
+            explicit.iter().map(|given| given.unwrap_or_else(|| free.next().unwrap_or(0))).collect();
+        for (request, index) in requests.iter_mut().zip(indices) {
             let state = match side {
                 Side::Prefill => &mut request.prefill_state,
                 Side::Decode => &mut request.decode_state,

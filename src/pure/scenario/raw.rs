@@ -12,7 +12,7 @@
 //! | `model.kv_lora_rank`, `model.qk_rope_head_dim` | u32 | preset | MLA latent and rope widths |
 //! | `model.kv_heads`, `model.head_dim` | u32 | none | MHA/GQA: total KV heads and head width (given instead of the MLA fields) |
 //! | `model.dtype_bytes` | u32 | preset | bytes per KV element (2 bf16, 1 fp8) |
-//! | `model.state[]` | list | preset or none | state components: `kind` (`mamba`, `swa`, `dsa`, `swa_ring`), `layers` (default: every non-KV layer), `window_pages` (swa kinds), `tensors` |
+//! | `model.state[]` | list | preset or none | state components: `kind` (`mamba`, `swa`, `dsa`, `swa_ring`), `layers` (default: every non-KV layer), `window_pages` (swa kinds), `layer_ids` (default true; false: the pool publishes no state layer ids, as SGLang's SWA pools), `tensors` |
 //! | `model.state[].tensors[]` | list | required | `name`, and either `dim` (full sliced axis), `unit_bytes`, `outer` (default 1), `groups` (full sub-block widths), or `item_len` (not sliceable) |
 //! | `model.aux` | [u64] | none | bytes per row of each aux buffer |
 //! | `model.draft` | `{entries, token_len}` | none | draft KV entries on the last stage |
@@ -106,6 +106,9 @@ pub struct RawComponent {
     pub kind: String,
     pub layers: Option<Vec<u32>>,
     pub window_pages: Option<u32>,
+    /// Whether the pool publishes the component's global layer ids (`state_layer_ids`); SGLang's SWA pools do not.
+    #[serde(default = "yes")]
+    pub layer_ids: bool,
     pub tensors: Vec<RawTensor>,
 }
 
@@ -230,6 +233,18 @@ pub struct RawRequest {
     pub state_pages: Vec<RawStatePages>,
     #[serde(default)]
     pub cached_prefix: u32,
+    /// The request's Mamba slot (`req_to_mamba_index`) on each side, instead of the seeded allocator's.
+    pub slot: Option<RawSides>,
+    /// The request's aux row (`metadata_buffer_index`) on each side, instead of the seeded allocator's.
+    pub aux: Option<RawSides>,
+}
+
+/// One index per side; a side left out keeps the allocator's.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping {prefill: N, decode: N} (either may be left out)")]
+pub struct RawSides {
+    pub prefill: Option<u32>,
+    pub decode: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
