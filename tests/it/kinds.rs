@@ -30,6 +30,9 @@ use crate::support::scenario;
 #[case::replicated_mamba_one_side("rejections/replicated-mamba-one-side.yaml", PlanErrorKind::StateMetadata)]
 #[case::mla_tp_mismatch_item_length("rejections/mla-tp-mismatch-item-length.yaml", PlanErrorKind::GeometryMismatch)]
 #[case::swa_ring_length_mismatch("rejections/swa-ring-length-mismatch.yaml", PlanErrorKind::StateIndices)]
+#[case::swa_head_slice_under_pp("rejections/swa-head-slice-under-pp.yaml", PlanErrorKind::TpMismatch)]
+#[case::swa_head_slice_item_split("rejections/swa-head-slice-item-split.yaml", PlanErrorKind::StateLayout)]
+#[case::dsa_mha_tp_mismatch("rejections/dsa-mha-tp-mismatch.yaml", PlanErrorKind::TpMismatch)]
 #[case::too_few_decode_pages("rejections/too-few-decode-pages.yaml", PlanErrorKind::TooFewPages)]
 #[case::unaligned_decode_prefix("rejections/unaligned-decode-prefix.yaml", PlanErrorKind::UnalignedPrefix)]
 #[case::registration_error_on_one_rank(
@@ -54,7 +57,7 @@ fn every_scenario_expecting_a_rejection_is_listed() {
             expecting += 1;
         }
     }
-    assert_eq!(expecting, 21);
+    assert_eq!(expecting, 24);
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
