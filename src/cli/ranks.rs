@@ -66,10 +66,20 @@ fn fabric_flag(fabric: &harness::Fabric) -> String {
 
 /// `kvrelay serve`: one rank; a decode rank prints its verdict (human line and machine line).
 pub(super) fn serve(scenario: &Scenario, options: &crate::process::ServeOptions) -> anyhow::Result<ExitCode> {
-    let Some(verdict) = crate::process::serve(scenario, options)? else {
+    // The verdict is printed while the rank's engine is still open: an engine that aborts at teardown (its peer
+    // killed mid-transfer) leaves the verdict on stdout, and the launcher reports the abnormal exit beside it.
+    let mut printed = Ok(());
+    let verdict = crate::process::serve(scenario, options, |verdict| printed = print_verdict(verdict))?;
+    printed?;
+    let Some(verdict) = verdict else {
         outln!("prefill {} done", options.rank);
         return Ok(ExitCode::SUCCESS);
     };
+    Ok(if verdict.violation_count == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// A decode process's verdict: the human line, its violations, the machine line the launcher reads.
+fn print_verdict(verdict: &crate::process::RankVerdict) -> anyhow::Result<()> {
     let succeeded = verdict.rooms.iter().filter(|room| room.poll == crate::wire::KvPoll::Success as u8).count();
     outln!(
         "verdict decode {}: {} requests, {succeeded} succeeded, {} violations in {} bytes",
@@ -81,8 +91,9 @@ pub(super) fn serve(scenario: &Scenario, options: &crate::process::ServeOptions)
     for violation in &verdict.violations {
         outln!("  {violation}");
     }
-    outln!("{}{}", crate::process::VERDICT_PREFIX, serde_json::to_string(&verdict)?);
-    Ok(if verdict.violation_count == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    outln!("{}{}", crate::process::VERDICT_PREFIX, serde_json::to_string(verdict)?);
+    std::io::Write::flush(&mut std::io::stdout())?;
+    Ok(())
 }
 
 /// `kvrelay hub`: the bootstrap hub of one run, for ranks on several hosts.
@@ -133,6 +144,9 @@ pub(super) fn launch(
             }
             Err(why) => outln!("decode {index}: {why}"),
         }
+    }
+    for exit in &launched.after_verdict {
+        outln!("note: {exit} after its verdict (the engine failed at teardown; the verdict stands)");
     }
     if let Some((injected, struck, succeeded, failed)) = &launched.chaos {
         outln!("chaos {injected}; {struck}");

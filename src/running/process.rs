@@ -138,8 +138,13 @@ pub fn node_of(problem: &Problem, role: Role, index: u32) -> Option<NodeId> {
     }
 }
 
-/// Runs one rank of `scenario` until the hub stops the run; a decode rank returns its verdict.
-pub fn serve(scenario: &Scenario, options: &ServeOptions) -> Result<Option<RankVerdict>, ProcessError> {
+/// Runs one rank of `scenario` until the hub stops the run; a decode rank returns its verdict, handed to `publish`
+/// first while its engine is still open (see [`crate::engine::live::serve`]).
+pub fn serve(
+    scenario: &Scenario,
+    options: &ServeOptions,
+    publish: impl FnOnce(&RankVerdict),
+) -> Result<Option<RankVerdict>, ProcessError> {
     let problem = &scenario.problem;
     let Some(node) = node_of(problem, options.role, options.rank) else {
         let count = match options.role {
@@ -148,9 +153,14 @@ pub fn serve(scenario: &Scenario, options: &ServeOptions) -> Result<Option<RankV
         };
         return Err(ProcessError::NoSuchRank { rank: options.rank, role: options.role, count });
     };
-    let run = serve_on_fabric(problem, node, options)?;
     let decode = (options.role == Role::Decode).then(|| problem.decode.ranks[options.rank as usize].rank);
-    Ok(decode.map(|rank| rank_verdict(scenario, rank, &run)))
+    serve_on_fabric(problem, node, options, |run| {
+        let verdict = decode.map(|rank| rank_verdict(scenario, rank, run));
+        if let Some(verdict) = &verdict {
+            publish(verdict);
+        }
+        verdict
+    })
 }
 
 /// Connects to the hub as `node` and waits for the start: the control and the published prefill topology.
@@ -166,7 +176,12 @@ fn join(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<(Clie
 /// Opens the rank's transfer engine on the fabric before joining the run (a rank that cannot open its device,
 /// load its engine or start its child never connects), then serves: the RDMA device's, NIXL's, a child-process
 /// fabric's (its own child per process).
-fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> Result<SimRun, ProcessError> {
+fn serve_on_fabric<R>(
+    problem: &Problem,
+    node: NodeId,
+    options: &ServeOptions,
+    judge: impl FnOnce(&SimRun) -> R,
+) -> Result<R, ProcessError> {
     if matches!(options.fabric, Fabric::Sim | Fabric::LiveSim) {
         return Err(ProcessError::InOneProcess);
     }
@@ -174,7 +189,7 @@ fn serve_on_fabric(problem: &Problem, node: NodeId, options: &ServeOptions) -> R
     let mut transport = options.fabric.transport().map_err(|error| failed(error.to_string()))?;
     let engine = transport.engine(node, harness::RDMA_CAPS).map_err(|error| failed(error.to_string()))?;
     let (client, topology) = join(problem, node, options)?;
-    Ok(crate::engine::live::serve(problem, node, engine, client, topology, &options.live)?)
+    Ok(crate::engine::live::serve(problem, node, engine, client, topology, &options.live, judge)?)
 }
 
 /// Why the in-memory fabric cannot serve one rank per process.
@@ -223,6 +238,9 @@ pub struct Launched {
     pub verdicts: BTreeMap<u32, Result<RankVerdict, ProcessError>>,
     /// Per process, `role index: exit status`.
     pub exits: Vec<String>,
+    /// Decode processes killed by a signal after they gave their verdict (an engine that aborts at teardown, its
+    /// peer gone): the verdict stands, and the exit is reported beside it.
+    pub after_verdict: Vec<String>,
     pub hub: HubReport,
     /// Why the run does not meet the scenario's expectation (under `--chaos`: the fault guarantee); empty means
     /// pass.
@@ -258,7 +276,7 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> Resu
     let struck = striker.map(Striker::finish);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut verdicts = BTreeMap::new();
-    let mut exits = Vec::new();
+    let (mut exits, mut after_verdict) = (Vec::new(), Vec::new());
     for (role, index, mut child) in children {
         if chaos.as_ref().is_some_and(|chaos| chaos.chaos == Chaos::StallPrefill && chaos.victim == Some((role, index)))
         {
@@ -267,6 +285,9 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> Resu
         let (status, verdict) = gather(child, deadline);
         exits.push(format!("{} {index}: {status}", role_name(role)));
         if role == Role::Decode {
+            if verdict.is_some() && status.contains("signal") {
+                after_verdict.push(format!("decode {index}: {status}"));
+            }
             verdicts.insert(index, verdict.ok_or_else(|| ProcessError::NoVerdict { status: status.clone() }));
         }
     }
@@ -275,12 +296,13 @@ pub fn launch(path: &Path, scenario: &Scenario, options: &LaunchOptions) -> Resu
     }
     let Some(chaos) = chaos else {
         let failures = launch_failures(scenario, &verdicts, &report);
-        return Ok(Launched { verdicts, exits, hub: report, failures, chaos: None });
+        return Ok(Launched { verdicts, exits, after_verdict, hub: report, failures, chaos: None });
     };
     let ranks: Vec<String> = problem.decode.ranks.iter().map(|layout| layout.rank.to_string()).collect();
     let (succeeded, failed, failures) = chaos::guarantee_failures(&chaos, &ranks, &verdicts, &report);
     let struck = struck.unwrap_or_else(|| format!("{} messages cut short", report.truncated));
-    Ok(Launched { verdicts, exits, hub: report, failures, chaos: Some((chaos.describe(), struck, succeeded, failed)) })
+    let chaos = Some((chaos.describe(), struck, succeeded, failed));
+    Ok(Launched { verdicts, exits, after_verdict, hub: report, failures, chaos })
 }
 
 pub(crate) fn role_name(role: Role) -> &'static str {

@@ -190,10 +190,20 @@ proptest! {
     }
 }
 
-/// An endpoint whose NIC runs out of queue pairs after `left` (as a real device's CQ or QP table can).
+/// An endpoint whose NIC runs out of queue pairs after `left` (as a real device's CQ or QP table can); it sets
+/// `dropped` when it is torn down.
 struct FewQps {
     inner: kvrelay::fabric::world::SimEndpoint,
     left: usize,
+    dropped: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+}
+
+impl Drop for FewQps {
+    fn drop(&mut self) {
+        if let Some(dropped) = &self.dropped {
+            dropped.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
 }
 
 impl kvrelay::fabric::verbs::Endpoint for FewQps {
@@ -251,7 +261,11 @@ fn a_prefill_rank_out_of_queue_pairs_refuses_that_peer_and_serves_the_others() {
     let run = kvrelay::engine::live::run_local(&scenario.problem, &options, |node| {
         // Node 0 is the one prefill rank; decode ranks need one queue pair each.
         let left = if node == NodeId(0) { 15 } else { 1 };
-        Ok(kvrelay::fabric::verbs_engine::VerbsEngine::new(FewQps { inner: world.eager_endpoint(node), left }))
+        Ok(kvrelay::fabric::verbs_engine::VerbsEngine::new(FewQps {
+            inner: world.eager_endpoint(node),
+            left,
+            dropped: None,
+        }))
     })
     .unwrap();
     let failures = run.failures();
@@ -268,4 +282,36 @@ fn a_prefill_rank_out_of_queue_pairs_refuses_that_peer_and_serves_the_others() {
         let verdicts = run.verdicts(layout.rank);
         assert_eq!(verify::check_rank(&scenario.problem, layout.rank, &run.observation, &verdicts), vec![]);
     }
+}
+
+/// A control whose run is over at once.
+struct StopAtOnce;
+
+impl Control for StopAtOnce {
+    fn send(&mut self, _from: NodeId, _envelope: Envelope) {}
+    fn try_recv(&mut self) -> Received {
+        Received::Stop
+    }
+}
+
+/// Found in CI: a decode process whose prefill peer was SIGKILLed mid-transfer died in its engine's teardown
+/// (SIGABRT) and took its verdict with it. A rank's outcome is now judged while its engine is still open.
+#[test]
+fn a_served_rank_is_judged_before_its_engine_is_torn_down() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let scenario = load("scenarios/basic/mla-tp2-to-tp4.yaml");
+    let world = kvrelay::fabric::world::SimWorld::new(kvrelay::engine::sim::SimOptions::default().caps);
+    let dropped = std::sync::Arc::new(AtomicBool::new(false));
+    let decode = NodeId(scenario.problem.prefill.ranks.len() as u32);
+    let endpoint = FewQps { inner: world.eager_endpoint(decode), left: 64, dropped: Some(dropped.clone()) };
+    let engine = kvrelay::fabric::verbs_engine::VerbsEngine::new(endpoint);
+    let options = kvrelay::engine::live::LiveOptions::default();
+    let open_when_judged =
+        kvrelay::engine::live::serve(&scenario.problem, decode, engine, StopAtOnce, None, &options, |run| {
+            assert!(run.rooms.values().all(|rooms| !rooms.is_empty()), "the decode rank's rooms are in the outcome");
+            !dropped.load(Ordering::SeqCst)
+        })
+        .unwrap();
+    assert!(open_when_judged, "the engine was torn down before the outcome was judged");
+    assert!(dropped.load(Ordering::SeqCst), "the engine is torn down once judged");
 }

@@ -145,15 +145,18 @@ pub fn run_local<N: TransferEngine>(
 /// One rank of `problem` in this process, on `nic`, with `control` to the other processes. `published` is the
 /// prefill topology the hub's start frame carried (`None`: nobody published one, so a decode rank fails its rooms).
 /// Runs until the control says stop (or the time limit passes); the outcome holds this rank's rooms (and, for a
-/// decode rank, its memory).
-pub fn serve<N: TransferEngine, C: Control>(
+/// decode rank, its memory). `judge` sees the outcome while the rank's engine is still open: a decode process
+/// gives its verdict before its engine is torn down, so an engine that fails at teardown (a peer killed
+/// mid-transfer) cannot take the verdict with it.
+pub fn serve<N: TransferEngine, C: Control, R>(
     problem: &Problem,
     node: NodeId,
     nic: N,
     control: C,
     published: Option<Topology>,
     options: &LiveOptions,
-) -> Result<SimRun, LiveError> {
+    judge: impl FnOnce(&SimRun) -> R,
+) -> Result<R, LiveError> {
     let index = node.0 as usize;
     let prefill_count = problem.prefill.ranks.len();
     let mut names = BTreeMap::new();
@@ -170,7 +173,10 @@ pub fn serve<N: TransferEngine, C: Control>(
     let mut live = Live::new(prefill, decode, control, names, options);
     live.start(published, &sim::directory(problem));
     live.run(Finish::Stopped);
-    live.finish()
+    let run = live.finish()?;
+    let judged = judge(&run);
+    drop(live);
+    Ok(judged)
 }
 
 /// When the loop ends.
@@ -342,12 +348,13 @@ impl<N: TransferEngine, C: Control> Live<N, C> {
         }
     }
 
-    fn finish(mut self) -> Result<SimRun, LiveError> {
+    /// The run's observations; the engines stay open until `self` is dropped.
+    fn finish(&mut self) -> Result<SimRun, LiveError> {
         let run_ns = self.now();
         let mut run = sim::finish_nodes(&mut self.prefill, &mut self.decode, false)?;
         run.run_ns = run_ns;
-        run.trace = self.trace.unwrap_or_default();
-        run.messages = self.messages;
+        run.trace = self.trace.take().unwrap_or_default();
+        run.messages = std::mem::take(&mut self.messages);
         Ok(run)
     }
 }
