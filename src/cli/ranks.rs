@@ -146,7 +146,7 @@ pub(super) fn launch(
         }
     }
     for exit in &launched.after_verdict {
-        outln!("note: {exit} after its verdict (the engine failed at teardown; the verdict stands)");
+        outln!("note: {exit} after its verdict (the verdict stands)");
     }
     if let Some((injected, struck, succeeded, failed)) = &launched.chaos {
         outln!("chaos {injected}; {struck}");

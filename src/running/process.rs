@@ -238,8 +238,8 @@ pub struct Launched {
     pub verdicts: BTreeMap<u32, Result<RankVerdict, ProcessError>>,
     /// Per process, `role index: exit status`.
     pub exits: Vec<String>,
-    /// Decode processes killed by a signal after they gave their verdict (an engine that aborts at teardown, its
-    /// peer gone): the verdict stands, and the exit is reported beside it.
+    /// Decode processes ended by a signal after they gave their verdict (an engine that aborts at teardown, its
+    /// peer gone, or a chaos victim struck late): the verdict stands, and the exit is reported beside it.
     pub after_verdict: Vec<String>,
     pub hub: HubReport,
     /// Why the run does not meet the scenario's expectation (under `--chaos`: the fault guarantee); empty means
