@@ -33,7 +33,8 @@ use cudarc::driver::{
 
 use super::seam::{
     Batch, BatchId, BatchStatus, Cancelled, Check, Compare, Completion, ConnId, Event, Fill, Image, Kept, Landed,
-    Memory, MemoryKind, NodeId, Pattern, PeerAddress, RemoteMemory, Repeat, SeamError, SeamLimits, TransferEngine,
+    Memory, MemoryKind, NodeId, Pattern, PeerAddress, RemoteMemory, Repeat, RowRun, RowsCheck, SeamError, SeamLimits,
+    TransferEngine,
 };
 use super::transport::{Identity, Transport, TransportError};
 use super::verbs::Caps;
@@ -249,6 +250,37 @@ extern "C" __global__ void kv_judge(const Check* checks, u64 count, u32* bad, u3
         if (__any_sync(0xffffffffu, diff != 0) && LANE == 0) { bad[i] = 1; *any = 1; }
     }
 }
+
+struct RowsCheck { u64 addr; u64 row; u64 source; u64 pattern_row; u64 first_run; u64 first_work; };
+struct RowRun { u64 target; u64 source; u64 count; u64 step; };
+
+// One warp per run of a table named by a check (runs cut on the host to at most PIECE_BYTES of the check's rows):
+// it finds its check by binary search over the checks' first work items, then compares the run's rows, target row
+// t at addr + t * row, source row s the pattern's bytes from s * pattern_row on (source packs number << 40, its top
+// bit the sentinel). A failing run sets bad[check] and *any.
+extern "C" __global__ void kv_judge_rows(const RowsCheck* checks, u64 n, const RowRun* runs, u64 works, u32* bad,
+                                         u32* any) {
+    for (u64 w = WARP; w < works; w += WARPS) {
+        u64 lo = 0, hi = n;
+        while (hi - lo > 1) {
+            const u64 mid = (lo + hi) / 2;
+            if (checks[mid].first_work <= w) lo = mid; else hi = mid;
+        }
+        const RowsCheck c = checks[lo];
+        const RowRun r = runs[c.first_run + (w - c.first_work)];
+        const u64 sentinel = c.source >> 63;
+        u64 diff = 0;
+        if (sentinel || (r.step == 1 && c.pattern_row == c.row)) {
+            diff = judge_block(c.addr + r.target * c.row, r.source * c.pattern_row, r.count * c.row, c.source, sentinel);
+        } else {
+            for (u64 k = 0; k < r.count; k++) {
+                const u64 at = (r.source + k * r.step) * c.pattern_row;
+                diff |= judge_block(c.addr + (r.target + k) * c.row, at, c.row, c.source, sentinel);
+            }
+        }
+        if (__any_sync(0xffffffffu, diff != 0) && LANE == 0) { bad[lo] = 1; *any = 1; }
+    }
+}
 "#;
 
 /// Entries up to which a batch runs as one `cuMemcpyDtoDAsync` per entry instead of a gather launch, and the
@@ -291,13 +323,14 @@ struct Shared {
     paged: CudaFunction,
     fill: CudaFunction,
     judge: CudaFunction,
+    judge_rows: CudaFunction,
     state: Mutex<State>,
     /// Bumped whenever `State::live` changes: a connection's cached liveness of its peer's memory is current while
     /// this is unchanged, so a batch takes the state's lock only after a registration came or went.
     generation: std::sync::atomic::AtomicU64,
     /// The oracle's own stream and lock (its calls come from the harness's threads).
     judge_stream: Arc<CudaStream>,
-    judge_lock: Mutex<()>,
+    judge_lock: Mutex<JudgeBuffers>,
     gpu: u32,
     device: Arc<Device>,
 }
@@ -492,10 +525,11 @@ impl CudaTransport {
             paged: device.paged.clone(),
             fill: device.fill.clone(),
             judge: device.judge.clone(),
+            judge_rows: device.judge_rows.clone(),
             state: Mutex::default(),
             generation: 0.into(),
             judge_stream: device.judge_stream.clone(),
-            judge_lock: Mutex::new(()),
+            judge_lock: Mutex::new(JudgeBuffers::default()),
             gpu,
             device,
         };
@@ -511,6 +545,11 @@ impl CudaTransport {
     /// Device memory free on this GPU now, in bytes.
     pub fn free_bytes(&self) -> u64 {
         self.shared.ctx.mem_get_info().map_or(0, |(free, _)| free as u64)
+    }
+
+    /// What the oracle's compares on this GPU cost since the last call (which starts them over).
+    pub fn judge_stats(&self) -> JudgeStats {
+        self.shared.device.judged.take()
     }
 
     /// Starts the peak over from what is held now.
@@ -619,6 +658,8 @@ struct Device {
     /// Bytes of device memory this process's engines hold now, and at most so far.
     allocated: std::sync::atomic::AtomicU64,
     peak: std::sync::atomic::AtomicU64,
+    /// What the oracle's compares cost on this GPU since the last [`CudaTransport::judge_stats`] reset.
+    judged: JudgeCounters,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     judge_stream: Arc<CudaStream>,
@@ -627,6 +668,50 @@ struct Device {
     paged: CudaFunction,
     fill: CudaFunction,
     judge: CudaFunction,
+    judge_rows: CudaFunction,
+}
+
+/// The oracle's compares on one GPU, counted as they run (atomics: the harness judges ranks on several threads).
+#[derive(Default)]
+struct JudgeCounters {
+    calls: std::sync::atomic::AtomicU64,
+    checks: std::sync::atomic::AtomicU64,
+    entries: std::sync::atomic::AtomicU64,
+    table_ns: std::sync::atomic::AtomicU64,
+    device_ns: std::sync::atomic::AtomicU64,
+}
+
+impl JudgeCounters {
+    fn add(&self, checks: usize, entries: usize, table: std::time::Duration, device: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.calls.fetch_add(1, Relaxed);
+        self.checks.fetch_add(checks as u64, Relaxed);
+        self.entries.fetch_add(entries as u64, Relaxed);
+        self.table_ns.fetch_add(table.as_nanos() as u64, Relaxed);
+        self.device_ns.fetch_add(device.as_nanos() as u64, Relaxed);
+    }
+
+    fn take(&self) -> JudgeStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        JudgeStats {
+            calls: self.calls.swap(0, Relaxed),
+            checks: self.checks.swap(0, Relaxed),
+            entries: self.entries.swap(0, Relaxed),
+            table_seconds: self.table_ns.swap(0, Relaxed) as f64 / 1e9,
+            device_seconds: self.device_ns.swap(0, Relaxed) as f64 / 1e9,
+        }
+    }
+}
+
+/// What the oracle's compares cost: calls, checks asked, table entries (checks cut into pieces), seconds building
+/// tables on the host and seconds from the upload to the answers (summed over threads).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct JudgeStats {
+    pub calls: u64,
+    pub checks: u64,
+    pub entries: u64,
+    pub table_seconds: f64,
+    pub device_seconds: f64,
 }
 
 /// A device opened, or why it could not be.
@@ -662,11 +747,25 @@ impl Device {
             module.load_function(name).map_err(|error| unavailable(&format!("kernel {name}"), format!("{error:?}")))
         };
         let (gather, fill, judge) = (function("kv_gather")?, function("kv_fill_source")?, function("kv_judge")?);
-        let (strided, paged) = (function("kv_strided")?, function("kv_paged")?);
+        let (strided, paged, judge_rows) = (function("kv_strided")?, function("kv_paged")?, function("kv_judge_rows")?);
         let stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
         let judge_stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
         let (allocated, peak) = (0.into(), 0.into());
-        Ok(Device { allocated, peak, ctx, stream, judge_stream, gather, strided, paged, fill, judge })
+        let judged = JudgeCounters::default();
+        Ok(Device {
+            allocated,
+            peak,
+            judged,
+            ctx,
+            stream,
+            judge_stream,
+            gather,
+            strided,
+            paged,
+            fill,
+            judge,
+            judge_rows,
+        })
     }
 }
 
@@ -798,6 +897,29 @@ struct Staging {
     reserved: bool,
 }
 
+impl Staging {
+    /// Page-locked host words and as many device words, for at least `words` words (the next power of two, 4,096
+    /// at least).
+    fn new(ctx: &Arc<CudaContext>, words: usize) -> Result<Staging, SeamError> {
+        let capacity = words.max(1 << 12).next_power_of_two();
+        let bytes = capacity * std::mem::size_of::<u64>();
+        ctx.bind_to_thread().map_err(|error| driver("cuCtxSetCurrent", error))?;
+        // SAFETY: the context is current; both allocations are freed once by `Staging`'s drop (the device words
+        // through `DeviceAlloc`).
+        let device = unsafe { result::malloc_sync(bytes) }.map_err(|error| driver("cuMemAlloc", error))?;
+        let device = DeviceAlloc { ctx: ctx.clone(), ptr: device };
+        // SAFETY: as above; the page-locked words are freed once by `Staging`'s drop.
+        let host = unsafe { result::malloc_host(bytes, 0) }.map_err(|error| driver("cuMemHostAlloc", error))?;
+        Ok(Staging { host: host.cast(), device, words: capacity, busy: None, reserved: false })
+    }
+
+    /// The page-locked words, for a caller that waited for every copy that reads or writes them.
+    fn host(&mut self) -> &mut [u64] {
+        // SAFETY: `host` holds `words` page-locked words owned by this value; `&mut self` makes this the only view.
+        unsafe { std::slice::from_raw_parts_mut(self.host, self.words) }
+    }
+}
+
 // SAFETY: `host` is page-locked memory owned by this value alone (allocated in `CudaEngine::stage`, freed once in
 // `drop`); nothing else holds the pointer.
 unsafe impl Send for Staging {}
@@ -896,16 +1018,7 @@ impl CudaEngine {
         let index = match free {
             Some(index) => index,
             None => {
-                let capacity = words.len().max(1 << 12).next_power_of_two();
-                let bytes = capacity * std::mem::size_of::<u64>();
-                self.shared.ctx.bind_to_thread().map_err(|error| driver("cuCtxSetCurrent", error))?;
-                // SAFETY: the context is current; both allocations are freed once by `Staging`'s drop (the device
-                // words through `DeviceAlloc`).
-                let device = unsafe { result::malloc_sync(bytes) }.map_err(|error| driver("cuMemAlloc", error))?;
-                let device = DeviceAlloc { ctx: self.shared.ctx.clone(), ptr: device };
-                // SAFETY: as above; the page-locked words are freed once by `Staging`'s drop.
-                let host = unsafe { result::malloc_host(bytes, 0) }.map_err(|error| driver("cuMemHostAlloc", error))?;
-                self.staging.push(Staging { host: host.cast(), device, words: capacity, busy: None, reserved: false });
+                self.staging.push(Staging::new(&self.shared.ctx, words.len())?);
                 self.staging.len() - 1
             }
         };
@@ -1527,78 +1640,236 @@ pub fn plant(keep: &(dyn std::any::Any + Send + Sync), offset: u64, byte: u8) ->
 /// Kept memory compared on the GPU: a batch of checks is one compare launch.
 struct DeviceCompare(Arc<Shared>);
 
-impl Compare for DeviceCompare {
-    fn compare(&self, checks: &[Check]) -> Result<Vec<bool>, String> {
-        let shared = &self.0;
-        let mut table = Vec::with_capacity(checks.len() * 5);
-        let mut owner = Vec::with_capacity(checks.len());
-        {
-            let state = shared.state();
-            for (index, check) in checks.iter().enumerate() {
-                let handle = check.handle;
-                let len =
-                    state.resident.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
-                if check.start.checked_add(check.len).is_none_or(|end| end > len) || check.len >= 1 << 62 {
-                    return Err(format!(
-                        "bytes {}.. ({} bytes) are outside the {len}-byte memory",
-                        check.start, check.len
-                    ));
+/// The oracle's compare buffers, reused from call to call under `Shared::judge_lock`: the words uploaded (checks,
+/// row checks, runs) and the flags read back, page-locked on the host.
+#[derive(Default)]
+struct JudgeBuffers {
+    words: Option<Staging>,
+    flags: Option<Staging>,
+}
+
+impl JudgeBuffers {
+    /// `buffer`, holding at least `words` words (replaced by a larger one where it holds fewer).
+    fn ensure<'a>(
+        buffer: &'a mut Option<Staging>,
+        ctx: &Arc<CudaContext>,
+        words: usize,
+    ) -> Result<&'a mut Staging, String> {
+        if buffer.as_ref().is_none_or(|staging| staging.words < words) {
+            *buffer = None;
+            *buffer = Some(Staging::new(ctx, words).map_err(|error| error.to_string())?);
+        }
+        Ok(buffer.as_mut().expect("set above"))
+    }
+}
+
+/// A batch of compares laid out for the two judge kernels: `words` holds the plain checks (5 words each), then the
+/// row checks (6 words each), then the runs of their tables (4 words each, cut to at most PIECE_BYTES of rows).
+#[derive(Default)]
+struct JudgeTable {
+    words: Vec<u64>,
+    /// The check each plain entry (a piece of a check) answers for.
+    owner: Vec<u32>,
+    rows: u64,
+    runs: u64,
+    /// Warps' work items for the row kernel: the runs of every row check's table.
+    works: u64,
+}
+
+impl JudgeTable {
+    /// `checks` as plain entries, every check inside kept memory (`kept`: address to length).
+    fn plain(&mut self, checks: &[Check], kept: &BTreeMap<u64, u64>) -> Result<(), String> {
+        for (index, check) in checks.iter().enumerate() {
+            let handle = check.handle;
+            let len = kept.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
+            if check.start.checked_add(check.len).is_none_or(|end| end > len) || check.len >= 1 << 62 {
+                return Err(format!("bytes {}.. ({} bytes) are outside the {len}-byte memory", check.start, check.len));
+            }
+            let plain = check.block == check.len || check.pattern == Pattern::Sentinel;
+            if !plain && (check.block == 0 || check.len % check.block != 0) {
+                return Err(format!("a check of {} bytes is not made of {}-byte blocks", check.len, check.block));
+            }
+            let (block, stride) = if plain { (check.len, 0) } else { (check.block, check.pattern_stride) };
+            let (source, flag) = match check.pattern {
+                Pattern::Source { number } => {
+                    let offset = check.pattern_offset;
+                    let last = (check.len / block.max(1)).saturating_sub(1);
+                    let end = last.checked_mul(stride).and_then(|span| span.checked_add(offset + block));
+                    (source_word(number, end)?, 0)
                 }
-                let plain = check.block == check.len || check.pattern == Pattern::Sentinel;
-                if !plain && (check.block == 0 || check.len % check.block != 0) {
-                    return Err(format!("a check of {} bytes is not made of {}-byte blocks", check.len, check.block));
-                }
-                let (block, stride) = if plain { (check.len, 0) } else { (check.block, check.pattern_stride) };
-                let (source, flag) = match check.pattern {
-                    Pattern::Source { number } => {
-                        let offset = check.pattern_offset;
-                        let last = (check.len / block.max(1)).saturating_sub(1);
-                        let end = last.checked_mul(stride).and_then(|span| span.checked_add(offset + block));
-                        if end.is_none_or(|end| end >= 1 << 40) || number >= 1 << 23 {
-                            return Err(format!("source {number} bytes {offset}.. are outside the pattern's range"));
-                        }
-                        (u64::from(number) << 40 | offset, 0)
-                    }
-                    Pattern::Sentinel => (0, 1u64 << 63),
-                };
-                // Pieces of at most PIECE_BYTES: whole blocks where blocks are smaller, a plain check cut anywhere.
-                let per_piece = if plain { PIECE_BYTES } else { (PIECE_BYTES / block).max(1) * block };
-                let mut done = 0;
-                while done < check.len {
-                    let piece = (check.len - done).min(per_piece);
-                    let skipped = if plain { done } else { done / block * stride };
-                    let source = if flag == 0 { source + skipped } else { 0 };
-                    let piece_block = if plain { piece } else { block };
-                    table.extend([handle + check.start + done, source, piece | flag, piece_block, stride]);
-                    owner.push(index as u32);
-                    done += piece;
-                }
+                Pattern::Sentinel => (0, 1u64 << 63),
+            };
+            // Pieces of at most PIECE_BYTES: whole blocks where blocks are smaller, a plain check cut anywhere.
+            let per_piece = if plain { PIECE_BYTES } else { (PIECE_BYTES / block).max(1) * block };
+            let mut done = 0;
+            while done < check.len {
+                let piece = (check.len - done).min(per_piece);
+                let skipped = if plain { done } else { done / block * stride };
+                let source = if flag == 0 { source + skipped + check.pattern_offset } else { 0 };
+                let piece_block = if plain { piece } else { block };
+                self.words.extend([handle + check.start + done, source, piece | flag, piece_block, stride]);
+                self.owner.push(index as u32);
+                done += piece;
             }
         }
-        let _lock = shared.judge_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let count = owner.len() as u64;
-        let mut answers = vec![true; checks.len()];
-        if count == 0 {
+        Ok(())
+    }
+
+    /// `rows` and the runs of the `tables` they name (appended after the plain entries), each check's every run
+    /// inside its kept memory.
+    fn rows(&mut self, tables: &[&[RowRun]], rows: &[RowsCheck], kept: &BTreeMap<u64, u64>) -> Result<(), String> {
+        // Rows per piece of each table's runs: PIECE_BYTES of the widest rows checked through it.
+        let mut cap = vec![0u64; tables.len()];
+        for check in rows {
+            let slot = cap.get_mut(check.table as usize).ok_or_else(|| format!("no table {} of runs", check.table))?;
+            let rows = (PIECE_BYTES / check.row.max(1)).max(1);
+            *slot = if *slot == 0 { rows } else { (*slot).min(rows) };
+        }
+        // Every table's pieces, and how far its rows reach (past the last target row, the last source row).
+        let mut runs = Vec::new();
+        let mut placed = Vec::with_capacity(tables.len());
+        for (table, cap) in tables.iter().zip(&cap) {
+            let (first, mut target_end, mut source_last) = (runs.len() as u64 / 4, 0u64, 0u64);
+            for run in table.iter().filter(|_| *cap > 0) {
+                let end = run.target.checked_add(run.count);
+                let last =
+                    run.count.saturating_sub(1).checked_mul(run.step).and_then(|span| span.checked_add(run.source));
+                let (Some(end), Some(last)) = (end, last) else {
+                    return Err(format!("run {run:?} overflows"));
+                };
+                (target_end, source_last) = (target_end.max(end), source_last.max(last));
+                let mut done = 0;
+                while done < run.count {
+                    let count = (run.count - done).min(*cap);
+                    runs.extend([run.target + done, run.source + done * run.step, count, run.step]);
+                    done += count;
+                }
+            }
+            placed.push((first, runs.len() as u64 / 4 - first, target_end, source_last));
+        }
+        for check in rows {
+            let (first, pieces, target_end, source_last) = placed[check.table as usize];
+            let handle = check.handle;
+            let len = kept.get(&handle).copied().ok_or_else(|| format!("no kept memory at {handle:#x}"))?;
+            if target_end.checked_mul(check.row).is_none_or(|end| end > len) {
+                return Err(format!(
+                    "table {} reaches row {target_end} of {}-byte rows, past the {len}-byte memory",
+                    check.table, check.row
+                ));
+            }
+            let source = match check.pattern {
+                Pattern::Source { number } => {
+                    let end = source_last.checked_mul(check.pattern_row).and_then(|at| at.checked_add(check.row));
+                    source_word(number, end)?
+                }
+                Pattern::Sentinel => 1u64 << 63,
+            };
+            self.words.extend([handle, check.row, source, check.pattern_row, first, self.works]);
+            self.works += pieces;
+        }
+        self.rows = rows.len() as u64;
+        self.runs = runs.len() as u64 / 4;
+        self.words.extend(runs);
+        Ok(())
+    }
+}
+
+/// Source `number`'s word for the judge kernels (`number << 40`), its pattern read up to byte `end` (`None`:
+/// overflowed).
+fn source_word(number: u32, end: Option<u64>) -> Result<u64, String> {
+    if end.is_none_or(|end| end >= 1 << 40) || number >= 1 << 23 {
+        return Err(format!("source {number} is read past its pattern's range"));
+    }
+    Ok(u64::from(number) << 40)
+}
+
+impl Compare for DeviceCompare {
+    fn compare(&self, checks: &[Check]) -> Result<Vec<bool>, String> {
+        self.compare_with_rows(checks, &[], &[])
+    }
+
+    /// One upload of every check, row check and run through reused page-locked buffers, one launch of each judge
+    /// kernel, one read-back of the flags.
+    #[allow(clippy::disallowed_methods, reason = "the fabric times its own compares for the benchmark")]
+    fn compare_with_rows(
+        &self,
+        checks: &[Check],
+        tables: &[&[RowRun]],
+        rows: &[RowsCheck],
+    ) -> Result<Vec<bool>, String> {
+        let shared = &self.0;
+        let began = Instant::now();
+        let mut table = JudgeTable::default();
+        {
+            let state = shared.state();
+            table.plain(checks, &state.resident)?;
+            table.rows(tables, rows, &state.resident)?;
+        }
+        let mut answers = vec![true; checks.len() + rows.len()];
+        let plain = table.owner.len() as u64;
+        if plain == 0 && table.works == 0 {
             return Ok(answers);
         }
-        let stream = &shared.judge_stream;
+        let built = Instant::now();
         let failed = |call: &str, error: cudarc::driver::DriverError| format!("{call}: {error:?}");
-        let checks = stream.clone_htod(&table).map_err(|error| failed("cuMemcpyHtoD", error))?;
-        let mut bad = stream.alloc_zeros::<u32>(owner.len()).map_err(|error| failed("cuMemAlloc", error))?;
-        let mut any = stream.alloc_zeros::<u32>(1).map_err(|error| failed("cuMemAlloc", error))?;
-        let mut launch = stream.launch_builder(&shared.judge);
-        launch.arg(&checks).arg(&count).arg(&mut bad).arg(&mut any);
-        // SAFETY: every check lies inside kept memory (checked above) that its `Holder` keeps alive.
-        unsafe { launch.launch(Shared::launch_config(count)) }.map_err(|error| failed("kv_judge", error))?;
-        let any = stream.clone_dtoh(&any).map_err(|error| failed("cuMemcpyDtoH", error))?;
-        if any.first().copied().unwrap_or(1) != 0 {
-            let bad = stream.clone_dtoh(&bad).map_err(|error| failed("cuMemcpyDtoH", error))?;
-            for (flag, index) in bad.iter().zip(&owner) {
+        let mut buffers = shared.judge_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let buffers = &mut *buffers;
+        shared.ctx.bind_to_thread().map_err(|error| failed("cuCtxSetCurrent", error))?;
+        let stream = &shared.judge_stream;
+        // Flags: [any, bad of each plain entry, bad of each row check].
+        let flag_count = 1 + plain as usize + rows.len();
+        let words = JudgeBuffers::ensure(&mut buffers.words, &shared.ctx, table.words.len())?;
+        words.host()[..table.words.len()].copy_from_slice(&table.words);
+        let base = words.device.ptr;
+        // SAFETY: the device buffer holds at least as many words; the host words are not written again before the
+        // stream is synchronised below.
+        unsafe { result::memcpy_htod_async(base, &words.host()[..table.words.len()], stream.cu_stream()) }
+            .map_err(|error| failed("cuMemcpyHtoDAsync", error))?;
+        let flags = JudgeBuffers::ensure(&mut buffers.flags, &shared.ctx, flag_count.div_ceil(2))?;
+        let (any, bad) = (flags.device.ptr, flags.device.ptr + 4);
+        // SAFETY: the flags buffer holds at least `flag_count` 4-byte words.
+        unsafe { result::memset_d8_async(any, 0, 4 * flag_count, stream.cu_stream()) }
+            .map_err(|error| failed("cuMemsetD8Async", error))?;
+        if plain > 0 {
+            let mut launch = stream.launch_builder(&shared.judge);
+            launch.arg(&base).arg(&plain).arg(&bad).arg(&any);
+            // SAFETY: every entry lies inside kept memory (checked above) that its `Holder` keeps alive; the table
+            // and flags are as long as the launch reads.
+            unsafe { launch.launch(Shared::launch_config(plain)) }.map_err(|error| failed("kv_judge", error))?;
+        }
+        if table.works > 0 {
+            let row_checks = base + 8 * 5 * plain;
+            let runs = row_checks + 8 * 6 * table.rows;
+            let row_bad = bad + 4 * plain;
+            let mut launch = stream.launch_builder(&shared.judge_rows);
+            launch.arg(&row_checks).arg(&table.rows).arg(&runs).arg(&table.works).arg(&row_bad).arg(&any);
+            // SAFETY: as above: every run of every row check lies inside its kept memory (checked above).
+            unsafe { launch.launch(Shared::launch_config(table.works)) }
+                .map_err(|error| failed("kv_judge_rows", error))?;
+        }
+        let host = flags.host();
+        // SAFETY: the flags' host words hold at least `flag_count` 4-byte words, read after the synchronisation.
+        let host = unsafe { std::slice::from_raw_parts_mut(host.as_mut_ptr().cast::<u32>(), flag_count) };
+        // SAFETY: as above.
+        unsafe { result::memcpy_dtoh_async(&mut *host, any, stream.cu_stream()) }
+            .map_err(|error| failed("cuMemcpyDtoHAsync", error))?;
+        stream.synchronize().map_err(|error| failed("cuStreamSynchronize", error))?;
+        if host[0] != 0 {
+            for (flag, index) in host[1..=plain as usize].iter().zip(&table.owner) {
                 if *flag != 0 {
                     answers[*index as usize] = false;
                 }
             }
+            for (answer, flag) in answers[checks.len()..].iter_mut().zip(&host[1 + plain as usize..]) {
+                *answer = *flag == 0;
+            }
         }
+        shared.device.judged.add(
+            checks.len() + rows.len(),
+            plain as usize + table.works as usize,
+            built - began,
+            built.elapsed(),
+        );
         Ok(answers)
     }
 

@@ -77,10 +77,78 @@ pub struct Check {
     pub pattern_stride: u64,
 }
 
+/// Rows `target, target + 1, ...` (`count` of them) hold the pattern's rows `source, source + step, ...`: a run of
+/// token rows, as every layer of one rank receives it, so one table of runs serves many [`RowsCheck`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RowRun {
+    pub target: u64,
+    pub source: u64,
+    pub count: u64,
+    pub step: u64,
+}
+
+/// Every run of table `table` (an index into the tables given with the check) in kept memory `handle`, as whole
+/// rows of `row` bytes: target row `r` holds `pattern`'s bytes from `s * pattern_row` on, `s` its source row (the
+/// sentinel ignores sources). One check stands for as many [`Check`]s as its table has runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RowsCheck {
+    pub handle: u64,
+    pub table: u32,
+    pub row: u64,
+    pub pattern: Pattern,
+    pub pattern_row: u64,
+}
+
+impl RowsCheck {
+    /// The check of one run, as a plain [`Check`] (`None`: its byte offsets overflow).
+    pub fn run(&self, run: &RowRun) -> Option<Check> {
+        Some(Check {
+            handle: self.handle,
+            start: run.target.checked_mul(self.row)?,
+            len: run.count.checked_mul(self.row)?,
+            block: self.row,
+            pattern: self.pattern,
+            pattern_offset: run.source.checked_mul(self.pattern_row)?,
+            pattern_stride: run.step.checked_mul(self.pattern_row)?,
+        })
+    }
+}
+
 /// Memory that compares itself with patterns where it lives (a GPU compares its own memory) and reads parts back.
 pub trait Compare: Send + Sync {
     /// Whether each check holds, in order (`Err`: the device failed; its words).
     fn compare(&self, checks: &[Check]) -> Result<Vec<bool>, String>;
+    /// Whether each of `checks` and then each of `rows` holds, in that order, in one go: a memory that walks tables
+    /// of runs itself (the GPU) overrides it; this one asks every run as a plain check. A table index past `tables`
+    /// or a run outside the memory is an `Err`.
+    fn compare_with_rows(
+        &self,
+        checks: &[Check],
+        tables: &[&[RowRun]],
+        rows: &[RowsCheck],
+    ) -> Result<Vec<bool>, String> {
+        let mut plain = checks.to_vec();
+        let mut owner = Vec::new();
+        for (index, check) in rows.iter().enumerate() {
+            let table = tables.get(check.table as usize).ok_or_else(|| format!("no table {} of runs", check.table))?;
+            for run in table.iter() {
+                let checked =
+                    check.run(run).ok_or_else(|| format!("run {run:?} of {}-byte rows overflows", check.row))?;
+                plain.push(checked);
+                owner.push(checks.len() + index);
+            }
+        }
+        let answers = self.compare(&plain)?;
+        if answers.len() != plain.len() {
+            return Err(format!("{} answers to {} checks", answers.len(), plain.len()));
+        }
+        let mut res = answers[..checks.len()].to_vec();
+        res.resize(checks.len() + rows.len(), true);
+        for (answer, index) in answers[checks.len()..].iter().zip(owner) {
+            res[index] &= *answer;
+        }
+        Ok(res)
+    }
     /// Copies `out.len()` bytes of kept memory `handle` from `start` on into `out`.
     fn read(&self, handle: u64, start: u64, out: &mut [u8]) -> Result<(), String>;
     /// Where it lives, for reports (`cuda GPU 0`).

@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use kvrelay::fabric::seam::{self, Compare as _};
 use kvrelay::harness::{self, Budget, Fabric};
 use kvrelay::scenario::{self, Scenario};
-use kvrelay::verify::{self, pattern, Expect, Judge, Observation, Query, RegionKey, ResidentRegion};
+use kvrelay::verify::{self, pattern, Expect, Judge, Observation, Query, RegionKey, ResidentRegion, RowRun};
 
 /// One line on stderr (a skip said, never silent).
 fn say(line: &str) {
@@ -33,14 +34,15 @@ struct HostJudge {
 }
 
 impl Judge for HostJudge {
-    fn judge(&self, queries: &[(u64, Query)]) -> Result<Vec<bool>, String> {
+    fn judge(&self, queries: &[(u64, Query)], tables: &[&[RowRun]]) -> Result<Vec<bool>, String> {
         *self.asked.lock().unwrap() += queries.len();
         *self.calls.lock().unwrap() += 1;
         let regions = self.regions.lock().unwrap();
         Ok(queries
             .iter()
             .map(|(handle, query)| {
-                let bytes = &regions[handle][query.start as usize..query.end as usize];
+                let region = &regions[handle];
+                let bytes = &region[query.start as usize..query.end as usize];
                 match query.expect {
                     Expect::Source { number, offset } => pattern::matches_source(number, offset, bytes),
                     Expect::Strided { number, offset, block, stride } => bytes
@@ -48,6 +50,15 @@ impl Judge for HostJudge {
                         .zip(0u64..)
                         .all(|(block, k)| pattern::matches_source(number, offset + k * stride, block)),
                     Expect::Sentinel => pattern::matches_sentinel(query.start, bytes),
+                    Expect::Rows { table, number, row, source_row } => {
+                        tables[table as usize].iter().flat_map(|run| run.each()).all(|(target, source)| {
+                            pattern::matches_source(number, source * source_row, rows(region, target, row))
+                        })
+                    }
+                    Expect::SentinelRows { table, row } => tables[table as usize]
+                        .iter()
+                        .flat_map(|run| run.each())
+                        .all(|(target, _)| pattern::matches_sentinel(target * row, rows(region, target, row))),
                 }
             })
             .collect())
@@ -63,6 +74,11 @@ impl Judge for HostJudge {
     fn name(&self) -> String {
         "host judge".to_owned()
     }
+}
+
+/// Row `at` of `row`-byte rows of `region`.
+fn rows(region: &[u8], at: u64, row: u64) -> &[u8] {
+    &region[(at * row) as usize..((at + 1) * row) as usize]
 }
 
 /// `observation` with every decode image moved behind one [`HostJudge`].
@@ -103,6 +119,11 @@ fn a_clean_resident_observation_passes_in_one_round_of_queries() {
         })
         .sum();
     assert!((asked as u64) < written_rows, "{asked} questions for {written_rows} rows: runs were asked row by row");
+    // Latent KV regions are asked whole: one question per request and one for the rows between, per region.
+    let problem = &scenario.problem;
+    let regions: usize = problem.decode.ranks.iter().map(|rank| rank.regions.len()).sum();
+    let whole = regions * (problem.requests.len() + 1);
+    assert!(asked <= whole, "{asked} questions for {regions} regions of {} requests", problem.requests.len());
     // One round per decode rank (every piece and gap asked in one call), nothing read back.
     assert_eq!(*judge.calls.lock().unwrap(), scenario.problem.decode.ranks.len());
     assert_eq!(*judge.reads.lock().unwrap(), 0, "clean memory was read back");
@@ -142,7 +163,7 @@ fn wrong_bytes_in_resident_memory_read_as_the_dense_oracle_reads_them() {
 fn a_judge_that_fails_is_a_violation_never_a_pass() {
     struct Broken;
     impl Judge for Broken {
-        fn judge(&self, _: &[(u64, Query)]) -> Result<Vec<bool>, String> {
+        fn judge(&self, _: &[(u64, Query)], _: &[&[RowRun]]) -> Result<Vec<bool>, String> {
             Err("the device is gone".to_owned())
         }
         fn read(&self, _: u64, _: u64, _: &mut [u8]) -> Result<(), String> {
@@ -184,6 +205,71 @@ fn a_gpu_fabric_is_a_clear_error_where_it_cannot_run(#[case] fabric: Fabric, #[c
         }
         Err(error) => panic!("a missing GPU or engine is a failed run, not a harness error: {error}"),
     }
+}
+
+/// Kept memory over host bytes that answers plain checks only: [`Compare::compare_with_rows`]'s own expansion of
+/// tables into plain checks answers for it.
+struct PlainCompare(Vec<u8>);
+
+impl seam::Compare for PlainCompare {
+    fn compare(&self, checks: &[seam::Check]) -> Result<Vec<bool>, String> {
+        checks
+            .iter()
+            .map(|check| {
+                let bytes = self.0.get(check.start as usize..(check.start + check.len) as usize).ok_or("outside")?;
+                Ok(bytes.chunks(check.block as usize).zip(0u64..).all(|(block, k)| match check.pattern {
+                    seam::Pattern::Source { number } => {
+                        pattern::matches_source(number, check.pattern_offset + k * check.pattern_stride, block)
+                    }
+                    seam::Pattern::Sentinel => pattern::matches_sentinel(0, block),
+                }))
+            })
+            .collect()
+    }
+    fn read(&self, _: u64, _: u64, _: &mut [u8]) -> Result<(), String> {
+        Err("not read".to_owned())
+    }
+    fn name(&self) -> String {
+        "plain".to_owned()
+    }
+}
+
+#[test]
+fn a_table_of_runs_is_answered_run_by_run_where_memory_walks_no_tables() {
+    // Rows of 16 bytes: rows 0..4 hold source 3's rows 8, 10, 12, 14; rows 4..6 are sentinel.
+    let row = 16u64;
+    let mut bytes = vec![0u8; 6 * row as usize];
+    for k in 0..4u64 {
+        pattern::fill_source_at(3, (8 + 2 * k) * row, &mut bytes[(k * row) as usize..((k + 1) * row) as usize]);
+    }
+    pattern::fill_sentinel_at(4 * row, &mut bytes[4 * row as usize..]);
+    let data = [seam::RowRun { target: 0, source: 8, count: 4, step: 2 }];
+    let gaps = [seam::RowRun { target: 4, source: 0, count: 2, step: 0 }];
+    let source = seam::Pattern::Source { number: 3 };
+    let rows = [
+        seam::RowsCheck { handle: 0, table: 0, row, pattern: source, pattern_row: row },
+        seam::RowsCheck { handle: 0, table: 1, row, pattern: seam::Pattern::Sentinel, pattern_row: 0 },
+        seam::RowsCheck { handle: 0, table: 1, row, pattern: source, pattern_row: row },
+    ];
+    let plain = [seam::Check {
+        handle: 0,
+        start: 0,
+        len: row,
+        block: row,
+        pattern: source,
+        pattern_offset: 8 * row,
+        pattern_stride: row,
+    }];
+    let tables: [&[seam::RowRun]; 2] = [&data, &gaps];
+    let memory = PlainCompare(bytes.clone());
+    assert_eq!(memory.compare_with_rows(&plain, &tables, &rows), Ok(vec![true, true, true, false]));
+    // One wrong byte in the third row: the data table's answer is no, the gaps' still yes.
+    bytes[2 * row as usize + 5] ^= 1;
+    let memory = PlainCompare(bytes);
+    assert_eq!(memory.compare_with_rows(&plain, &tables, &rows), Ok(vec![true, false, true, false]));
+    // A table that does not exist is an error, never an answer.
+    let missing = [seam::RowsCheck { table: 2, ..rows[0] }];
+    assert!(memory.compare_with_rows(&[], &tables, &missing).is_err());
 }
 
 #[cfg(feature = "cuda")]

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use super::decode::rank_heads;
+use super::resident::RowRun;
 use super::ViolationKind;
 use crate::model::{Attention, KvPart, LayerId, Problem, RankId, Region, RegionKind, Request, StateKind, TensorShape};
 
@@ -49,20 +50,7 @@ impl Piece {
 }
 
 /// `count` token rows: decode rows `target`, `target + 1`, ... hold prefill rows `source`, `source + step`, ...
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Rows {
-    target: u64,
-    source: u64,
-    count: u64,
-    step: u64,
-}
-
-impl Rows {
-    /// Every row of the run as (decode row, prefill row).
-    fn each(self) -> impl Iterator<Item = (u64, u64)> {
-        (0..self.count).map(move |k| (self.target + k, self.source + k * self.step))
-    }
-}
+type Rows = RowRun;
 
 /// Every token-row run a decode rank receives, by request (token rows or draft rows), with the notes their
 /// enumeration made, sorted by decode row: enumerated once and shared by every region of the rank (its layers all
@@ -71,9 +59,16 @@ impl Rows {
 pub(crate) struct RowCache {
     target: Cell<Option<RankId>>,
     known: RefCell<BTreeMap<(u32, bool), Rc<Enumerated>>>,
+    /// The rows no request's runs cover, by (draft, rows of the region), while every request's are placeable.
+    gaps: RefCell<BTreeMap<(bool, u64), Option<Table>>>,
 }
 
-type Enumerated = (Vec<Rows>, Vec<(u64, ViolationKind)>);
+/// Runs shared as one table of the oracle's questions.
+pub(crate) type Table = Rc<Vec<Rows>>;
+
+/// A request's runs on one rank (shared: they are a run table of the oracle's questions) and the notes their
+/// enumeration made.
+type Enumerated = (Table, Vec<(u64, ViolationKind)>);
 
 impl RowCache {
     /// `request`'s rows on `target` (draft rows when `draft`), its notes appended to `notes` on every call.
@@ -87,6 +82,7 @@ impl RowCache {
     ) -> Rc<Enumerated> {
         if self.target.get() != Some(target) {
             self.known.borrow_mut().clear();
+            self.gaps.borrow_mut().clear();
             self.target.set(Some(target));
         }
         let known = self.known.borrow().get(&(request.id, draft)).cloned();
@@ -98,13 +94,98 @@ impl RowCache {
                 token_rows(problem, target, request, &mut made)
             };
             rows.sort_unstable_by_key(|run| (run.target, run.source, run.count, run.step));
-            let enumerated = Rc::new((rows, made));
+            let enumerated = Rc::new((Rc::new(rows), made));
             self.known.borrow_mut().insert((request.id, draft), enumerated.clone());
             enumerated
         });
         notes.extend(enumerated.1.iter().cloned());
         enumerated
     }
+}
+
+impl RowCache {
+    /// The rows of a `rows`-row region that no request's runs (draft runs when `draft`) cover, as runs (step 0):
+    /// `None` where a request's rows are not all placeable (a note), a run leaves the region or two runs share a row.
+    fn gaps(&self, problem: &Problem, target: RankId, draft: bool, rows: u64) -> Option<Table> {
+        if let Some(known) = self.gaps.borrow().get(&(draft, rows)) {
+            return known.clone();
+        }
+        let mut covered = Vec::new();
+        let mut notes = Vec::new();
+        for request in &problem.requests {
+            covered.extend(self.rows(problem, target, request, draft, &mut notes).0.iter().copied());
+        }
+        covered.sort_unstable_by_key(|run| run.target);
+        let mut gaps = Vec::new();
+        let mut cursor = 0u64;
+        let mut placeable = notes.is_empty();
+        for run in &covered {
+            let end = run.target.checked_add(run.count);
+            if run.target < cursor || end.is_none_or(|end| end > rows) {
+                placeable = false;
+                break;
+            }
+            if run.target > cursor {
+                gaps.push(Rows { target: cursor, source: 0, count: run.target - cursor, step: 0 });
+            }
+            cursor = run.target + run.count;
+        }
+        if cursor < rows {
+            gaps.push(Rows { target: cursor, source: 0, count: rows - cursor, step: 0 });
+        }
+        let gaps = placeable.then(|| Rc::new(gaps));
+        self.gaps.borrow_mut().insert((draft, rows), gaps.clone());
+        gaps
+    }
+}
+
+/// A region of whole token rows (latent KV, draft rows) whose every expected byte is said by tables of runs: every
+/// request's runs from one source region, the rest of the region the sentinel (what [`pieces`] and the gaps between
+/// them say run by run, when every request succeeded).
+pub(crate) struct RowLayout {
+    /// The source rank and region, and every request's runs (each a table shared by the rank's layers).
+    pub(crate) source: Option<((RankId, u32), Vec<Table>)>,
+    /// The rows no run covers: sentinel.
+    pub(crate) gaps: Table,
+    /// Bytes of a row, on both sides.
+    pub(crate) row: u64,
+}
+
+/// Decode region `region` of `target` (`region_len` bytes) as a [`RowLayout`], when it is that simple: a latent KV
+/// or draft region of whole rows, rows of one length on both sides, every request's rows placeable, inside the
+/// region and on rows of their own. `None`: the region is walked piece by piece (which names what is wrong).
+pub(crate) fn row_layout(
+    problem: &Problem,
+    target: RankId,
+    region: u32,
+    region_len: u64,
+    cache: &RowCache,
+) -> Option<RowLayout> {
+    let decode_region = &problem.decode.rank(target).regions[region as usize];
+    let draft = match decode_region.kind {
+        RegionKind::Kv(KvPart::Latent) => false,
+        RegionKind::Draft => true,
+        _ => return None,
+    };
+    let row = decode_region.row_len();
+    if row == 0 || region_len % row != 0 {
+        return None;
+    }
+    let rows = region_len / row;
+    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+    let Some((source, source_region)) = held else {
+        // Nothing is sent to this region (as `row_pieces`): all of it is sentinel.
+        let gaps = if rows == 0 { Vec::new() } else { vec![Rows { target: 0, source: 0, count: rows, step: 0 }] };
+        return Some(RowLayout { source: None, gaps: Rc::new(gaps), row });
+    };
+    if problem.prefill.rank(source).regions[source_region as usize].row_len() != row {
+        return None;
+    }
+    let gaps = cache.gaps(problem, target, draft, rows)?;
+    let mut notes = Vec::new();
+    let requests =
+        problem.requests.iter().map(|request| cache.rows(problem, target, request, draft, &mut notes).0.clone());
+    Some(RowLayout { source: Some(((source, source_region), requests.collect())), gaps, row })
 }
 
 /// Appends `rows`, extending the last run when it continues it on both sides (one step throughout).
@@ -167,7 +248,7 @@ fn row_pieces(
     }
     for request in &problem.requests {
         let draft = decode_region.kind == RegionKind::Draft;
-        for run in &cache.rows(problem, target, request, draft, notes).0 {
+        for run in cache.rows(problem, target, request, draft, notes).0.iter() {
             res.push(Piece {
                 request: request.id,
                 target_offset: run.target * target_len,

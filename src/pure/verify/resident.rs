@@ -15,6 +15,7 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::rc::Rc;
 use std::sync::Arc;
 
 /// What a range of resident bytes must hold.
@@ -27,9 +28,31 @@ pub enum Expect {
     Strided { number: u32, offset: u64, block: u64, stride: u64 },
     /// The decode sentinel (`pattern::SENTINEL_WORD`), as registered.
     Sentinel,
+    /// Whole rows of `row` bytes through run table `table` (one of the tables given with the queries): for every
+    /// run and `k < count`, row `target + k` holds source region `number`'s bytes from `(source + k * step) *
+    /// source_row` on. One question for a layer's share of a request, its table shared by every layer of the rank.
+    Rows { table: u32, number: u32, row: u64, source_row: u64 },
+    /// Every row of run table `table` (rows of `row` bytes) holds the sentinel.
+    SentinelRows { table: u32, row: u64 },
 }
 
-/// One question about bytes `[start, end)` of a resident region.
+/// Rows `target, target + 1, ...` (`count` of them) hold source rows `source, source + step, ...`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RowRun {
+    pub target: u64,
+    pub source: u64,
+    pub count: u64,
+    pub step: u64,
+}
+
+impl RowRun {
+    /// Every row of the run as (target row, source row).
+    pub fn each(self) -> impl Iterator<Item = (u64, u64)> {
+        (0..self.count).map(move |k| (self.target + k, self.source + k * self.step))
+    }
+}
+
+/// One question about bytes `[start, end)` of a resident region (for a table of rows: the bytes its runs span).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Query {
     pub start: u64,
@@ -41,8 +64,9 @@ pub struct Query {
 /// `handle` their [`ResidentRegion`] carries.
 pub trait Judge: Send + Sync {
     /// Whether each query holds (`true`: the bytes are exactly what it expects), in the order given; every query is
-    /// inside its region (the oracle checks ranges against [`ResidentRegion::len`] first).
-    fn judge(&self, queries: &[(u64, Query)]) -> Result<Vec<bool>, String>;
+    /// inside its region (the oracle checks ranges against [`ResidentRegion::len`] first). `tables` are the run
+    /// tables that [`Expect::Rows`] and [`Expect::SentinelRows`] name by index.
+    fn judge(&self, queries: &[(u64, Query)], tables: &[&[RowRun]]) -> Result<Vec<bool>, String>;
     /// Copies `out.len()` bytes of region `handle` from byte `start` on into `out`.
     fn read(&self, handle: u64, start: u64, out: &mut [u8]) -> Result<(), String>;
     /// Who answers, for reports (`cuda: NVIDIA H200`).
@@ -81,6 +105,11 @@ impl ResidentRegion {
 pub(super) struct Asker {
     answers: BTreeMap<(u64, Query), bool>,
     asked: RefCell<Vec<(u64, Query)>>,
+    /// The run tables queries name, by index, each once (known by its address, kept alive here so that it stays
+    /// unique).
+    tables: RefCell<Vec<Rc<Vec<RowRun>>>>,
+    /// Each table's index by its address (only looked up: indices follow the order tables were first named).
+    table_index: RefCell<BTreeMap<*const Vec<RowRun>, u32>>,
     /// What failed at the judge (a device error), reported as the region's violation.
     pub(super) errors: RefCell<Vec<String>>,
 }
@@ -97,13 +126,24 @@ impl Asker {
         }
     }
 
+    /// The index of run table `table` for [`Expect::Rows`] queries: the same for every call with the same table.
+    pub(super) fn table(&self, table: &Rc<Vec<RowRun>>) -> u32 {
+        let mut tables = self.tables.borrow_mut();
+        *self.table_index.borrow_mut().entry(Rc::as_ptr(table)).or_insert_with(|| {
+            tables.push(table.clone());
+            tables.len() as u32 - 1
+        })
+    }
+
     /// The queries recorded since the last call, answered by `judge`: whether every one held.
     pub(super) fn answer(&mut self, judge: &dyn Judge) -> Result<bool, String> {
         let asked = std::mem::take(self.asked.get_mut());
         if asked.is_empty() {
             return Ok(true);
         }
-        let answers = judge.judge(&asked)?;
+        let tables = self.tables.borrow();
+        let tables: Vec<&[RowRun]> = tables.iter().map(|table| table.as_slice()).collect();
+        let answers = judge.judge(&asked, &tables)?;
         if answers.len() != asked.len() {
             return Err(format!("the judge answered {} of {} queries", answers.len(), asked.len()));
         }
