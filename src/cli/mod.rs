@@ -71,17 +71,23 @@ pub enum Command {
         fabric: FabricArgs,
     },
     /// Run one rank of a scenario in this process over a real fabric; the others connect through the bootstrap
-    /// hub (`kvrelay hub`, or the one `kvrelay launch` starts). A decode rank prints its verdict.
+    /// hub (`kvrelay hub`, or the one `kvrelay launch` starts). A decode rank prints its verdict. Without --role
+    /// and --rank, the rank comes from the launcher that started the process (torchrun: RANK, WORLD_SIZE,
+    /// MASTER_ADDR, MASTER_PORT; mpirun: OMPI_COMM_WORLD_RANK/SIZE; srun: SLURM_PROCID, SLURM_NTASKS): global ranks
+    /// are the prefill ranks then the decode ranks, and global rank 0 also runs the hub.
     Serve {
         scenario: PathBuf,
-        #[arg(long, value_enum)]
-        role: crate::process::Role,
+        #[arg(long, value_enum, requires = "rank")]
+        role: Option<crate::process::Role>,
         /// Index of the rank on its side, in stage-major order (as `kvrelay layout --rank`).
+        #[arg(long, requires = "role")]
+        rank: Option<u32>,
+        /// HOST:PORT of the bootstrap hub (under a launcher: else $KVRELAY_HUB, else $MASTER_ADDR:$MASTER_PORT).
         #[arg(long)]
-        rank: u32,
-        /// HOST:PORT of the bootstrap hub.
+        bootstrap: Option<String>,
+        /// Under a launcher, global rank 0 does not run the hub (one runs elsewhere: `kvrelay hub`).
         #[arg(long)]
-        bootstrap: String,
+        no_hub: bool,
         #[command(flatten)]
         fabric: FabricArgs,
         #[command(flatten)]
@@ -376,8 +382,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         Command::Plan { scenario, json, expand, paged } => print_plan(&load(&scenario, seed)?, json, expand, paged),
         Command::Diff { scenarios, fabric } => ranks::diff(&scenarios, &fabric.fabric("rdma")?, seed),
-        Command::Serve { scenario, role, rank, bootstrap, fabric, deadlines } => {
+        Command::Serve { scenario, role, rank, bootstrap, no_hub, fabric, deadlines } => {
             let loaded = load(&scenario, seed)?;
+            let Some((role, rank)) = role.zip(rank) else {
+                let (prefill, decode) = (loaded.problem.prefill.ranks.len(), loaded.problem.decode.ranks.len());
+                let environment = |name: &str| std::env::var(name).ok();
+                let placed =
+                    crate::process::launcher::place(&environment, prefill as u32, decode as u32, bootstrap.as_deref())
+                        .map_err(anyhow::Error::msg)?;
+                let options = serve_options(placed.role, placed.rank, placed.bootstrap.clone(), &fabric, &deadlines)?;
+                return ranks::serve_placed(&loaded, &placed, &options, !no_hub, &deadlines);
+            };
+            let bootstrap = bootstrap.ok_or_else(|| anyhow::anyhow!("--role and --rank need --bootstrap HOST:PORT"))?;
             ranks::serve(&loaded, &serve_options(role, rank, bootstrap, &fabric, &deadlines)?)
         }
         Command::Hub { scenario, bootstrap, deadlines } => {

@@ -78,6 +78,43 @@ pub(super) fn serve(scenario: &Scenario, options: &crate::process::ServeOptions)
     Ok(if verdict.violation_count == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
+/// `kvrelay serve` placed by a launcher: global rank 0 also runs the hub (`hub`), bound before its own rank
+/// connects, its report printed after the rank's verdict; the exit code fails if either failed.
+pub(super) fn serve_placed(
+    scenario: &Scenario,
+    placed: &crate::process::launcher::Placed,
+    options: &crate::process::ServeOptions,
+    hub: bool,
+    deadlines: &Deadlines,
+) -> anyhow::Result<ExitCode> {
+    outln!(
+        "{} rank {}: {} {} (hub {})",
+        placed.launcher,
+        placed.global,
+        match placed.role {
+            crate::process::Role::Prefill => "prefill",
+            crate::process::Role::Decode => "decode",
+        },
+        placed.rank,
+        placed.bootstrap
+    );
+    if placed.global != 0 || !hub {
+        return serve(scenario, options);
+    }
+    let bound = crate::control::Hub::bind(&placed.bootstrap)?;
+    let connect = Duration::from_secs(deadlines.connect_timeout);
+    let plan = crate::process::hub_plan(&scenario.problem, connect, deadlines.live().time_limit);
+    let running = std::thread::spawn(move || bound.run(&plan));
+    let served = serve(scenario, options);
+    let report = running.join().map_err(|_| anyhow::anyhow!("the hub's thread panicked"))?;
+    print_hub(&report)?;
+    let hub_passed = report.missing.is_empty() && report.lost.is_empty() && !report.timed_out;
+    match served? {
+        code if code == ExitCode::SUCCESS && hub_passed => Ok(ExitCode::SUCCESS),
+        _ => Ok(ExitCode::FAILURE),
+    }
+}
+
 /// A decode process's verdict: the human line, its violations, the machine line the launcher reads.
 fn print_verdict(verdict: &crate::process::RankVerdict) -> anyhow::Result<()> {
     let succeeded = verdict.rooms.iter().filter(|room| room.poll == crate::wire::KvPoll::Success as u8).count();

@@ -29,6 +29,7 @@ use crate::verify;
 use crate::wire::KvPoll;
 
 pub mod chaos;
+pub mod launcher;
 use chaos::{Chaos, ChaosPlan, Striker};
 
 /// Which side a process serves.

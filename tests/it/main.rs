@@ -31,6 +31,8 @@ mod golden;
 /// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.
 mod hostile;
 mod kinds;
+/// `kvrelay serve` placed by torchrun-style environments and a real `mpirun`, with no per-rank arguments.
+mod launchers;
 /// The live driver, `diff`, and the bootstrap hub of ranks as processes.
 mod live;
 /// Scenario loader diagnostics: unknown fields, file/line/field paths.

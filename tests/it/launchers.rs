@@ -1,0 +1,107 @@
+//! `kvrelay serve` with no per-rank arguments, placed by the launchers clusters run: a `torchrun`-style
+//! environment (every machine) and Open MPI's real `mpirun` (where it is installed: `.ci/run` installs Debian's
+//! `openmpi-bin`; elsewhere the test says `skipped:`). The ranks cross processes through the reference child
+//! transport, so no RDMA device or engine wheel is needed.
+
+use std::process::{Command, Output, Stdio};
+
+use crate::support::text;
+
+const SCENARIO: &str = "scenarios/engines/dcp-relayout-two-stages.yaml";
+/// 2 prefill and 2 decode ranks.
+const RANKS: u32 = 4;
+
+fn fabric() -> String {
+    format!("child:python3 {}/tests/transports/memcpy_engine.py", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn serve(env: &[(&str, String)], extra: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvrelay"));
+    command
+        .args(["serve", SCENARIO, "--fabric", &fabric(), "--timeout", "30"])
+        .args(extra)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_remove("KVRELAY_SEED")
+        .envs(env.iter().map(|(key, value)| (*key, value.as_str())))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+fn all(outputs: &[Output]) -> String {
+    outputs.iter().map(|output| format!("{}{}", text(&output.stdout), text(&output.stderr))).collect()
+}
+
+#[test]
+fn torchrun_style_ranks_find_their_place_and_rank_0_runs_the_hub() {
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..RANKS)
+        .map(|rank| {
+            let env = [
+                ("RANK", rank.to_string()),
+                ("WORLD_SIZE", RANKS.to_string()),
+                ("MASTER_ADDR", "127.0.0.1".to_owned()),
+                ("MASTER_PORT", port.clone()),
+            ];
+            serve(&env, &[]).spawn().unwrap()
+        })
+        .collect();
+    let outputs: Vec<Output> = children.into_iter().map(|child| child.wait_with_output().unwrap()).collect();
+    let out = all(&outputs);
+    assert!(outputs.iter().all(|output| output.status.success()), "{out}");
+    for (global, place) in [(0, "prefill 0"), (1, "prefill 1"), (2, "decode 0"), (3, "decode 1")] {
+        assert!(out.contains(&format!("torchrun rank {global}: {place} (hub 127.0.0.1:{port})")), "{out}");
+    }
+    // Rank 0 ran the hub, every rank connected to it, and both decode ranks judged every request byte-exact.
+    assert!(text(&outputs[0].stdout).contains("hub: 24 messages routed, 0 dropped"), "{out}");
+    assert_eq!(out.matches(" connected").count(), RANKS as usize, "{out}");
+    for decode in ["pp0/tp0", "pp0/tp1"] {
+        assert!(out.contains(&format!("verdict decode {decode}: 2 requests, 2 succeeded, 0 violations")), "{out}");
+    }
+}
+
+#[test]
+fn a_launcher_world_that_does_not_match_the_scenario_is_refused_by_name() {
+    let env = [("RANK", "0".to_owned()), ("WORLD_SIZE", "3".to_owned()), ("KVRELAY_HUB", "127.0.0.1:1".to_owned())];
+    let output = serve(&env, &[]).output().unwrap();
+    let out = all(std::slice::from_ref(&output));
+    assert!(!output.status.success(), "{out}");
+    assert!(out.contains("WORLD_SIZE=3 (torchrun), but the scenario has 2 prefill and 2 decode ranks"), "{out}");
+    assert!(out.contains("fix: start 4 processes"), "{out}");
+}
+
+#[test]
+fn mpirun_starts_a_scenario_with_no_per_rank_arguments() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        assert!(std::env::var_os("CI").is_none(), "CI runs this test with mpirun: .ci/run installs openmpi-bin");
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            b"skipped: no mpirun here (Debian's openmpi-bin; .ci/run installs it)\n",
+        );
+        return;
+    }
+    let hub = format!("127.0.0.1:{}", free_port());
+    let output = Command::new("mpirun")
+        // Root in containers and CI, and more ranks than cores on a small machine.
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &RANKS.to_string(), "-x", "KVRELAY_HUB"])
+        .arg(env!("CARGO_BIN_EXE_kvrelay"))
+        .args(["serve", SCENARIO, "--fabric", &fabric(), "--timeout", "30"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("KVRELAY_HUB", &hub)
+        .env_remove("KVRELAY_SEED")
+        .output()
+        .unwrap();
+    let out = all(std::slice::from_ref(&output));
+    assert!(output.status.success(), "{out}");
+    for (global, place) in [(0, "prefill 0"), (3, "decode 1")] {
+        assert!(out.contains(&format!("Open MPI rank {global}: {place} (hub {hub})")), "{out}");
+    }
+    for decode in ["pp0/tp0", "pp0/tp1"] {
+        assert!(out.contains(&format!("verdict decode {decode}: 2 requests, 2 succeeded, 0 violations")), "{out}");
+    }
+}
