@@ -192,6 +192,15 @@ pub enum Command {
     /// judged by the guarantee (Success byte-exact or Failed with a reason, no hang); non-zero exit on any
     /// harness failure, with its reproduce line.
     Sim(sim::SimArgs),
+    /// Combine the `--json` files of one sharded `kvrelay sim` (`--shard K/N`, every shard once) into the report
+    /// the unsharded swarm prints; non-zero exit on any harness failure.
+    Merge {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Also write the merged totals as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Reduce a failing scenario (its own run, a self-test mutant caught, or an external planner failing it) to a
     /// minimal one that fails the same way, written as a scenario file; prints the sizes before and after and the
     /// reproduce command.
@@ -431,6 +440,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Replay(args) => replay::replay(&args),
         Command::Selftest(args) => selftest::selftest(&args),
         Command::Sim(args) => sim::sim(&args),
+        Command::Merge { files, json } => sim::merge(&files, json.as_deref()),
         Command::Shrink(args) => shrink::shrink(&args, seed),
         Command::Planner => reference_planner(),
         Command::Bench {

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use crate::harness::{self, Budget};
+use crate::shard::Shard;
 use crate::swarm::{self, Tally};
 
 /// What `kvrelay sim` runs.
@@ -19,13 +20,45 @@ pub struct SimArgs {
     pub path: PathBuf,
     /// Seeds per scenario.
     #[arg(long, default_value_t = 100)]
-    pub seeds: u64,
+    seeds: u64,
     /// The first seed (seeds run from it upwards).
     #[arg(long, default_value_t = 1)]
-    pub first_seed: u64,
+    first_seed: u64,
     /// Leave out scenarios registering more simulated memory than this, in bytes.
     #[arg(long, default_value_t = 64 << 20)]
     pub max_bytes: u64,
+    /// Run only shard K of N of the (seed, scenario) cases (`K/N`, counted from 1), or `slurm`: the shard of this
+    /// Slurm array task. `kvrelay merge` combines the shards' `--json` files.
+    #[arg(long)]
+    pub shard: Option<String>,
+    /// Also write the totals as JSON to this file (what `kvrelay merge` reads).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// A swarm's (or one shard's) totals as `--json` writes them and `kvrelay merge` reads them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(super) struct SimResult {
+    /// `kvrelay-sim-1`.
+    format: String,
+    seeds: u64,
+    first_seed: u64,
+    /// The scenario files the cases ran over, in their order.
+    scenarios: Vec<String>,
+    shard: Shard,
+    tally: Tally,
+    seconds: f64,
+}
+
+const FORMAT: &str = "kvrelay-sim-1";
+
+/// `--shard`'s value: `K/N`, `slurm`, or the whole.
+fn shard(text: Option<&str>) -> anyhow::Result<Shard> {
+    match text {
+        None => Ok(Shard::ALL),
+        Some("slurm") => Shard::from_slurm(&|name| std::env::var(name).ok()).map_err(anyhow::Error::msg),
+        Some(text) => text.parse().map_err(anyhow::Error::msg),
+    }
 }
 
 pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
@@ -48,12 +81,21 @@ pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
         args.seeds,
         args.first_seed
     );
+    let shard = shard(args.shard.as_deref())?;
+    if shard != Shard::ALL {
+        outln!("shard {shard}: every {}th (seed, scenario) case from case {}", shard.count, shard.index - 1);
+    }
     let (start, mut tally, mut stderr) = (Instant::now(), Tally::default(), std::io::stderr());
     let mut shown = 0.0;
     let seeds = args.first_seed..args.first_seed.saturating_add(args.seeds);
+    let mut case = 0u64;
     for (done, seed) in seeds.enumerate() {
         let faults = swarm::swarm_faults(seed);
         for (file, scenario) in &scenarios {
+            case += 1;
+            if !shard.takes(case - 1) {
+                continue;
+            }
             let (run, judgement) = swarm::run_faulted(scenario, &faults).map_err(anyhow::Error::msg)?;
             tally.add(file, seed, &run, judgement);
         }
@@ -66,8 +108,79 @@ pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let _ = writeln!(stderr);
-    report(&tally, start.elapsed().as_secs_f64(), args.seeds)?;
+    let seconds = start.elapsed().as_secs_f64();
+    report(&tally, seconds, args.seeds)?;
+    if let Some(path) = &args.json {
+        let scenarios = scenarios.into_iter().map(|(file, _)| file).collect();
+        let result = SimResult {
+            format: FORMAT.to_owned(),
+            seeds: args.seeds,
+            first_seed: args.first_seed,
+            scenarios,
+            shard,
+            tally: tally.clone(),
+            seconds,
+        };
+        write_json(path, &result)?;
+    }
     Ok(if tally.harness_failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+fn write_json(path: &std::path::Path, result: &SimResult) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(result)?;
+    std::fs::write(path, text + "\n").map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))
+}
+
+/// `kvrelay merge`: the shards of one sharded swarm (their `--json` files) combined into the unsharded report,
+/// written as JSON too with `--json`.
+pub(super) fn merge(files: &[PathBuf], json: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
+    let mut results = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(file).map_err(|error| anyhow::anyhow!("{}: {error}", file.display()))?;
+        let result: SimResult = serde_json::from_str(&text).map_err(|error| {
+            anyhow::anyhow!(
+                "{}: not a `kvrelay sim --json` file ({error}) (fix: pass the files --json wrote)",
+                file.display()
+            )
+        })?;
+        anyhow::ensure!(
+            result.format == FORMAT,
+            "{}: format {} (this kvrelay reads {FORMAT}; fix: merge files written by the same kvrelay)",
+            file.display(),
+            result.format
+        );
+        results.push((file, result));
+    }
+    let Some((first_file, first)) = results.first() else { anyhow::bail!("kvrelay merge needs the shards' files") };
+    for (file, result) in &results[1..] {
+        let same =
+            (result.seeds, result.first_seed, &result.scenarios) == (first.seeds, first.first_seed, &first.scenarios);
+        anyhow::ensure!(
+            same,
+            "{} and {} are shards of different runs (seeds, first seed or scenarios differ) (fix: merge one run's shards)",
+            first_file.display(),
+            file.display()
+        );
+    }
+    let shards: Vec<Shard> = results.iter().map(|(_, result)| result.shard).collect();
+    crate::shard::complete(&shards).map_err(anyhow::Error::msg)?;
+    let mut merged = SimResult { shard: Shard::ALL, tally: Tally::default(), seconds: 0.0, ..first.clone() };
+    for (_, result) in results {
+        merged.tally.merge(result.tally, &merged.scenarios);
+        merged.seconds = merged.seconds.max(result.seconds);
+    }
+    outln!(
+        "merge: {} shards of {} scenarios x {} seeds (from {}); the slowest shard's time",
+        shards.len(),
+        merged.scenarios.len(),
+        merged.seeds,
+        merged.first_seed
+    );
+    report(&merged.tally, merged.seconds, merged.seeds)?;
+    if let Some(path) = json {
+        write_json(path, &merged)?;
+    }
+    Ok(if merged.tally.harness_failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 fn report(tally: &Tally, seconds: f64, seeds: u64) -> anyhow::Result<()> {

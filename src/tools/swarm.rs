@@ -52,15 +52,15 @@ pub fn swarmable(scenario: &Scenario) -> bool {
     scenario.expect == Expectation::Ok
 }
 
-/// Totals of a swarm.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Totals of a swarm (or of one shard of it: [`Tally::merge`] adds shards up).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Tally {
     pub runs: u64,
     pub succeeded: u64,
     pub failed: u64,
     pub detected: u64,
     /// Faults injected, by kind name.
-    pub injected: BTreeMap<&'static str, u64>,
+    pub injected: BTreeMap<String, u64>,
     /// (scenario file, seed, first broken guarantee) per harness failure.
     pub harness_failures: Vec<(String, u64, String)>,
 }
@@ -73,10 +73,25 @@ impl Tally {
         self.failed += judgement.failed;
         self.detected += u64::from(judgement.detected);
         for (kind, count) in &run.faults {
-            *self.injected.entry(kind).or_default() += count;
+            *self.injected.entry((*kind).to_owned()).or_default() += count;
         }
         if let Some(first) = judgement.failures.into_iter().next() {
             self.harness_failures.push((file.to_owned(), seed, first));
         }
+    }
+
+    /// Adds another shard's totals; harness failures end in the unsharded order, by seed and then by `order`'s
+    /// position of their scenario file.
+    pub fn merge(&mut self, other: Tally, order: &[String]) {
+        self.runs += other.runs;
+        self.succeeded += other.succeeded;
+        self.failed += other.failed;
+        self.detected += other.detected;
+        for (kind, count) in other.injected {
+            *self.injected.entry(kind).or_default() += count;
+        }
+        self.harness_failures.extend(other.harness_failures);
+        let position = |file: &String| order.iter().position(|known| known == file).unwrap_or(order.len());
+        self.harness_failures.sort_by_key(|(file, seed, _)| (*seed, position(file)));
     }
 }

@@ -105,3 +105,42 @@ fn mpirun_starts_a_scenario_with_no_per_rank_arguments() {
         assert!(out.contains(&format!("verdict decode {decode}: 2 requests, 2 succeeded, 0 violations")), "{out}");
     }
 }
+
+/// `kvrelay sim --shard K/N --json` on every shard, `kvrelay merge`d: the unsharded swarm's totals exactly, and a
+/// missing shard refused by name.
+#[test]
+fn a_sharded_swarm_merges_back_to_the_unsharded_one() {
+    use crate::support::kvrelay;
+
+    let temp = std::env::temp_dir().join(format!("kvrelay-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&temp).unwrap();
+    let file = |name: &str| temp.join(name).display().to_string();
+    let sim = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut args = vec!["sim", "scenarios/engines", "--seeds", "5"];
+        args.extend_from_slice(extra);
+        let output = crate::support::kvrelay_with_env(&args, env);
+        assert!(output.status.success(), "{}{}", text(&output.stdout), text(&output.stderr));
+    };
+    sim(&["--json", &file("all.json")], &[]);
+    for index in 1..=2 {
+        sim(&["--shard", &format!("{index}/3"), "--json", &file(&format!("{index}.json"))], &[]);
+    }
+    // The third as the last task of a Slurm array 0-2 (`sbatch --array=0-2`).
+    let slurm = [("SLURM_ARRAY_TASK_ID", "2"), ("SLURM_ARRAY_TASK_MIN", "0"), ("SLURM_ARRAY_TASK_MAX", "2")];
+    sim(&["--shard", "slurm", "--json", &file("3.json")], &slurm);
+    let merged = kvrelay(&["merge", &file("3.json"), &file("1.json"), &file("2.json"), "--json", &file("merged.json")]);
+    assert!(merged.status.success(), "{}{}", text(&merged.stdout), text(&merged.stderr));
+    let tally = |name: &str| {
+        let value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(file(name)).unwrap()).unwrap();
+        value["tally"].clone()
+    };
+    assert!(tally("all.json")["runs"].as_u64().unwrap() > 0);
+    assert_eq!(tally("merged.json"), tally("all.json"));
+    // The shards split the runs: none is run twice, none left out.
+    let runs: u64 = (1..=3).map(|index| tally(&format!("{index}.json"))["runs"].as_u64().unwrap()).sum();
+    assert_eq!(Some(runs), tally("all.json")["runs"].as_u64());
+    let missing = kvrelay(&["merge", &file("1.json"), &file("3.json")]);
+    assert!(!missing.status.success());
+    assert!(text(&missing.stderr).contains("shard(s) 2/3 missing"), "{}", text(&missing.stderr));
+    let _ = std::fs::remove_dir_all(&temp);
+}

@@ -31,7 +31,8 @@ mod golden;
 /// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.
 mod hostile;
 mod kinds;
-/// `kvrelay serve` placed by torchrun-style environments and a real `mpirun`, with no per-rank arguments.
+/// Work beyond one process and machine: `kvrelay serve` placed by torchrun-style environments and a real `mpirun`
+/// with no per-rank arguments; a swarm split with `--shard` and merged back.
 mod launchers;
 /// The live driver, `diff`, and the bootstrap hub of ranks as processes.
 mod live;
