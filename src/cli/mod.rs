@@ -36,6 +36,7 @@ mod bench;
 mod bench_cuda;
 mod bench_lists;
 mod certify;
+mod merge;
 mod planners;
 mod ranks;
 mod replay;
@@ -174,6 +175,13 @@ pub enum Command {
         known: Option<PathBuf>,
         #[command(flatten)]
         fabric: FabricArgs,
+        /// Check only shard K of N of the scenarios (`K/N`, counted from 1; `slurm`: this Slurm array task's);
+        /// `kvrelay merge` combines the shards' `--json` files.
+        #[arg(long, conflicts_with_all = ["planner", "connector"])]
+        shard: Option<String>,
+        /// Also write every scenario's result as JSON to this file.
+        #[arg(long, conflicts_with_all = ["planner", "connector"])]
+        json: Option<PathBuf>,
     },
     /// Certify a transport: run the fixed, versioned case set (the seam's contract and error paths, every scenario,
     /// a throughput run) through it and write junit.xml, report.json and manifest.txt.
@@ -192,8 +200,8 @@ pub enum Command {
     /// judged by the guarantee (Success byte-exact or Failed with a reason, no hang); non-zero exit on any
     /// harness failure, with its reproduce line.
     Sim(sim::SimArgs),
-    /// Combine the `--json` files of one sharded `kvrelay sim` (`--shard K/N`, every shard once) into the report
-    /// the unsharded swarm prints; non-zero exit on any harness failure.
+    /// Combine the `--json` files of one sharded `kvrelay check` or `kvrelay sim` (`--shard K/N`, every shard once)
+    /// into the report the unsharded command prints; non-zero exit on any failure.
     Merge {
         #[arg(required = true)]
         files: Vec<PathBuf>,
@@ -435,12 +443,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             planners::check(&dir, &mut seat, known.as_deref())
         }
         Command::Check { known: Some(_), .. } => bail!("--known lists differences of a --planner or a --connector"),
-        Command::Check { dir, golden, fabric, .. } => check(&dir, &golden, &fabric.fabric("sim")?),
+        Command::Check { dir, golden, fabric, shard, json, .. } => {
+            let shard = sim::shard(shard.as_deref())?;
+            check(&dir, &golden, &fabric.fabric("sim")?, shard, json.as_deref())
+        }
         Command::Certify(args) => certify::certify(&args),
         Command::Replay(args) => replay::replay(&args),
         Command::Selftest(args) => selftest::selftest(&args),
         Command::Sim(args) => sim::sim(&args),
-        Command::Merge { files, json } => sim::merge(&files, json.as_deref()),
+        Command::Merge { files, json } => merge::merge(&files, json.as_deref()),
         Command::Shrink(args) => shrink::shrink(&args, seed),
         Command::Planner => reference_planner(),
         Command::Bench {
@@ -624,7 +635,13 @@ pub(super) fn scenario_files(dir: &Path) -> anyhow::Result<Found> {
     Ok(found)
 }
 
-fn check(dir: &Path, golden_dir: &Path, fabric: &harness::Fabric) -> anyhow::Result<ExitCode> {
+fn check(
+    dir: &Path,
+    golden_dir: &Path,
+    fabric: &harness::Fabric,
+    shard: crate::shard::Shard,
+    json: Option<&Path>,
+) -> anyhow::Result<ExitCode> {
     let Found { files, skipped } = scenario_files(dir)?;
     for (path, why) in &skipped {
         eprintln!("skipped {}: {why}", path.display());
@@ -632,83 +649,92 @@ fn check(dir: &Path, golden_dir: &Path, fabric: &harness::Fabric) -> anyhow::Res
     if files.is_empty() {
         bail!("no *.yaml or *.yml scenarios under {}", dir.display());
     }
-    let (mut failed, mut skipped) = (0, 0);
-    for file in &files {
-        let relative = file.strip_prefix(dir).ok().filter(|relative| !relative.as_os_str().is_empty()).unwrap_or(file);
-        let scenario = match scenario::load(file) {
-            Ok(scenario) => scenario,
-            Err(error) => {
-                eprintln!("FAIL {}: {error}", relative.display());
-                failed += 1;
-                continue;
-            }
-        };
-        if !fabric.simulated() && !scenario.faults.is_empty() {
-            outln!(
-                "skip {}: its faults are injected by the in-memory fabric only (run it without --fabric)",
-                relative.display()
-            );
-            skipped += 1;
+    if shard != crate::shard::Shard::ALL {
+        outln!("shard {shard}: every {}th scenario from scenario {}", shard.count, shard.index - 1);
+    }
+    let relative_name = |file: &PathBuf| {
+        let relative = file.strip_prefix(dir).ok().filter(|relative| !relative.as_os_str().is_empty());
+        relative.unwrap_or(file).display().to_string()
+    };
+    let mut cases = Vec::new();
+    for (index, file) in files.iter().enumerate() {
+        if !shard.takes(index as u64) {
             continue;
         }
-        let outcome = match run_checked(&scenario, fabric) {
-            // Judged where it lives; the golden's layout picture is drawn from the bytes read back.
-            Ok(mut outcome) => match outcome.observation.materialise() {
-                Ok(()) => outcome,
-                Err(error) => {
-                    eprintln!("FAIL {}: reading device memory back: {error}", relative.display());
-                    failed += 1;
-                    continue;
-                }
-            },
-            Err(error) => {
-                eprintln!("FAIL {}: {error}", relative.display());
-                eprintln!("{}", check_reproduce(file, scenario.seed));
-                failed += 1;
-                continue;
-            }
-        };
-        let mut actual = render::golden(&scenario, &outcome);
-        let golden_path = golden_dir.join(render::golden_file_name(&corpus_relative(file, relative)));
-        let mut expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));
-        if !fabric.simulated() {
-            // A real fabric's clock is not the simulation's: the golden's event times are not compared.
-            actual = untimed(&actual);
-            expected = expected.as_deref().map(untimed);
-        }
-        let mut problems: Vec<String> = outcome.failures.iter().map(ToString::to_string).collect();
-        let golden_diff = match expected {
-            None => {
-                problems.push(format!(
-                    "no golden layout at {} (fix: run `cargo test`, review the .snap.new, accept it)",
-                    golden_path.display()
-                ));
-                String::new()
-            }
-            Some(expected) if expected.trim_end() != actual.trim_end() => {
-                problems.push(format!("layout differs from {}", golden_path.display()));
-                render::diff(&expected, &actual)
-            }
-            Some(_) => String::new(),
-        };
-        if problems.is_empty() {
-            outln!("pass {}", relative.display());
-        } else {
-            failed += 1;
-            eprintln!("FAIL {}: {}", relative.display(), problems.join("; "));
-            eprint!("{}", render::violations(&outcome.violations));
-            if !golden_diff.is_empty() {
-                eprint!("golden diff:\n{golden_diff}");
-            }
-            eprintln!("{}", check_reproduce(file, scenario.seed));
-        }
+        let case = check_one(dir, golden_dir, fabric, file);
+        cases.push(merge::CheckCase { scenario: relative_name(file), ..case });
     }
-    let passed = files.len() - failed - skipped;
-    match skipped {
-        0 => outln!("{} scenarios, {passed} passed, {failed} failed", files.len()),
-        _ => outln!("{} scenarios, {passed} passed, {failed} failed, {skipped} skipped", files.len()),
+    let scenarios: Vec<String> = files.iter().map(relative_name).collect();
+    let result = merge::CheckResult::new(dir, fabric, shard, scenarios, cases);
+    result.summary()?;
+    if let Some(path) = json {
+        merge::write_json(path, &result)?;
     }
-    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if result.failed() == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// One scenario of `check`, its lines printed as it ends (`scenario` left for the caller to name).
+fn check_one(dir: &Path, golden_dir: &Path, fabric: &harness::Fabric, file: &Path) -> merge::CheckCase {
+    let relative = file.strip_prefix(dir).ok().filter(|relative| !relative.as_os_str().is_empty()).unwrap_or(file);
+    let fail = |problem: String, reproduce: Option<String>| {
+        eprintln!("FAIL {}: {problem}", relative.display());
+        if let Some(line) = &reproduce {
+            eprintln!("{line}");
+        }
+        merge::CheckCase::new(merge::CaseResult::Fail, vec![problem], reproduce)
+    };
+    let scenario = match scenario::load(file) {
+        Ok(scenario) => scenario,
+        Err(error) => return fail(error.to_string(), None),
+    };
+    if !fabric.simulated() && !scenario.faults.is_empty() {
+        let why = "its faults are injected by the in-memory fabric only (run it without --fabric)".to_owned();
+        let _ = writeln!(std::io::stdout(), "skip {}: {why}", relative.display());
+        return merge::CheckCase::new(merge::CaseResult::Skip, vec![why], None);
+    }
+    let outcome = match run_checked(&scenario, fabric) {
+        // Judged where it lives; the golden's layout picture is drawn from the bytes read back.
+        Ok(mut outcome) => match outcome.observation.materialise() {
+            Ok(()) => outcome,
+            Err(error) => return fail(format!("reading device memory back: {error}"), None),
+        },
+        Err(error) => return fail(error.to_string(), Some(check_reproduce(file, scenario.seed))),
+    };
+    let mut actual = render::golden(&scenario, &outcome);
+    let golden_path = golden_dir.join(render::golden_file_name(&corpus_relative(file, relative)));
+    let mut expected = std::fs::read_to_string(&golden_path).ok().map(|text| render::snapshot_body(&text));
+    if !fabric.simulated() {
+        // A real fabric's clock is not the simulation's: the golden's event times are not compared.
+        actual = untimed(&actual);
+        expected = expected.as_deref().map(untimed);
+    }
+    let mut problems: Vec<String> = outcome.failures.iter().map(ToString::to_string).collect();
+    let golden_diff = match expected {
+        None => {
+            problems.push(format!(
+                "no golden layout at {} (fix: run `cargo test`, review the .snap.new, accept it)",
+                golden_path.display()
+            ));
+            String::new()
+        }
+        Some(expected) if expected.trim_end() != actual.trim_end() => {
+            problems.push(format!("layout differs from {}", golden_path.display()));
+            render::diff(&expected, &actual)
+        }
+        Some(_) => String::new(),
+    };
+    if problems.is_empty() {
+        let _ = writeln!(std::io::stdout(), "pass {}", relative.display());
+        return merge::CheckCase::new(merge::CaseResult::Pass, Vec::new(), None);
+    }
+    eprintln!("FAIL {}: {}", relative.display(), problems.join("; "));
+    eprint!("{}", render::violations(&outcome.violations));
+    if !golden_diff.is_empty() {
+        eprint!("golden diff:\n{golden_diff}");
+    }
+    let reproduce = check_reproduce(file, scenario.seed);
+    eprintln!("{reproduce}");
+    merge::CheckCase::new(merge::CaseResult::Fail, problems, Some(reproduce))
 }
 
 /// `text` with every simulated event time (`at 130.856 us`) replaced by `at (time) us`.

@@ -50,10 +50,10 @@ pub(super) struct SimResult {
     seconds: f64,
 }
 
-const FORMAT: &str = "kvrelay-sim-1";
+pub(super) const FORMAT: &str = "kvrelay-sim-1";
 
 /// `--shard`'s value: `K/N`, `slurm`, or the whole.
-fn shard(text: Option<&str>) -> anyhow::Result<Shard> {
+pub(super) fn shard(text: Option<&str>) -> anyhow::Result<Shard> {
     match text {
         None => Ok(Shard::ALL),
         Some("slurm") => Shard::from_slurm(&|name| std::env::var(name).ok()).map_err(anyhow::Error::msg),
@@ -121,14 +121,9 @@ pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
             tally: tally.clone(),
             seconds,
         };
-        write_json(path, &result)?;
+        super::merge::write_json(path, &result)?;
     }
     Ok(if tally.harness_failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
-}
-
-fn write_json(path: &std::path::Path, result: &SimResult) -> anyhow::Result<()> {
-    let text = serde_json::to_string_pretty(result)?;
-    std::fs::write(path, text + "\n").map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))
 }
 
 /// `kvrelay merge`: the shards of one sharded swarm (their `--json` files) combined into the unsharded report,
@@ -178,7 +173,7 @@ pub(super) fn merge(files: &[PathBuf], json: Option<&std::path::Path>) -> anyhow
     );
     report(&merged.tally, merged.seconds, merged.seeds)?;
     if let Some(path) = json {
-        write_json(path, &merged)?;
+        super::merge::write_json(path, &merged)?;
     }
     Ok(if merged.tally.harness_failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

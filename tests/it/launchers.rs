@@ -144,3 +144,31 @@ fn a_sharded_swarm_merges_back_to_the_unsharded_one() {
     assert!(text(&missing.stderr).contains("shard(s) 2/3 missing"), "{}", text(&missing.stderr));
     let _ = std::fs::remove_dir_all(&temp);
 }
+
+/// `kvrelay check --shard K/N --json` over a directory, merged: every scenario's result, in the unsharded order.
+#[test]
+fn a_sharded_check_merges_back_to_the_unsharded_one() {
+    use crate::support::kvrelay;
+
+    let temp = std::env::temp_dir().join(format!("kvrelay-check-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&temp).unwrap();
+    let file = |name: &str| temp.join(name).display().to_string();
+    let check = |extra: &[&str]| {
+        let mut args = vec!["check", "scenarios/basic"];
+        args.extend_from_slice(extra);
+        let output = kvrelay(&args);
+        assert!(output.status.success(), "{}{}", text(&output.stdout), text(&output.stderr));
+    };
+    check(&["--json", &file("all.json")]);
+    check(&["--shard", "1/2", "--json", &file("1.json")]);
+    check(&["--shard", "2/2", "--json", &file("2.json")]);
+    let merged = kvrelay(&["merge", &file("2.json"), &file("1.json"), "--json", &file("merged.json")]);
+    assert!(merged.status.success(), "{}{}", text(&merged.stdout), text(&merged.stderr));
+    let cases = |name: &str| {
+        let value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(file(name)).unwrap()).unwrap();
+        value["cases"].clone()
+    };
+    assert!(cases("all.json").as_array().is_some_and(|all| all.len() > 2));
+    assert_eq!(cases("merged.json"), cases("all.json"));
+    let _ = std::fs::remove_dir_all(&temp);
+}

@@ -1,0 +1,163 @@
+//! `--json` results of `check` (and `sim`, `sim.rs`), and `kvrelay merge`: the shards of one sharded run
+//! (`--shard K/N`, every shard once) combined into the report the unsharded command prints.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use serde::{Deserialize, Serialize};
+
+use crate::harness;
+use crate::shard::Shard;
+
+/// `check --json`'s format.
+const CHECK_FORMAT: &str = "kvrelay-check-1";
+
+/// How one scenario of `check` ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum CaseResult {
+    Pass,
+    Fail,
+    Skip,
+}
+
+/// One scenario of `check`: its name (relative to the directory checked), result, problems (a failure's reasons, a
+/// skip's why) and the reproduce line of a failure.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct CheckCase {
+    pub(super) scenario: String,
+    pub(super) result: CaseResult,
+    pub(super) problems: Vec<String>,
+    pub(super) reproduce: Option<String>,
+}
+
+impl CheckCase {
+    pub(super) fn new(result: CaseResult, problems: Vec<String>, reproduce: Option<String>) -> CheckCase {
+        CheckCase { scenario: String::new(), result, problems, reproduce }
+    }
+}
+
+/// A `check` (or one shard of it) as `--json` writes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct CheckResult {
+    format: String,
+    dir: String,
+    fabric: String,
+    shard: Shard,
+    /// Every scenario of the run, sharded or not, in order.
+    scenarios: Vec<String>,
+    /// The scenarios this shard checked.
+    cases: Vec<CheckCase>,
+}
+
+impl CheckResult {
+    pub(super) fn new(
+        dir: &Path,
+        fabric: &harness::Fabric,
+        shard: Shard,
+        scenarios: Vec<String>,
+        cases: Vec<CheckCase>,
+    ) -> CheckResult {
+        let (dir, fabric) = (dir.display().to_string(), fabric.name());
+        CheckResult { format: CHECK_FORMAT.to_owned(), dir, fabric, shard, scenarios, cases }
+    }
+
+    pub(super) fn failed(&self) -> usize {
+        self.cases.iter().filter(|case| case.result == CaseResult::Fail).count()
+    }
+
+    /// The closing line: scenarios checked, passed, failed (skipped).
+    pub(super) fn summary(&self) -> anyhow::Result<()> {
+        let count = |result| self.cases.iter().filter(|case| case.result == result).count();
+        let (passed, failed, skipped) = (count(CaseResult::Pass), count(CaseResult::Fail), count(CaseResult::Skip));
+        match skipped {
+            0 => outln!("{} scenarios, {passed} passed, {failed} failed", self.cases.len()),
+            _ => outln!("{} scenarios, {passed} passed, {failed} failed, {skipped} skipped", self.cases.len()),
+        }
+        Ok(())
+    }
+}
+
+pub(super) fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text + "\n").map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))
+}
+
+/// `kvrelay merge FILE...`: the files' format (`check --json` or `sim --json`) picks the merge.
+pub(super) fn merge(files: &[PathBuf], json: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let mut formats = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(file).map_err(|error| anyhow::anyhow!("{}: {error}", file.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&text).map_err(|error| {
+            anyhow::anyhow!("{}: not JSON ({error}) (fix: pass the files --json wrote)", file.display())
+        })?;
+        let format = value.get("format").and_then(serde_json::Value::as_str).unwrap_or("none").to_owned();
+        formats.push((file, format, text));
+    }
+    let Some((first, format, _)) = formats.first() else { anyhow::bail!("kvrelay merge needs the shards' files") };
+    if let Some((file, other, _)) = formats.iter().find(|(_, other, _)| other != format) {
+        anyhow::bail!(
+            "{} is {format} but {} is {other} (fix: merge the shards of one command)",
+            first.display(),
+            file.display()
+        );
+    }
+    match format.as_str() {
+        CHECK_FORMAT => {
+            let mut results = Vec::new();
+            for (file, _, text) in &formats {
+                let result: CheckResult = serde_json::from_str(text)
+                    .map_err(|error| anyhow::anyhow!("{}: a malformed {CHECK_FORMAT} file ({error})", file.display()))?;
+                results.push(((*file).clone(), result));
+            }
+            merge_check(results, json)
+        }
+        super::sim::FORMAT => super::sim::merge(files, json),
+        other => anyhow::bail!(
+            "{}: format {other} (this kvrelay merges {CHECK_FORMAT} and {}; fix: merge files written by `check --json` or `sim --json` of the same kvrelay)",
+            first.display(),
+            super::sim::FORMAT
+        ),
+    }
+}
+
+/// The shards of one `check`: every scenario's line in the run's order, then the unsharded summary.
+fn merge_check(results: Vec<(PathBuf, CheckResult)>, json: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let (first_file, first) = &results[0];
+    for (file, result) in &results[1..] {
+        let same = (&result.dir, &result.fabric, &result.scenarios) == (&first.dir, &first.fabric, &first.scenarios);
+        anyhow::ensure!(
+            same,
+            "{} and {} are shards of different checks (directory, fabric or scenarios differ) (fix: merge one run's shards)",
+            first_file.display(),
+            file.display()
+        );
+    }
+    let shards: Vec<Shard> = results.iter().map(|(_, result)| result.shard).collect();
+    crate::shard::complete(&shards).map_err(anyhow::Error::msg)?;
+    let mut merged = CheckResult { shard: Shard::ALL, cases: Vec::new(), ..first.clone() };
+    merged.cases = results.into_iter().flat_map(|(_, result)| result.cases).collect();
+    let position = |name: &str| merged.scenarios.iter().position(|known| known == name).unwrap_or(usize::MAX);
+    let mut cases = std::mem::take(&mut merged.cases);
+    cases.sort_by_key(|case| position(&case.scenario));
+    merged.cases = cases;
+    outln!("merge: {} shards of check {} on {}", shards.len(), merged.dir, merged.fabric);
+    for case in &merged.cases {
+        match case.result {
+            CaseResult::Pass => outln!("pass {}", case.scenario),
+            CaseResult::Skip => outln!("skip {}: {}", case.scenario, case.problems.join("; ")),
+            CaseResult::Fail => {
+                outln!("FAIL {}: {}", case.scenario, case.problems.join("; "));
+                if let Some(line) = &case.reproduce {
+                    outln!("{line}");
+                }
+            }
+        }
+    }
+    merged.summary()?;
+    if let Some(path) = json {
+        write_json(path, &merged)?;
+    }
+    Ok(if merged.failed() == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
