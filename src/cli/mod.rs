@@ -188,6 +188,14 @@ pub enum Command {
     Certify(certify::CertifyArgs),
     /// kvrelay's own planner behind the plan protocol, on stdin/stdout (the reference for `check --planner`).
     Planner,
+    /// Print a completion script for SHELL, generated from these definitions (bash: `kvrelay completions bash >
+    /// /etc/bash_completion.d/kvrelay`).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), generated from these definitions: `kvrelay man > kvrelay.1; man ./kvrelay.1`.
+    Man,
     /// Replay a load shape through the engines on the in-memory fabric (default: 128 requests of 32,768 input
     /// tokens at concurrency 16 on Kimi-K3 PP8/TP1 -> TP8/DCP8 with KDA state), every decode byte verified; reports
     /// input tokens/s, bytes/s, peak memory and per-request latency percentiles.
@@ -454,6 +462,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Merge { files, json } => merge::merge(&files, json.as_deref()),
         Command::Shrink(args) => shrink::shrink(&args, seed),
         Command::Planner => reference_planner(),
+        Command::Completions { shell } => {
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut <Args as clap::CommandFactory>::command(), "kvrelay", &mut out);
+            std::io::stdout().write_all(&out)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Man => {
+            let mut out = Vec::new();
+            clap_mangen::Man::new(<Args as clap::CommandFactory>::command()).render(&mut out)?;
+            std::io::stdout().write_all(&out)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench {
             fabric: FabricArgs { fabric: Some(name), device },
             message_bytes,
@@ -657,13 +677,17 @@ fn check(
         relative.unwrap_or(file).display().to_string()
     };
     let mut cases = Vec::new();
-    for (index, file) in files.iter().enumerate() {
-        if !shard.takes(index as u64) {
-            continue;
-        }
-        let case = check_one(dir, golden_dir, fabric, file);
+    let mine: Vec<&PathBuf> =
+        files.iter().enumerate().filter(|(index, _)| shard.takes(*index as u64)).map(|it| it.1).collect();
+    let bar = progress(mine.len() as u64, "check");
+    for file in mine {
+        let mut said = Vec::new();
+        let case = check_one(dir, golden_dir, fabric, file, &mut said);
+        bar.suspend(|| print_said(&said))?;
+        bar.inc(1);
         cases.push(merge::CheckCase { scenario: relative_name(file), ..case });
     }
+    bar.finish_and_clear();
     let scenarios: Vec<String> = files.iter().map(relative_name).collect();
     let result = merge::CheckResult::new(dir, fabric, shard, scenarios, cases);
     result.summary()?;
@@ -673,32 +697,61 @@ fn check(
     Ok(if result.failed() == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// One scenario of `check`, its lines printed as it ends (`scenario` left for the caller to name).
-fn check_one(dir: &Path, golden_dir: &Path, fabric: &harness::Fabric, file: &Path) -> merge::CheckCase {
+/// Lines a step said, in order, each to stdout or (`true`) stderr.
+fn print_said(said: &[(bool, String)]) -> anyhow::Result<()> {
+    for (stderr, text) in said {
+        if *stderr {
+            std::io::stderr().write_all(text.as_bytes())?;
+        } else {
+            out!("{text}");
+        }
+    }
+    Ok(())
+}
+
+/// A progress bar of `len` steps of `what` on stderr, drawn only where stderr is a terminal (a CI log or a pipe
+/// gets none); print under it with `suspend`.
+pub(crate) fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::with_draw_target(Some(len), indicatif::ProgressDrawTarget::stderr());
+    let style = indicatif::ProgressStyle::with_template("{msg} [{bar:32}] {pos}/{len} {elapsed}")
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    bar.set_style(style.progress_chars("=> "));
+    bar.set_message(what.to_owned());
+    bar
+}
+
+/// One scenario of `check`, what it says collected in `say` (`scenario` left for the caller to name).
+fn check_one(
+    dir: &Path,
+    golden_dir: &Path,
+    fabric: &harness::Fabric,
+    file: &Path,
+    say: &mut Vec<(bool, String)>,
+) -> merge::CheckCase {
     let relative = file.strip_prefix(dir).ok().filter(|relative| !relative.as_os_str().is_empty()).unwrap_or(file);
-    let fail = |problem: String, reproduce: Option<String>| {
-        eprintln!("FAIL {}: {problem}", relative.display());
+    let fail = |problem: String, reproduce: Option<String>, say: &mut Vec<(bool, String)>| {
+        say.push((true, format!("FAIL {}: {problem}\n", relative.display())));
         if let Some(line) = &reproduce {
-            eprintln!("{line}");
+            say.push((true, format!("{line}\n")));
         }
         merge::CheckCase::new(merge::CaseResult::Fail, vec![problem], reproduce)
     };
     let scenario = match scenario::load(file) {
         Ok(scenario) => scenario,
-        Err(error) => return fail(error.to_string(), None),
+        Err(error) => return fail(error.to_string(), None, say),
     };
     if !fabric.simulated() && !scenario.faults.is_empty() {
         let why = "its faults are injected by the in-memory fabric only (run it without --fabric)".to_owned();
-        let _ = writeln!(std::io::stdout(), "skip {}: {why}", relative.display());
+        say.push((false, format!("skip {}: {why}\n", relative.display())));
         return merge::CheckCase::new(merge::CaseResult::Skip, vec![why], None);
     }
     let outcome = match run_checked(&scenario, fabric) {
         // Judged where it lives; the golden's layout picture is drawn from the bytes read back.
         Ok(mut outcome) => match outcome.observation.materialise() {
             Ok(()) => outcome,
-            Err(error) => return fail(format!("reading device memory back: {error}"), None),
+            Err(error) => return fail(format!("reading device memory back: {error}"), None, say),
         },
-        Err(error) => return fail(error.to_string(), Some(check_reproduce(file, scenario.seed))),
+        Err(error) => return fail(error.to_string(), Some(check_reproduce(file, scenario.seed)), say),
     };
     let mut actual = render::golden(&scenario, &outcome);
     let golden_path = golden_dir.join(render::golden_file_name(&corpus_relative(file, relative)));
@@ -724,16 +777,16 @@ fn check_one(dir: &Path, golden_dir: &Path, fabric: &harness::Fabric, file: &Pat
         Some(_) => String::new(),
     };
     if problems.is_empty() {
-        let _ = writeln!(std::io::stdout(), "pass {}", relative.display());
+        say.push((false, format!("pass {}\n", relative.display())));
         return merge::CheckCase::new(merge::CaseResult::Pass, Vec::new(), None);
     }
-    eprintln!("FAIL {}: {}", relative.display(), problems.join("; "));
-    eprint!("{}", render::violations(&outcome.violations));
+    say.push((true, format!("FAIL {}: {}\n", relative.display(), problems.join("; "))));
+    say.push((true, render::violations(&outcome.violations)));
     if !golden_diff.is_empty() {
-        eprint!("golden diff:\n{golden_diff}");
+        say.push((true, format!("golden diff:\n{golden_diff}")));
     }
     let reproduce = check_reproduce(file, scenario.seed);
-    eprintln!("{reproduce}");
+    say.push((true, format!("{reproduce}\n")));
     merge::CheckCase::new(merge::CaseResult::Fail, problems, Some(reproduce))
 }
 

@@ -89,15 +89,11 @@ pub(super) fn request_latencies_ms(run: &crate::engine::sim::SimRun) -> Vec<f64>
     ended.values().map(|ns| *ns as f64 / 1e6).collect()
 }
 
-/// The progress line on stderr after `done` of `requests` requests.
-pub(super) fn progress(stderr: &mut std::io::Stderr, done: u32, requests: u32, tokens: u32, start: &Instant) {
+/// The progress bar after `done` requests, its message the input tokens/s so far.
+pub(super) fn progress(bar: &indicatif::ProgressBar, done: u32, tokens: u32, start: &Instant) {
     let seconds = start.elapsed().as_secs_f64();
-    let _ = write!(
-        stderr,
-        "\rreplay: {done}/{requests} requests, {:.0} input tokens/s, {seconds:.1} s",
-        f64::from(done) * f64::from(tokens) / seconds.max(1e-12)
-    );
-    let _ = stderr.flush();
+    bar.set_position(u64::from(done));
+    bar.set_message(format!("replay, {:.0} input tokens/s", f64::from(done) * f64::from(tokens) / seconds.max(1e-12)));
 }
 
 /// `latency ms (what): p50 .. p90 .. p99 .. max ..` of sorted `latencies_ms`.
@@ -139,7 +135,7 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     let (mut done, mut bytes, mut violations, mut failed) = (0u32, 0u64, 0usize, 0usize);
     let mut latencies_ms: Vec<f64> = Vec::new();
     let mut wave = 0u64;
-    let mut stderr = std::io::stderr();
+    let bar = super::progress(u64::from(requests), "replay");
     while done < requests {
         let count = batch.min(requests - done);
         let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave + 1))?;
@@ -153,9 +149,9 @@ pub(super) fn replay(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         crate::engine::sim::recycle(&pool, run.observation);
         done += count;
         wave += 1;
-        progress(&mut stderr, done, requests, tokens, &start);
+        progress(&bar, done, tokens, &start);
     }
-    let _ = writeln!(stderr);
+    bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     let input_tokens = u64::from(requests) * u64::from(tokens);
     latencies_ms.sort_by(f64::total_cmp);

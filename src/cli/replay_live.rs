@@ -111,7 +111,7 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     let mut cross_check = Vec::new();
     let mut latencies_ms = Vec::new();
     let mut phases = Phases::default();
-    let mut stderr = std::io::stderr();
+    let bar = super::progress(u64::from(requests), "replay");
     while done < requests {
         let count = batch.min(requests - done);
         let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave + 1))?;
@@ -129,9 +129,9 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
         oracle_seconds += figures.oracle_seconds;
         done += count;
         wave += 1;
-        progress(&mut stderr, done, requests, tokens, &start);
+        progress(&bar, done, tokens, &start);
     }
-    let _ = writeln!(stderr);
+    bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     let input_tokens = u64::from(requests) * u64::from(tokens);
     latencies_ms.sort_by(f64::total_cmp);

@@ -114,11 +114,16 @@ pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
     }
     outln!("baseline: kvrelay's own plans pass {} of {} scenarios", scenarios.len() - false_alarms, scenarios.len());
     let mutants = if args.mutant.is_empty() { selftest::ALL.to_vec() } else { args.mutant.clone() };
+    let bar = super::progress((mutants.len() * scenarios.len()) as u64, "selftest cases");
     let mut rows = Vec::new();
     for mutant in mutants {
-        let cases = scenarios.iter().map(|scenario| selftest::run_case_on(scenario, &budget, Some(mutant), &fabric));
+        let cases = scenarios.iter().map(|scenario| {
+            bar.inc(1);
+            selftest::run_case_on(scenario, &budget, Some(mutant), &fabric)
+        });
         rows.push(Row { mutant, cases: cases.collect::<Result<_, _>>()? });
     }
+    bar.finish_and_clear();
     let survivors = print_table(&rows)?;
     print_matrix(&rows, &scenarios)?;
     let by_rooms: usize =

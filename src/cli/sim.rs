@@ -85,11 +85,11 @@ pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
     if shard != Shard::ALL {
         outln!("shard {shard}: every {}th (seed, scenario) case from case {}", shard.count, shard.index - 1);
     }
-    let (start, mut tally, mut stderr) = (Instant::now(), Tally::default(), std::io::stderr());
-    let mut shown = 0.0;
+    let (start, mut tally) = (Instant::now(), Tally::default());
+    let bar = super::progress(args.seeds, "sim seeds");
     let seeds = args.first_seed..args.first_seed.saturating_add(args.seeds);
     let mut case = 0u64;
-    for (done, seed) in seeds.enumerate() {
+    for seed in seeds {
         let faults = swarm::swarm_faults(seed);
         for (file, scenario) in &scenarios {
             case += 1;
@@ -99,15 +99,9 @@ pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
             let (run, judgement) = swarm::run_faulted(scenario, &faults).map_err(anyhow::Error::msg)?;
             tally.add(file, seed, &run, judgement);
         }
-        // The progress line at most twice a second (and for the last seed), so CI logs stay short.
-        let seconds = start.elapsed().as_secs_f64();
-        if seconds - shown >= 0.5 || done as u64 + 1 == args.seeds {
-            shown = seconds;
-            let _ = write!(stderr, "\rsim: {}/{} seeds, {} runs, {seconds:.1} s", done + 1, args.seeds, tally.runs);
-            let _ = stderr.flush();
-        }
+        bar.inc(1);
     }
-    let _ = writeln!(stderr);
+    bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     report(&tally, seconds, args.seeds)?;
     if let Some(path) = &args.json {

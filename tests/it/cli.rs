@@ -467,3 +467,32 @@ fn replay_reports_a_verified_load() {
     }
     assert!(text(&output.stderr).contains("replay: 2/2 requests"), "{}", text(&output.stderr));
 }
+
+/// Completions and the man page come from the clap definitions: every command is in both.
+#[test]
+fn completions_and_the_man_page_are_generated_from_the_commands() {
+    for shell in ["bash", "zsh", "fish"] {
+        let output = kvrelay(&["completions", shell]);
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        let script = text(&output.stdout);
+        for command in ["check", "serve", "merge", "selftest", "completions"] {
+            assert!(script.contains(command), "{shell} completions lack {command}");
+        }
+    }
+    let man = kvrelay(&["man"]);
+    assert!(man.status.success(), "{}", text(&man.stderr));
+    let page = text(&man.stdout);
+    assert!(page.contains(".TH kvrelay 1"), "not a roff man page: {}", &page[..page.len().min(200)]);
+    assert!(page.contains("kvrelay\\-merge") || page.contains("merge"), "the man page lacks merge");
+    assert!(!kvrelay(&["completions", "tcsh"]).status.success(), "an unknown shell is refused");
+}
+
+/// A long command's progress bar is drawn only on a terminal: a pipe (a CI log) gets its report alone.
+#[test]
+fn progress_bars_stay_out_of_a_pipe() {
+    let output = kvrelay(&["sim", "scenarios/engines", "--seeds", "2"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stderr = text(&output.stderr);
+    assert!(!stderr.contains('\r') && !stderr.contains("[="), "a progress bar reached a pipe: {stderr:?}");
+    assert!(text(&output.stdout).contains("harness failures: 0"));
+}
