@@ -11,8 +11,10 @@
 # - planner: the parser of an external planner's lines (src/running/external/protocol.rs), with a round trip of each
 #   accepted plan answer.
 # - plugin_info: a C ABI transport plug-in's info text (src/fabric/plugin.rs, `PluginInfo::parse`).
+# - from_config: a Hugging Face config.json for `kvrelay scenario from-config` (src/tools/from_config.rs), seeded
+#   with tests/configs/.
 # A crash fails CI. Usage: bash ci/fuzz.sh [SECONDS]   (default 120: 40 % each to scenario and wire, 10 % to
-# control, 5 % each to planner and plugin_info)
+# control, 5 % each to planner, plugin_info and from_config)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-120}"
@@ -34,7 +36,7 @@ fuzz() {
     cargo +nightly fuzz run --fuzz-dir tests/fuzz "$target" "tests/fuzz/corpus/$target" -- \
         -max_total_time="$time" -rss_limit_mb="$rss" -timeout=10 -print_final_stats=1 "$@"
 }
-mkdir -p tests/fuzz/corpus/{scenario,wire,control,planner,plugin_info}
+mkdir -p tests/fuzz/corpus/{scenario,wire,control,planner,plugin_info,from_config}
 
 find scenarios tests/hostile -name '*.yaml' -size -64k -exec cp {} tests/fuzz/corpus/scenario/ \;
 for index in $(seq 0 14); do
@@ -64,3 +66,7 @@ fuzz planner "$twentieth" 2048
 printf 'name=memcpy-sample\nversion=1.0.0\nbacking=memcpy\n' > tests/fuzz/corpus/plugin_info/seed-sample
 printf 'name=x\n=\nversion\n' > tests/fuzz/corpus/plugin_info/seed-broken
 fuzz plugin_info "$twentieth" 1024
+
+# Model configs: the real ones the importer's tests use.
+cp tests/configs/*.json tests/fuzz/corpus/from_config/
+fuzz from_config "$twentieth" 2048

@@ -58,6 +58,29 @@ pub struct Args {
     pub seed: Option<u64>,
 }
 
+/// What `kvrelay scenario` writes.
+#[derive(Debug, Subcommand)]
+pub enum ScenarioAction {
+    /// A scenario from a Hugging Face config.json (its geometry fields) and each side's SGLang server flags, as a
+    /// commented scenario file (stdout, or --out).
+    FromConfig {
+        config: PathBuf,
+        /// The prefill server's flags that shape KV (`--tp`, `--pp-size`, `--dcp-size`, `--page-size`,
+        /// `--kv-cache-dtype`), as one string.
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        prefill: String,
+        /// The decode server's flags, as one string.
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        decode: String,
+        /// Prompt length of the scenario's one request.
+        #[arg(long, default_value_t = 4096)]
+        tokens: u32,
+        /// Write the scenario here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Plan a scenario, run it through the per-rank engines on the in-memory fabric, verify every decode byte; print
@@ -196,6 +219,12 @@ pub enum Command {
     },
     /// Print the man page (roff), generated from these definitions: `kvrelay man > kvrelay.1; man ./kvrelay.1`.
     Man,
+    /// Write scenarios: `kvrelay scenario from-config config.json --prefill '--tp 1 --pp-size 8' --decode '--tp 8
+    /// --dcp-size 8' --out my.yaml`.
+    Scenario {
+        #[command(subcommand)]
+        action: ScenarioAction,
+    },
     /// Replay a load shape through the engines on the in-memory fabric (default: 128 requests of 32,768 input
     /// tokens at concurrency 16 on Kimi-K3 PP8/TP1 -> TP8/DCP8 with KDA state), every decode byte verified; reports
     /// input tokens/s, bytes/s, peak memory and per-request latency percentiles.
@@ -468,6 +497,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             std::io::stdout().write_all(&out)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Scenario { action: ScenarioAction::FromConfig { config, prefill, decode, tokens, out } } => {
+            from_config(&config, &prefill, &decode, tokens, out.as_deref())
+        }
         Command::Man => {
             let mut out = Vec::new();
             clap_mangen::Man::new(<Args as clap::CommandFactory>::command()).render(&mut out)?;
@@ -695,6 +727,36 @@ fn check(
         merge::write_json(path, &result)?;
     }
     Ok(if result.failed() == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `kvrelay scenario from-config`: the scenario written, loaded back through the scenario loader before it is
+/// handed over (an import the loader refuses is an error here, never a file that fails later).
+fn from_config(
+    config: &Path,
+    prefill: &str,
+    decode: &str,
+    tokens: u32,
+    out: Option<&Path>,
+) -> anyhow::Result<ExitCode> {
+    use crate::from_config::{import, parse_flags};
+    let text = std::fs::read_to_string(config).map_err(|error| anyhow::anyhow!("{}: {error}", config.display()))?;
+    let (prefill_side, decode_side) = (parse_flags("prefill", prefill)?, parse_flags("decode", decode)?);
+    let command = format!(
+        "kvrelay scenario from-config {} --prefill '{prefill}' --decode '{decode}' --tokens {tokens}",
+        config.file_name().map_or_else(|| config.display().to_string(), |name| name.to_string_lossy().into_owned())
+    );
+    let scenario = import(&config.display().to_string(), &text, &prefill_side, &decode_side, tokens, &command)
+        .map_err(|error| anyhow::anyhow!("{}: {error}", config.display()))?;
+    scenario::parse(&scenario, "<imported>", "imported")
+        .map_err(|error| anyhow::anyhow!("the imported scenario does not load: {error}"))?;
+    match out {
+        Some(path) => {
+            std::fs::write(path, &scenario).map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
+            outln!("wrote {} (run it: kvrelay run {})", path.display(), path.display());
+        }
+        None => out!("{scenario}"),
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Lines a step said, in order, each to stdout or (`true`) stderr.

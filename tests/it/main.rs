@@ -26,6 +26,8 @@ mod explain;
 /// Delays, reorders, a hung queue pair and a read after release (the fault kinds after the first ten).
 mod fault_kinds;
 mod faults;
+/// `kvrelay scenario from-config`: real models' config.json imported as their presets; refusals by field.
+mod from_config;
 /// Every scenarios/**/*.yaml against its golden/ layout via insta (the corpus test).
 mod golden;
 /// Hostile scenario files: edge values, arbitrary bytes and kept fuzz crashes never panic.

@@ -1,0 +1,124 @@
+//! `kvrelay scenario from-config`: real models' config.json (tests/configs/, their geometry fields) and SGLang
+//! server flags imported as scenarios that lower to exactly kvrelay's preset of the same model and run clean; what
+//! cannot be imported is an error naming the field and the fix.
+
+use std::path::Path;
+
+use kvrelay::from_config::{import, parse_flags};
+use kvrelay::harness;
+use kvrelay::scenario;
+
+use crate::support::{kvrelay, text};
+
+fn config(file: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/configs").join(file)).unwrap()
+}
+
+fn imported(file: &str, prefill: &str, decode: &str) -> String {
+    let (prefill, decode) = (parse_flags("prefill", prefill).unwrap(), parse_flags("decode", decode).unwrap());
+    import(file, &config(file), &prefill, &decode, 256, "test").unwrap_or_else(|error| panic!("{file}: {error}"))
+}
+
+#[rstest::rstest]
+#[case::deepseek_v3("deepseek-v3.json", "deepseek-v3", "--tp 2", "--tp 4")]
+#[case::llama_3_8b("llama-3-8b.json", "llama-3-8b", "--tp 8 --page-size 16", "--tp 2 --page-size 16")]
+#[case::llama_3_70b("llama-3-70b.json", "llama-3-70b", "--tp-size=4", "--tp 8")]
+#[case::qwen3_next("qwen3-next-80b-a3b.json", "qwen3-next", "--tp 1", "--tp 4")]
+#[case::kimi_linear("kimi-linear-48b-a3b.json", "kimi-linear", "--tp 4 --page-size 16", "--tp 2 --page-size 16")]
+fn a_real_config_imports_as_its_preset_and_runs_clean(
+    #[case] file: &str,
+    #[case] preset: &str,
+    #[case] prefill: &str,
+    #[case] decode: &str,
+) {
+    let text = imported(file, prefill, decode);
+    let scenario = scenario::parse(&text, file, "imported").unwrap_or_else(|error| panic!("{error}\n{text}"));
+    // The same scenario with the preset's model section instead.
+    let model_start = text.find("model:\n").unwrap();
+    let model_end = text.find("prefill:").unwrap();
+    let with_preset = format!("{}model: {{preset: {preset}}}\n{}", &text[..model_start], &text[model_end..]);
+    let reference = scenario::parse(&with_preset, preset, "preset").unwrap();
+    let (mut got, want) = (scenario.problem.model.clone(), reference.problem.model.clone());
+    got.name.clone_from(&want.name);
+    assert_eq!(got, want, "{file} imported as another model than the {preset} preset:\n{text}");
+    let outcome = harness::run(&scenario).expect("runs");
+    assert!(outcome.passed(), "{file}: {}", outcome.failure_text("; "));
+}
+
+#[rstest::rstest]
+#[case::unknown_architecture(
+    r#"{"architectures": ["GPT2LMHeadModel"], "num_hidden_layers": 12}"#,
+    "",
+    "architectures: GPT2LMHeadModel is not an architecture kvrelay imports"
+)]
+#[case::missing_field(
+    r#"{"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "kv_lora_rank": 512}"#,
+    "",
+    "qk_rope_head_dim: missing"
+)]
+#[case::not_json("{", "", "not JSON")]
+#[case::no_architectures(r#"{"num_hidden_layers": 2}"#, "", "architectures: missing")]
+#[case::negative(
+    r#"{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": -1}"#,
+    "",
+    "num_hidden_layers: -1 is not a non-negative integer"
+)]
+#[case::dsa(
+    r#"{"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 61}"#,
+    "",
+    "fix: model: {preset: deepseek-v3.2}"
+)]
+#[case::dtypes_differ(
+    r#"{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024}"#,
+    "--kv-cache-dtype fp8_e4m3",
+    "the sides hold KV in 1- and 2-byte elements"
+)]
+fn a_config_that_cannot_be_imported_is_refused_by_field(
+    #[case] json: &str,
+    #[case] prefill: &str,
+    #[case] words: &str,
+) {
+    let (prefill, decode) = (parse_flags("prefill", prefill).unwrap(), parse_flags("decode", "").unwrap());
+    let error = import("c.json", json, &prefill, &decode, 16, "test").expect_err("refused");
+    assert!(error.to_string().contains(words), "{error}");
+}
+
+#[rstest::rstest]
+#[case::dp_attention(
+    "--tp 8 --enable-dp-attention --dp 8",
+    "--prefill --enable-dp-attention: DP attention is not expressible"
+)]
+#[case::speculative("--speculative-algorithm EAGLE", "draft KV is not imported")]
+#[case::unknown("--mem-fraction-static 0.8", "not a flag that shapes the KV layout")]
+#[case::no_value("--tp", "--prefill --tp: needs a value")]
+#[case::dcp_not_dividing("--tp 6 --dcp-size 4", "4 does not divide --tp 6")]
+fn server_flags_kvrelay_cannot_express_are_refused_by_name(#[case] flags: &str, #[case] words: &str) {
+    let error = parse_flags("prefill", flags).expect_err("refused");
+    assert!(error.to_string().contains(words), "{error}");
+}
+
+#[test]
+fn from_config_writes_a_file_that_run_passes() {
+    let out = std::env::temp_dir().join(format!("kvrelay-imported-{}.yaml", std::process::id()));
+    let out_text = out.display().to_string();
+    let written = kvrelay(&[
+        "scenario",
+        "from-config",
+        "tests/configs/deepseek-v3.json",
+        "--prefill",
+        "--tp 1 --pp-size 2 --page-size 64",
+        "--decode",
+        "--tp 2 --dcp-size 2 --page-size 64",
+        "--tokens",
+        "300",
+        "--out",
+        &out_text,
+    ]);
+    assert!(written.status.success(), "{}", text(&written.stderr));
+    let file = std::fs::read_to_string(&out).unwrap();
+    assert!(file.starts_with("# Imported by `kvrelay scenario from-config deepseek-v3.json"), "{file}");
+    let run = kvrelay(&["run", &out_text]);
+    let _ = std::fs::remove_file(&out);
+    assert!(run.status.success(), "{}{}", text(&run.stdout), text(&run.stderr));
+    assert!(text(&run.stdout).contains("verdict: pass"), "{}", text(&run.stdout));
+}
