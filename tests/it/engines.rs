@@ -118,7 +118,11 @@ mod nixl {
             return;
         }
         let scenario = "scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml";
-        let out = kvrelay(&["launch", scenario, "--fabric", "nixl", "--chaos", kind, "--timeout", "15"]);
+        // The fault's moment counts from the hub's start. Seed 2 draws 810 ms: inside the transfer on a 2-core
+        // machine, where the run ends about 1.2 s after the start and the scenario's own seed (3) draws 1,209 ms,
+        // which a fast run ends before (seen once: "the run ended 1203 ms after the start, before the fault").
+        let args = ["launch", scenario, "--fabric", "nixl", "--chaos", kind, "--timeout", "15", "--seed", "2"];
+        let out = kvrelay(&args);
         let stdout = text(&out.stdout);
         assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
         assert!(stdout.contains(&format!("chaos {kind}: {injected}")), "{stdout}");
