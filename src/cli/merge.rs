@@ -79,11 +79,6 @@ impl CheckResult {
     }
 }
 
-pub(super) fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
-    let text = serde_json::to_string_pretty(value)?;
-    std::fs::write(path, text + "\n").map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))
-}
-
 /// `kvrelay merge FILE...`: the files' format (`check --json` or `sim --json`) picks the merge.
 pub(super) fn merge(files: &[PathBuf], json: Option<&Path>) -> anyhow::Result<ExitCode> {
     let mut formats = Vec::new();
@@ -103,17 +98,10 @@ pub(super) fn merge(files: &[PathBuf], json: Option<&Path>) -> anyhow::Result<Ex
             file.display()
         );
     }
+    let texts: Vec<(&PathBuf, &str)> = formats.iter().map(|(file, _, text)| (*file, text.as_str())).collect();
     match format.as_str() {
-        CHECK_FORMAT => {
-            let mut results = Vec::new();
-            for (file, _, text) in &formats {
-                let result: CheckResult = serde_json::from_str(text)
-                    .map_err(|error| anyhow::anyhow!("{}: a malformed {CHECK_FORMAT} file ({error})", file.display()))?;
-                results.push(((*file).clone(), result));
-            }
-            merge_check(results, json)
-        }
-        super::sim::FORMAT => super::sim::merge(files, json),
+        CHECK_FORMAT => merge_check(parse(&texts, CHECK_FORMAT)?, json),
+        super::sim::FORMAT => super::sim::merge(parse(&texts, super::sim::FORMAT)?, json),
         other => anyhow::bail!(
             "{}: format {other} (this kvrelay merges {CHECK_FORMAT} and {}; fix: merge files written by `check --json` or `sim --json` of the same kvrelay)",
             first.display(),
@@ -122,20 +110,30 @@ pub(super) fn merge(files: &[PathBuf], json: Option<&Path>) -> anyhow::Result<Ex
     }
 }
 
+/// Every file's `texts` as a `T` of format `format`.
+fn parse<T: serde::de::DeserializeOwned>(
+    texts: &[(&PathBuf, &str)],
+    format: &str,
+) -> anyhow::Result<Vec<(PathBuf, T)>> {
+    texts
+        .iter()
+        .map(|(file, text)| {
+            let result = serde_json::from_str(text)
+                .map_err(|error| anyhow::anyhow!("{}: a malformed {format} file ({error})", file.display()))?;
+            Ok(((*file).clone(), result))
+        })
+        .collect()
+}
+
 /// The shards of one `check`: every scenario's line in the run's order, then the unsharded summary.
 fn merge_check(results: Vec<(PathBuf, CheckResult)>, json: Option<&Path>) -> anyhow::Result<ExitCode> {
-    let (first_file, first) = &results[0];
-    for (file, result) in &results[1..] {
-        let same = (&result.dir, &result.fabric, &result.scenarios) == (&first.dir, &first.fabric, &first.scenarios);
-        anyhow::ensure!(
-            same,
-            "{} and {} are shards of different checks (directory, fabric or scenarios differ) (fix: merge one run's shards)",
-            first_file.display(),
-            file.display()
-        );
-    }
-    let shards: Vec<Shard> = results.iter().map(|(_, result)| result.shard).collect();
-    crate::shard::complete(&shards).map_err(anyhow::Error::msg)?;
+    let shards = super::one_run(
+        &results,
+        |result| (result.dir.clone(), result.fabric.clone(), result.scenarios.clone()),
+        |result| result.shard,
+        "directory, fabric or scenarios",
+    )?;
+    let first = &results[0].1;
     let mut merged = CheckResult { shard: Shard::ALL, cases: Vec::new(), ..first.clone() };
     merged.cases = results.into_iter().flat_map(|(_, result)| result.cases).collect();
     let position = |name: &str| merged.scenarios.iter().position(|known| known == name).unwrap_or(usize::MAX);
@@ -157,7 +155,7 @@ fn merge_check(results: Vec<(PathBuf, CheckResult)>, json: Option<&Path>) -> any
     }
     merged.summary()?;
     if let Some(path) = json {
-        write_json(path, &merged)?;
+        super::write_json(path, &merged)?;
     }
     Ok(if merged.failed() == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

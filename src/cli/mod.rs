@@ -724,7 +724,7 @@ fn check(
     let result = merge::CheckResult::new(dir, fabric, shard, scenarios, cases);
     result.summary()?;
     if let Some(path) = json {
-        merge::write_json(path, &result)?;
+        write_json(path, &result)?;
     }
     Ok(if result.failed() == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
@@ -757,6 +757,34 @@ fn from_config(
         None => out!("{scenario}"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `value` as pretty JSON in `path` (the `--json` files).
+fn write_json(path: &Path, value: &impl serde::Serialize) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text + "\n").map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))
+}
+
+/// That `results` are the shards of one run (`key` the same for all: what the run was; `what` names it for the
+/// error) and every shard is there once (`shard` of each).
+fn one_run<T, K: PartialEq>(
+    results: &[(PathBuf, T)],
+    key: impl Fn(&T) -> K,
+    shard: impl Fn(&T) -> crate::shard::Shard,
+    what: &str,
+) -> anyhow::Result<Vec<crate::shard::Shard>> {
+    let (first_file, first) = &results[0];
+    for (file, result) in &results[1..] {
+        anyhow::ensure!(
+            key(result) == key(first),
+            "{} and {} are shards of different runs ({what} differ) (fix: merge one run's shards)",
+            first_file.display(),
+            file.display()
+        );
+    }
+    let shards: Vec<crate::shard::Shard> = results.iter().map(|(_, result)| shard(result)).collect();
+    crate::shard::complete(&shards).map_err(anyhow::Error::msg)?;
+    Ok(shards)
 }
 
 /// Lines a step said, in order, each to stdout or (`true`) stderr.

@@ -20,10 +20,10 @@ pub struct SimArgs {
     pub path: PathBuf,
     /// Seeds per scenario.
     #[arg(long, default_value_t = 100)]
-    seeds: u64,
+    pub seeds: u64,
     /// The first seed (seeds run from it upwards).
     #[arg(long, default_value_t = 1)]
-    first_seed: u64,
+    pub first_seed: u64,
     /// Leave out scenarios registering more simulated memory than this, in bytes.
     #[arg(long, default_value_t = 64 << 20)]
     pub max_bytes: u64,
@@ -115,44 +115,21 @@ pub(super) fn sim(args: &SimArgs) -> anyhow::Result<ExitCode> {
             tally: tally.clone(),
             seconds,
         };
-        super::merge::write_json(path, &result)?;
+        super::write_json(path, &result)?;
     }
     Ok(if tally.harness_failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 /// `kvrelay merge`: the shards of one sharded swarm (their `--json` files) combined into the unsharded report,
 /// written as JSON too with `--json`.
-pub(super) fn merge(files: &[PathBuf], json: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
-    let mut results = Vec::new();
-    for file in files {
-        let text = std::fs::read_to_string(file).map_err(|error| anyhow::anyhow!("{}: {error}", file.display()))?;
-        let result: SimResult = serde_json::from_str(&text).map_err(|error| {
-            anyhow::anyhow!(
-                "{}: not a `kvrelay sim --json` file ({error}) (fix: pass the files --json wrote)",
-                file.display()
-            )
-        })?;
-        anyhow::ensure!(
-            result.format == FORMAT,
-            "{}: format {} (this kvrelay reads {FORMAT}; fix: merge files written by the same kvrelay)",
-            file.display(),
-            result.format
-        );
-        results.push((file, result));
-    }
-    let Some((first_file, first)) = results.first() else { anyhow::bail!("kvrelay merge needs the shards' files") };
-    for (file, result) in &results[1..] {
-        let same =
-            (result.seeds, result.first_seed, &result.scenarios) == (first.seeds, first.first_seed, &first.scenarios);
-        anyhow::ensure!(
-            same,
-            "{} and {} are shards of different runs (seeds, first seed or scenarios differ) (fix: merge one run's shards)",
-            first_file.display(),
-            file.display()
-        );
-    }
-    let shards: Vec<Shard> = results.iter().map(|(_, result)| result.shard).collect();
-    crate::shard::complete(&shards).map_err(anyhow::Error::msg)?;
+pub(super) fn merge(results: Vec<(PathBuf, SimResult)>, json: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
+    let shards = super::one_run(
+        &results,
+        |result| (result.seeds, result.first_seed, result.scenarios.clone()),
+        |result| result.shard,
+        "seeds, first seed or scenarios",
+    )?;
+    let first = &results[0].1;
     let mut merged = SimResult { shard: Shard::ALL, tally: Tally::default(), seconds: 0.0, ..first.clone() };
     for (_, result) in results {
         merged.tally.merge(result.tally, &merged.scenarios);
@@ -167,7 +144,7 @@ pub(super) fn merge(files: &[PathBuf], json: Option<&std::path::Path>) -> anyhow
     );
     report(&merged.tally, merged.seconds, merged.seeds)?;
     if let Some(path) = json {
-        super::merge::write_json(path, &merged)?;
+        super::write_json(path, &merged)?;
     }
     Ok(if merged.tally.harness_failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

@@ -236,11 +236,15 @@ fn model(json: &Value, architecture: &str) -> Result<Model, ImportError> {
         | "Qwen2ForCausalLM"
         | "Qwen3ForCausalLM"
         | "Qwen3MoeForCausalLM" => {
-            let windowed = json.get("use_sliding_window").and_then(Value::as_bool).unwrap_or(true);
-            if windowed && optional(json, "sliding_window")?.is_some() && architecture.starts_with("Mistral") {
+            // Qwen2/3 switch their window on with `use_sliding_window`; Mistral and Mixtral window whenever
+            // `sliding_window` is set.
+            let switched = json.get("use_sliding_window").and_then(Value::as_bool);
+            let windowed =
+                switched.unwrap_or(architecture.starts_with("Mistral") || architecture.starts_with("Mixtral"));
+            if windowed && optional(json, "sliding_window")?.is_some() {
                 return Err(error(
                     "sliding_window",
-                    "every layer windowed (Mistral SWA) is not imported (fix: write model.state with kind swa by hand)",
+                    "windowed attention (SWA) is not imported (fix: write model.state with kind swa by hand)",
                 ));
             }
             lines.extend(gqa(&mut notes)?);

@@ -63,6 +63,8 @@ fn a_real_config_imports_as_its_preset_and_runs_clean(
     "",
     "num_hidden_layers: -1 is not a non-negative integer"
 )]
+#[case::qwen_window(r#"{"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024, "use_sliding_window": true, "sliding_window": 4096}"#, "", "sliding_window: windowed attention (SWA) is not imported")]
+#[case::mistral_window(r#"{"architectures": ["MistralForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024, "sliding_window": 4096}"#, "", "sliding_window: windowed attention")]
 #[case::dsa(
     r#"{"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 61}"#,
     "",
