@@ -41,6 +41,7 @@ mod planners;
 mod ranks;
 mod replay;
 mod replay_live;
+mod report;
 mod run;
 mod selftest;
 mod shapes;
@@ -155,6 +156,10 @@ pub enum Command {
         #[arg(required = true)]
         scenarios: Vec<PathBuf>,
     },
+    /// Run scenarios (files or directories) and write one self-contained HTML page per run into --html DIR: the
+    /// verdict, violations in coordinates, a picture per decode rank of which request, source rank and layer landed
+    /// in every row, the planner's decisions, the SGLang code paths and the event timeline; index.html over them.
+    Report(report::ReportArgs),
     /// Export every copy of the plan.
     Plan {
         scenario: PathBuf,
@@ -426,6 +431,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let seed = command_seed(&args)?;
     match args.command {
         Command::Run(args) => run::run(&args, seed),
+        Command::Report(args) => report::report(&args, seed),
         Command::Layout { scenario, rank } => layout(&load(&scenario, seed)?, rank),
         Command::Explain { scenarios } => {
             for file in &scenarios {

@@ -6,6 +6,7 @@ pub mod certify;
 pub mod explain;
 pub mod from_config;
 pub mod render;
+pub mod report;
 pub mod selftest;
 pub mod shard;
 pub mod shrink;

@@ -386,18 +386,46 @@ fn region_lines(
     noun: &str,
     bytes: &[u8],
 ) -> Vec<String> {
+    region_spans(sources, layer, tensor, row_len, noun, bytes).into_iter().map(|span| span.line).collect()
+}
+
+/// One run-length encoded piece of a decode region: `rows` consecutive rows from `first_row`, bytes
+/// `column..column + length` of each, where they came from (`None`: bytes of no known origin) and its golden line.
+#[derive(Debug, Clone)]
+pub struct Span {
+    pub first_row: u64,
+    pub rows: u64,
+    pub column: u64,
+    pub length: u64,
+    /// The first row's origin, and the count of rows the span merges.
+    pub from: Option<Described>,
+    pub line: String,
+}
+
+/// The pieces of one region's bytes, in reading order (first row, then column): what [`layout`] prints a line for.
+pub fn region_spans(
+    sources: &Sources<'_>,
+    layer: u32,
+    tensor: &str,
+    row_len: u64,
+    noun: &str,
+    bytes: &[u8],
+) -> Vec<Span> {
     let mut cells: Vec<Cell> = Vec::new();
-    // (first row, column, text), sorted so each item reads top to bottom.
-    let mut lines: Vec<(u64, u64, String)> = Vec::new();
+    let mut spans: Vec<Span> = Vec::new();
     for run in sources.runs(0, bytes) {
         match run {
             Run::Sentinel { .. } => {}
             Run::Unknown { offset, length } => {
-                lines.push((
-                    offset / row_len,
-                    offset % row_len,
-                    format!("bytes {offset}..{} <- GARBLED", offset + length),
-                ));
+                let first_row = offset / row_len;
+                spans.push(Span {
+                    first_row,
+                    rows: (offset + length).div_ceil(row_len) - first_row,
+                    column: offset % row_len,
+                    length: length.min(row_len),
+                    from: None,
+                    line: format!("bytes {offset}..{} <- GARBLED", offset + length),
+                });
             }
             Run::Source { offset, length, number, source_offset } => {
                 // Split at row boundaries so relaid-out and head-sliced rows line up in columns.
@@ -465,12 +493,19 @@ fn region_lines(
                 format!(" bytes {column}..{}", column + length)
             };
             let span = describe_span(&coordinates[start].0, &coordinates[end - 1].0, end - start, layer, tensor);
-            lines.push((first.row, column, format!("{rows}{columns} <- {span}")));
+            spans.push(Span {
+                first_row: first.row,
+                rows: last.row - first.row + 1,
+                column,
+                length,
+                from: Some(coordinates[start].0.clone()),
+                line: format!("{rows}{columns} <- {span}"),
+            });
             start = end;
         }
     }
-    lines.sort_by_key(|line| (line.0, line.1));
-    lines.into_iter().map(|line| line.2).collect()
+    spans.sort_by_key(|span| (span.first_row, span.column));
+    spans
 }
 
 /// `request 2 positions 5..509 step 8 from prefill pp0/tp0`, naming the source layer only when it differs.
@@ -544,4 +579,23 @@ fn transfer_kind(kind: TransferKind) -> String {
         TransferKind::State { component } => format!("state{component}"),
         TransferKind::Aux => "aux".to_owned(),
     }
+}
+
+/// Text made safe for XML and HTML attribute and element content (control characters other than tab and newline become
+/// U+FFFD: XML 1.0 cannot carry them).
+pub fn markup_escape(text: &str) -> String {
+    let mut res = String::with_capacity(text.len());
+    for char in text.chars() {
+        match char {
+            '&' => res.push_str("&amp;"),
+            '<' => res.push_str("&lt;"),
+            '>' => res.push_str("&gt;"),
+            '"' => res.push_str("&quot;"),
+            '\'' => res.push_str("&apos;"),
+            '\t' | '\n' => res.push(char),
+            char if char.is_control() => res.push('\u{FFFD}'),
+            char => res.push(char),
+        }
+    }
+    res
 }

@@ -85,6 +85,17 @@ fn a_transport_that_misplaces_writes_fails_with_decoded_coordinates() {
     assert!(!scenario.detail.contains("timed out"), "{}", scenario.detail);
     assert_eq!(scenario.reproduce, "kvrelay certify --fabric test --case scenario/dcp-relayout-two-stages");
     assert!(report.count(Verdict::Fail) >= 4, "{}", report.summary());
+    // The JUnit file links the case's report page, written beside it, which draws the misplaced bytes in red.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("certify-pages");
+    let _ = std::fs::remove_dir_all(&dir);
+    let written = report.write(&dir).unwrap();
+    let junit = std::fs::read_to_string(&written.junit).unwrap();
+    let link = "<property name=\"report\" value=\"pages/scenario_dcp-relayout-two-stages.html\"/>";
+    assert!(junit.contains(link), "{junit}");
+    assert!(junit.contains("[[ATTACHMENT|pages/scenario_dcp-relayout-two-stages.html]]"), "{junit}");
+    let page = std::fs::read_to_string(dir.join("pages/scenario_dcp-relayout-two-stages.html")).unwrap();
+    assert!(page.contains("class=\"violation\""), "the page marks the violations");
+    assert!(dir.join("pages/index.html").exists());
 }
 
 #[test]

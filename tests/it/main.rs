@@ -49,6 +49,8 @@ mod props;
 /// Real RDMA verbs: engines over the verbs fabric, ranks as processes (feature `rdma`, run in the CI guest).
 #[cfg(feature = "rdma")]
 mod rdma;
+/// `kvrelay report`: HTML pages of a clean and a broken run, rendered in headless Chromium and judged by pixels.
+mod report;
 /// The mutation self-test: every planted layout bug caught on a named scenario, no false alarm, `n/a` kept apart.
 mod selftest;
 /// Shrinking: a failing scenario reduced, still failing the same way; refusals; byte-identical output.

@@ -246,7 +246,17 @@ pub struct Violation {
     pub region: String,
     /// `row 197`, `row 35 bytes 256..512`, `item 3 bytes 0..3072`.
     pub place: String,
+    /// The same place as numbers: the decode region (its index on the rank) and the bytes (for pictures).
+    pub at: Located,
     pub kind: ViolationKind,
+}
+
+/// Where a [`Violation`] is: region `region` of the rank (index into its regions), bytes `offset..offset+length`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Located {
+    pub region: u32,
+    pub offset: u64,
+    pub length: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -390,6 +400,7 @@ fn judge_resident(
                 rank: first_key.rank,
                 region: format!("layer {} {}", region.layer, tensor_name(problem, region)),
                 place: format!("device memory ({})", first.judge.name()),
+                at: Located { region: first_key.region, offset: 0, length: first.len },
                 kind: ViolationKind::Unjudged { why },
             });
             return;
@@ -455,8 +466,9 @@ impl RegionCheck<'_> {
         format!("layer {} {}", self.region().layer, tensor_name(self.problem, self.region()))
     }
 
-    fn violation(&self, place: String, kind: ViolationKind) -> Violation {
-        Violation { rank: self.key.rank, region: self.label(), place, kind }
+    fn violation(&self, place: String, offset: u64, length: u64, kind: ViolationKind) -> Violation {
+        let at = Located { region: self.key.region, offset, length };
+        Violation { rank: self.key.rank, region: self.label(), place, at, kind }
     }
 
     /// `row 197`, or `row 35 bytes 256..512` for part of a row.
@@ -488,7 +500,8 @@ impl RegionCheck<'_> {
                 _ => all_failed,
             };
             if !moot {
-                violations.push(self.violation(format!("row {row}"), kind));
+                let row_len = self.region().row_len();
+                violations.push(self.violation(format!("row {row}"), row * row_len, row_len, kind));
             }
         }
         pieces.retain(|piece| !self.verdicts.failed.contains(&piece.request));
@@ -521,9 +534,12 @@ impl RegionCheck<'_> {
         let region_len = self.bytes.len();
         if let Some(piece) = pieces.iter().find(|piece| piece.target_offset + piece.span() > region_len) {
             let (start, end) = (piece.target_offset, piece.target_offset + piece.span());
-            violations.push(
-                self.violation(format!("bytes {start}..{end}"), ViolationKind::OutsideRegion { end, region_len }),
-            );
+            violations.push(self.violation(
+                format!("bytes {start}..{end}"),
+                start,
+                end - start,
+                ViolationKind::OutsideRegion { end, region_len },
+            ));
             pieces.retain(|piece| piece.target_offset + piece.span() <= region_len);
         }
         let mut cursor = 0u64;
@@ -648,7 +664,8 @@ impl RegionCheck<'_> {
         let end = ((offset + length).div_ceil(8) * 8).min(self.bytes.len());
         let bytes = self.bytes.slice(aligned, end);
         let found = found_content_at(self.sources, &bytes, aligned, offset, length);
-        violations.push(self.violation(self.place(offset, length), ViolationKind::Wrong { expected, found }));
+        let place = self.place(offset, length);
+        violations.push(self.violation(place, offset, length, ViolationKind::Wrong { expected, found }));
     }
 }
 
@@ -742,6 +759,7 @@ fn check_writes(
                     rank: key.rank,
                     region: label.clone(),
                     place: format!("row {}", offset / region.row_len()),
+                    at: Located { region: key.region, offset, length: overlap },
                     kind: ViolationKind::Overwritten { offset, length: overlap },
                 });
             }

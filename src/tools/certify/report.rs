@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::render::markup_escape as escape;
+
 use super::{Identity, Throughput};
 
 /// How a case ended.
@@ -50,6 +52,17 @@ pub struct CaseResult {
     pub seconds: f64,
     /// One line that reruns this case alone.
     pub reproduce: String,
+    /// A scenario case's HTML page (`kvrelay report`'s), written to [`CaseResult::page_path`] beside junit.xml.
+    pub page: Option<String>,
+}
+
+impl CaseResult {
+    /// Where [`Report::write`] puts this case's page, relative to junit.xml: `pages/<id>.html`.
+    pub fn page_path(&self) -> Option<String> {
+        let id: String =
+            self.id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+        self.page.as_ref().map(|_| format!("pages/{id}.html"))
+    }
 }
 
 /// The machine the certification ran on.
@@ -145,6 +158,23 @@ impl Report {
         std::fs::write(&written.junit, self.junit())?;
         std::fs::write(&written.json, self.json())?;
         std::fs::write(&written.manifest, self.manifest())?;
+        let mut entries = Vec::new();
+        for result in &self.results {
+            let (Some(page), Some(path)) = (&result.page, result.page_path()) else { continue };
+            std::fs::create_dir_all(dir.join("pages"))?;
+            std::fs::write(dir.join(&path), page)?;
+            entries.push(crate::report::IndexEntry {
+                scenario: result.id.clone(),
+                href: path.trim_start_matches("pages/").to_owned(),
+                passed: result.verdict == Verdict::Pass,
+                violations: 0,
+                failure: result.detail.lines().next().unwrap_or_default().to_owned(),
+            });
+        }
+        if !entries.is_empty() {
+            let title = format!("kvrelay certify: {}", self.transport.name);
+            std::fs::write(dir.join("pages/index.html"), crate::report::index(&title, &entries))?;
+        }
         Ok(written)
     }
 
@@ -308,26 +338,16 @@ fn junit_case(xml: &mut String, case: &CaseResult) {
             );
         }
     }
-    let _ = writeln!(xml, "<system-out>reproduce: {}</system-out></testcase>", escape(&case.reproduce));
-}
-
-/// Text made safe for XML attribute and element content (control characters other than tab and newline become
-/// U+FFFD: XML 1.0 cannot carry them).
-fn escape(text: &str) -> String {
-    let mut res = String::with_capacity(text.len());
-    for char in text.chars() {
-        match char {
-            '&' => res.push_str("&amp;"),
-            '<' => res.push_str("&lt;"),
-            '>' => res.push_str("&gt;"),
-            '"' => res.push_str("&quot;"),
-            '\'' => res.push_str("&apos;"),
-            '\t' | '\n' => res.push(char),
-            char if char.is_control() => res.push('\u{FFFD}'),
-            char => res.push(char),
-        }
+    let attachment = case.page_path().map_or(String::new(), |path| format!("\n[[ATTACHMENT|{path}]]"));
+    if let Some(path) = case.page_path() {
+        let _ = write!(xml, "<properties><property name=\"report\" value=\"{}\"/></properties>", escape(&path));
     }
-    res
+    let _ = writeln!(
+        xml,
+        "<system-out>reproduce: {}{}</system-out></testcase>",
+        escape(&case.reproduce),
+        escape(&attachment)
+    );
 }
 
 fn one_line(text: &str) -> String {
@@ -382,6 +402,8 @@ struct JsonCase<'a> {
     detail: &'a str,
     seconds: f64,
     reproduce: &'a str,
+    /// The case's HTML page, relative to report.json.
+    page: Option<String>,
 }
 
 impl<'a> From<&'a CaseResult> for JsonCase<'a> {
@@ -394,6 +416,7 @@ impl<'a> From<&'a CaseResult> for JsonCase<'a> {
             detail: &result.detail,
             seconds: result.seconds,
             reproduce: &result.reproduce,
+            page: result.page_path(),
         }
     }
 }

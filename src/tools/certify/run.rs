@@ -241,12 +241,16 @@ pub fn certify(
     let mut measured = None;
     for case in set.cases.iter().filter(|case| options.only.is_empty() || options.only.contains(&case.id)) {
         let start = Instant::now();
+        let mut page = None;
         let (verdict, detail) = match &case.kind {
             Kind::Seam(case) => judge_conformance(transport, case),
             Kind::Conformance(_) | Kind::Throughput if !transport.verbs() => not_verbs(),
             Kind::Conformance(conformance) => judge_conformance(transport, conformance),
             Kind::Scenario { file, scenario, registered } => {
-                let (verdict, mut detail) = judge_scenario(transport, scenario, *registered, options);
+                let reproduce = reproduce_line(options, case);
+                let (verdict, mut detail, drawn) =
+                    judge_scenario(transport, scenario, *registered, options, &reproduce);
+                page = drawn;
                 if let (Verdict::Fail, Some(flags)) = (verdict, &options.run_flags) {
                     detail.push_str(&format!("\ntrace it: kvrelay run {} {flags} --trace", file.display()));
                 }
@@ -266,6 +270,7 @@ pub fn certify(
             detail,
             seconds: start.elapsed().as_secs_f64(),
             reproduce: reproduce_line(options, case),
+            page,
         };
         progress(&result);
         results.push(result);
@@ -309,25 +314,33 @@ fn judge_scenario(
     scenario: &Scenario,
     registered: u64,
     options: &Options,
-) -> (Verdict, String) {
+    reproduce: &str,
+) -> (Verdict, String, Option<String>) {
     transport.reset();
+    let fabric = transport.identity().name;
     let outcome =
         harness::Run::new(scenario, &options.budget).live_options(&options.live).on_transport(transport).execute();
+    let draw = |outcome: &mut harness::Outcome| {
+        // Device memory is read back for the picture only; the verdict was given where it lives.
+        let _ = outcome.observation.materialise();
+        let context = crate::report::PageContext { reproduce, mutant: None, fabric: &fabric };
+        Some(crate::report::page(scenario, outcome, &context))
+    };
     match outcome {
-        Ok(outcome) if outcome.passed() => (Verdict::Pass, String::new()),
-        Ok(outcome) => {
+        Ok(mut outcome) if outcome.passed() => (Verdict::Pass, String::new(), draw(&mut outcome)),
+        Ok(mut outcome) => {
             let mut detail = outcome.failure_text("; ");
             for violation in outcome.violations.iter().take(5) {
                 detail.push_str(&format!("\n{violation}"));
             }
-            (Verdict::Fail, detail)
+            (Verdict::Fail, detail, draw(&mut outcome))
         }
         Err(error @ RunError::OverBudget { .. }) => {
             let allowed = registered > LARGE_SCENARIO_BYTES;
             let why = format!("memory: {error}");
-            (Verdict::Unsupported { allowed }, why)
+            (Verdict::Unsupported { allowed }, why, None)
         }
-        Err(error) => (Verdict::Fail, error.to_string()),
+        Err(error) => (Verdict::Fail, error.to_string(), None),
     }
 }
 
