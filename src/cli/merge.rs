@@ -13,8 +13,17 @@ use crate::shard::Shard;
 /// `check --json`'s format.
 const CHECK_FORMAT: &str = "kvrelay-check-1";
 
+/// The JSON Schema of `check --json` (`kvrelay schema check`).
+pub(super) fn check_schema() -> serde_json::Value {
+    let mut schema = schemars::schema_for!(CheckResult).to_value();
+    if let Some(format) = schema.pointer_mut("/properties/format") {
+        *format = serde_json::json!({ "const": CHECK_FORMAT });
+    }
+    schema
+}
+
 /// How one scenario of `check` ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub(super) enum CaseResult {
     Pass,
@@ -24,7 +33,7 @@ pub(super) enum CaseResult {
 
 /// One scenario of `check`: its name (relative to the directory checked), result, problems (a failure's reasons, a
 /// skip's why) and the reproduce line of a failure.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub(super) struct CheckCase {
     pub(super) scenario: String,
     pub(super) result: CaseResult,
@@ -39,7 +48,7 @@ impl CheckCase {
 }
 
 /// A `check` (or one shard of it) as `--json` writes it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub(super) struct CheckResult {
     format: String,
     dir: String,

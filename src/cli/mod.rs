@@ -43,6 +43,7 @@ mod replay;
 mod replay_live;
 mod report;
 mod run;
+pub mod schema;
 mod selftest;
 mod shapes;
 mod shrink;
@@ -160,6 +161,12 @@ pub enum Command {
     /// verdict, violations in coordinates, a picture per decode rank of which request, source rank and layer landed
     /// in every row, the planner's decisions, the SGLang code paths and the event timeline; index.html over them.
     Report(report::ReportArgs),
+    /// Print the JSON Schema of scenario files, the plan JSON, certify's report.json, or check's and sim's --json
+    /// (copies in src/schemas/; a YAML editor validates scenarios with `# yaml-language-server: $schema=...`).
+    Schema {
+        #[arg(value_enum)]
+        name: schema::SchemaName,
+    },
     /// Export every copy of the plan.
     Plan {
         scenario: PathBuf,
@@ -432,6 +439,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.command {
         Command::Run(args) => run::run(&args, seed),
         Command::Report(args) => report::report(&args, seed),
+        Command::Schema { name } => {
+            out!("{}", schema::schema_text(name));
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Layout { scenario, rank } => layout(&load(&scenario, seed)?, rank),
         Command::Explain { scenarios } => {
             for file in &scenarios {

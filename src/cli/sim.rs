@@ -37,7 +37,7 @@ pub struct SimArgs {
 }
 
 /// A swarm's (or one shard's) totals as `--json` writes them and `kvrelay merge` reads them.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub(super) struct SimResult {
     /// `kvrelay-sim-1`.
     format: String,
@@ -51,6 +51,15 @@ pub(super) struct SimResult {
 }
 
 pub(super) const FORMAT: &str = "kvrelay-sim-1";
+
+/// The JSON Schema of `sim --json` (`kvrelay schema sim`).
+pub(super) fn sim_schema() -> serde_json::Value {
+    let mut schema = schemars::schema_for!(SimResult).to_value();
+    if let Some(format) = schema.pointer_mut("/properties/format") {
+        *format = serde_json::json!({ "const": FORMAT });
+    }
+    schema
+}
 
 /// `--shard`'s value: `K/N`, `slurm`, or the whole.
 pub(super) fn shard(text: Option<&str>) -> anyhow::Result<Shard> {

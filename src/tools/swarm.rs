@@ -53,7 +53,7 @@ pub fn swarmable(scenario: &Scenario) -> bool {
 }
 
 /// Totals of a swarm (or of one shard of it: [`Tally::merge`] adds shards up).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct Tally {
     pub runs: u64,
     pub succeeded: u64,

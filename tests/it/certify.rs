@@ -19,13 +19,13 @@ fn corpus() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/engines")
 }
 
-fn options() -> Options {
+pub(crate) fn options() -> Options {
     let mut options = Options::new(Budget::bytes(1 << 30), "kvrelay certify --fabric test");
     options.throughput_bytes = 1 << 20;
     options
 }
 
-fn run(transport: &mut dyn Transport, options: &Options) -> Report {
+pub(crate) fn run(transport: &mut dyn Transport, options: &Options) -> Report {
     let set = CaseSet::load(&corpus()).unwrap();
     certify::certify(transport, &set, options, &mut |_| {})
 }

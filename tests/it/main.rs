@@ -51,6 +51,8 @@ mod props;
 mod rdma;
 /// `kvrelay report`: HTML pages of a clean and a broken run, rendered in headless Chromium and judged by pixels.
 mod report;
+/// The JSON Schemas of src/schemas/: current, and every scenario and emitted document valid against them.
+mod schemas;
 /// The mutation self-test: every planted layout bug caught on a named scenario, no false alarm, `n/a` kept apart.
 mod selftest;
 /// Shrinking: a failing scenario reduced, still failing the same way; refusals; byte-identical output.

@@ -525,8 +525,23 @@ fn complement(layers: u32, kv_layers: &[u32]) -> Vec<u32> {
     (0..layers).filter(|layer| !kv_layers.contains(layer)).collect()
 }
 
+/// The names `model.preset` takes, each a shape of [`preset`] (the scenario schema lists them).
+pub(super) const PRESET_NAMES: [&str; 8] = [
+    "kimi-k3",
+    "kimi-linear",
+    "qwen3-next",
+    "deepseek-v3",
+    "deepseek-v3.2",
+    "deepseek-v2-lite",
+    "llama-3-8b",
+    "llama-3-70b",
+];
+
+/// The names `model.state[].kind` takes.
+pub(super) const STATE_KINDS: [&str; 4] = ["mamba", "swa", "dsa", "swa_ring"];
+
 /// Known model shapes (domain.md §10); 0-based layer ids.
-fn preset(name: &str) -> Option<ModelGeometry> {
+pub(super) fn preset(name: &str) -> Option<ModelGeometry> {
     let mla = Attention::Mla { kv_lora_rank: 512, qk_rope_head_dim: 64 };
     let base = |layers: u32, attention, kv_layers: Vec<u32>, dtype_bytes| ModelGeometry {
         name: name.to_owned(),

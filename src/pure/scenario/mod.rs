@@ -6,6 +6,7 @@
 mod lower;
 pub mod raw;
 pub mod reduce;
+pub mod schema;
 mod text;
 mod yaml;
 

@@ -49,9 +49,12 @@
 //! | `expect.text` | string | any | the rejection's exact message (domain.md's wording where it documents one) |
 //! | `expect.ranks`, `expect.requests` | [u32] | all | only these decode ranks (stage-major) and requests fail, with `error`; every other request succeeds byte-exact |
 
+use std::borrow::Cow;
+
+use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use serde::Deserialize;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a scenario: a mapping with model, prefill, decode, requests and expect")]
 pub struct RawScenario {
     pub name: Option<String>,
@@ -68,7 +71,7 @@ pub struct RawScenario {
 }
 
 /// A `--faults FILE`: the `faults:` section of a scenario on its own.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(
     deny_unknown_fields,
     expecting = "a mapping with a faults list, such as faults: [{kind: torn_write, probability: 0.01}]"
@@ -77,14 +80,14 @@ pub struct RawFaultFile {
     pub faults: Vec<RawFault>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a fault rule such as {kind: torn_write, probability: 0.01}")]
 pub struct RawFault {
     pub kind: String,
     pub probability: f64,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a model mapping such as {preset: kimi-k3}")]
 pub struct RawModel {
     pub preset: Option<String>,
@@ -100,7 +103,7 @@ pub struct RawModel {
     pub draft: Option<RawDraft>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a state component mapping such as {kind: mamba, tensors: [...]}")]
 pub struct RawComponent {
     pub kind: String,
@@ -112,7 +115,7 @@ pub struct RawComponent {
     pub tensors: Vec<RawTensor>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a state tensor mapping such as {name: conv, dim: 96, unit_bytes: 2}")]
 pub struct RawTensor {
     pub name: String,
@@ -123,14 +126,14 @@ pub struct RawTensor {
     pub item_len: Option<u64>,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Copy, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a draft mapping {entries: N, token_len: B}")]
 pub struct RawDraft {
     pub entries: u32,
     pub token_len: u64,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a side mapping such as {tp: 2, page_size: 64}")]
 pub struct RawSide {
     #[serde(default = "one")]
@@ -174,7 +177,7 @@ pub struct RawRegistration {
     pub ranks: Option<Vec<u32>>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(
     deny_unknown_fields,
     expecting = "`legacy` or a mapping such as {legacy: true, item_lens: entry0, kv_item_len: 1152, ranks: [3]}"
@@ -202,7 +205,7 @@ impl<'de> Deserialize<'de> for RawRegistration {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a mapping {component: C, tensor: T, item_len: B}")]
 pub struct RawItemLen {
     pub component: u32,
@@ -210,7 +213,7 @@ pub struct RawItemLen {
     pub item_len: u64,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a mapping {component: C, entry: E, groups: [...], dim: D}")]
 pub struct RawOverride {
     pub component: u32,
@@ -219,7 +222,7 @@ pub struct RawOverride {
     pub dim: Option<u32>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a request mapping such as {tokens: 1000}")]
 pub struct RawRequest {
     pub tokens: u32,
@@ -240,14 +243,14 @@ pub struct RawRequest {
 }
 
 /// One index per side; a side left out keeps the allocator's.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a mapping {prefill: N, decode: N} (either may be left out)")]
 pub struct RawSides {
     pub prefill: Option<u32>,
     pub decode: Option<u32>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a mapping {component: C, prefill: N, decode: N}")]
 pub struct RawStatePages {
     pub component: u32,
@@ -317,13 +320,35 @@ where
     deserializer.deserialize_any(WordOrMap { expecting, word, map, fields: std::marker::PhantomData })
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, expecting = "a mapping {error: kind, text: \"the planner's message\"}")]
 struct RawError {
     error: String,
     text: Option<String>,
     ranks: Option<Vec<u32>>,
     requests: Option<Vec<u32>>,
+}
+
+impl JsonSchema for RawRegistration {
+    fn schema_name() -> Cow<'static, str> {
+        "Registration".into()
+    }
+
+    fn json_schema(generator: &mut SchemaGenerator) -> Schema {
+        let fields = generator.subschema_for::<RawRegistrationFields>();
+        json_schema!({ "oneOf": [{ "const": "legacy" }, fields] })
+    }
+}
+
+impl JsonSchema for RawExpect {
+    fn schema_name() -> Cow<'static, str> {
+        "Expect".into()
+    }
+
+    fn json_schema(generator: &mut SchemaGenerator) -> Schema {
+        let error = generator.subschema_for::<RawError>();
+        json_schema!({ "oneOf": [{ "const": "ok" }, error] })
+    }
 }
 
 fn one() -> u32 {

@@ -66,7 +66,7 @@ impl CaseResult {
 }
 
 /// The machine the certification ran on.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct Host {
     pub hostname: String,
     pub kernel: String,
@@ -220,7 +220,7 @@ impl Report {
             work_requests_per_second: figure.work_requests_per_second(),
         });
         let report = JsonReport {
-            format: "kvrelay-certification-report-1",
+            format: FORMAT,
             certified: self.certified(),
             complete: self.complete(),
             summary: self.summary(),
@@ -354,7 +354,19 @@ fn one_line(text: &str) -> String {
     text.replace(['\n', '\r'], " ")
 }
 
-#[derive(Serialize)]
+/// The JSON Schema of `report.json` (`kvrelay schema certify-report`).
+pub fn report_schema() -> serde_json::Value {
+    let mut schema = schemars::schema_for!(JsonReport<'static>).to_value();
+    if let Some(format) = schema.pointer_mut("/properties/format") {
+        *format = serde_json::json!({ "const": FORMAT });
+    }
+    schema
+}
+
+/// `report.json`'s `format`.
+const FORMAT: &str = "kvrelay-certification-report-1";
+
+#[derive(Serialize, schemars::JsonSchema)]
 struct JsonReport<'a> {
     format: &'static str,
     certified: bool,
@@ -369,21 +381,21 @@ struct JsonReport<'a> {
     cases: Vec<JsonCase<'a>>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct JsonCaseSet<'a> {
     version: &'a str,
     hash: &'a str,
     size: usize,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct JsonTransport<'a> {
     name: &'a str,
     version: &'a str,
     facts: &'a std::collections::BTreeMap<String, String>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct JsonThroughput {
     bytes: u64,
     message_bytes: u64,
@@ -393,7 +405,7 @@ struct JsonThroughput {
     work_requests_per_second: f64,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, schemars::JsonSchema)]
 struct JsonCase<'a> {
     id: &'a str,
     group: &'a str,
