@@ -45,4 +45,14 @@ target/release/kvrelay check \
     --planner "$VENV/bin/python tests/planners/sglang/adapter.py --version $SGLANG_VERSION" \
     --known "$KNOWN" || status=$?
 took "corpus with SGLang $SGLANG_VERSION's helpers in the planner's seat (exit $status)"
-exit "$status"
+
+# The compatibility matrix with the same helpers in the seat: every generated cell, ≠ where SGLang disagrees with
+# kvrelay (README.md "Compatibility matrix"); the table goes to the log and target/matrix-sglang.{md,html}.
+matrix=0
+target/release/kvrelay matrix \
+    --planner "$VENV/bin/python tests/planners/sglang/adapter.py --version $SGLANG_VERSION" \
+    --markdown target/matrix-sglang.md --html target/matrix-sglang.html || matrix=$?
+cat target/matrix-sglang.md
+took "compatibility matrix with SGLang $SGLANG_VERSION's helpers in the planner's seat (exit $matrix)"
+[ "$status" = 0 ] || exit "$status"
+exit "$matrix"

@@ -41,6 +41,6 @@ pub mod running;
 pub use running::{control, engine, exec, external, harness, process};
 
 pub mod tools;
-pub use tools::{certify, explain, from_config, render, report, selftest, shard, shrink, swarm};
+pub use tools::{certify, explain, from_config, matrix, render, report, selftest, shard, shrink, swarm};
 
 pub mod cli;

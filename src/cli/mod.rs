@@ -36,6 +36,7 @@ mod bench;
 mod bench_cuda;
 mod bench_lists;
 mod certify;
+mod matrix;
 mod merge;
 mod planners;
 mod ranks;
@@ -161,6 +162,10 @@ pub enum Command {
     /// verdict, violations in coordinates, a picture per decode rank of which request, source rank and layer landed
     /// in every row, the planner's decisions, the SGLang code paths and the event timeline; index.html over them.
     Report(report::ReportArgs),
+    /// The compatibility matrix: scenarios generated over model family x TP change x prefill PP x decode DCP x
+    /// peer version, each supported (bytes verified), rejected with a reason or no deployment; with --planner, where
+    /// that planner (SGLang's helpers) differs. Prints the markdown table (the README's, --update README.md).
+    Matrix(matrix::MatrixArgs),
     /// Print the JSON Schema of scenario files, the plan JSON, certify's report.json, or check's and sim's --json
     /// (copies in src/schemas/; a YAML editor validates scenarios with `# yaml-language-server: $schema=...`).
     Schema {
@@ -439,6 +444,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.command {
         Command::Run(args) => run::run(&args, seed),
         Command::Report(args) => report::report(&args, seed),
+        Command::Matrix(args) => matrix::matrix(&args),
         Command::Schema { name } => {
             out!("{}", schema::schema_text(name));
             Ok(ExitCode::SUCCESS)
@@ -659,6 +665,7 @@ fn takes_seed(command: &Command) -> bool {
             | Command::Planner
             | Command::Selftest(_)
             | Command::Sim(_)
+            | Command::Matrix(_)
     )
 }
 

@@ -24,7 +24,7 @@ use crate::external::ProcessPlanner;
 use crate::fabric::child::ChildTransport;
 use crate::fabric::transport::Transport as _;
 use crate::harness::{self, Budget, Run};
-use crate::scenario;
+use crate::scenario::{self, Scenario};
 
 /// One known upstream difference, as written in a `--known` file.
 #[derive(Debug, Clone, Deserialize)]
@@ -246,13 +246,17 @@ impl Seat {
     /// One scenario with this seat: `Err` holds the verdict's lines (the first is the summary).
     fn case(&mut self, file: &Path, budget: &Budget) -> Result<(), Vec<String>> {
         let scenario = scenario::load(file).map_err(|error| vec![error.to_string()])?;
-        let case = file.display().to_string();
+        self.case_of(&scenario, &file.display().to_string(), budget)
+    }
+
+    /// [`Seat::case`] of a scenario already loaded, named `case` to the seat.
+    pub(super) fn case_of(&mut self, scenario: &Scenario, case: &str, budget: &Budget) -> Result<(), Vec<String>> {
         let outcome = match self {
             Seat::Planner { planner, .. } => {
-                planner.borrow_mut().start_case(&case);
+                planner.borrow_mut().start_case(case);
                 let seat = SharedPlanner(planner.clone());
                 let outcome =
-                    harness::run_with_planner(&scenario, budget, seat).map_err(|error| vec![error.to_string()])?;
+                    harness::run_with_planner(scenario, budget, seat).map_err(|error| vec![error.to_string()])?;
                 if let Some(reason) = planner.borrow().failure() {
                     return Err(vec![reason.reason()]);
                 }
@@ -260,9 +264,9 @@ impl Seat {
             }
             Seat::Connector { child, live, send_timeout, .. } => {
                 child.reset();
-                let seat = ChildSeat::new(child.handle(), &scenario.problem, &case, *send_timeout);
+                let seat = ChildSeat::new(child.handle(), &scenario.problem, case, *send_timeout);
                 let seat = SharedPlanner(Rc::new(RefCell::new(seat)));
-                let run = Run::new(&scenario, budget).on_transport(child).planner(Some(seat)).live_options(live);
+                let run = Run::new(scenario, budget).on_transport(child).planner(Some(seat)).live_options(live);
                 let outcome = run.execute().map_err(|error| vec![error.to_string()])?;
                 if let Some(reason) = child.broken() {
                     return Err(vec![reason]);

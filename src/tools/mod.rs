@@ -5,6 +5,7 @@
 pub mod certify;
 pub mod explain;
 pub mod from_config;
+pub mod matrix;
 pub mod render;
 pub mod report;
 pub mod selftest;

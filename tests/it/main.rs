@@ -40,6 +40,8 @@ mod launchers;
 mod live;
 /// Scenario loader diagnostics: unknown fields, file/line/field paths.
 mod loader;
+/// The compatibility matrix: the README's table current, every verdict kind present.
+mod matrix;
 /// External planners over the plan protocol: the reference passes, broken ones fail with reasons.
 mod planners;
 /// C ABI transport plug-ins: the sample in C built with `cc`, its contract, its planted bug caught, load errors.

@@ -1,0 +1,130 @@
+//! `kvrelay matrix`: runs every cell of `tools::matrix` (kvrelay's plan, the engines and the oracle on the in-memory
+//! fabric; with --planner, the same cell with that program in the planner's seat) and prints or writes the table.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use super::planners::Seat;
+use super::progress;
+use crate::harness::{self, Budget};
+use crate::matrix::{self, Cell, CellResult, Upstream, Verdict};
+use crate::scenario::{self, Scenario};
+
+#[derive(Debug, clap::Args)]
+pub struct MatrixArgs {
+    /// Also run every cell with this command in every prefill rank's planner seat (the plan protocol, as `check
+    /// --planner`): e.g. SGLang's helpers, `python tests/planners/sglang/adapter.py`; cells where it disagrees
+    /// with kvrelay are marked ≠.
+    #[arg(long)]
+    pub planner: Option<String>,
+    /// Seconds the planner may spend on one cell.
+    #[arg(long, default_value_t = 60, requires = "planner")]
+    pub planner_timeout: u64,
+    /// Write the markdown table to FILE (default: print it).
+    #[arg(long, value_name = "FILE")]
+    pub markdown: Option<PathBuf>,
+    /// Write the table as an HTML page, every cell's full verdict in words.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
+    /// Replace the table between the matrix markers of FILE (the README's) with this run's.
+    #[arg(long, value_name = "FILE")]
+    pub update: Option<PathBuf>,
+    /// Write every cell's scenario file into DIR (`kvrelay run DIR/<cell>.yaml` reruns one).
+    #[arg(long, value_name = "DIR")]
+    pub cells: Option<PathBuf>,
+    /// Run the supported cells' bytes on this transport (default `sim`, the in-memory fabric).
+    #[command(flatten)]
+    pub fabric: super::FabricArgs,
+}
+
+/// `kvrelay matrix`; FAILURE when a cell kvrelay planned failed its run.
+pub(super) fn matrix(args: &MatrixArgs) -> anyhow::Result<ExitCode> {
+    let budget = Budget::from_env()?;
+    let fabric = args.fabric.fabric("sim")?;
+    let mut seat =
+        args.planner.as_deref().map(|command| Seat::planner(command, Duration::from_secs(args.planner_timeout)));
+    let cells = matrix::cells();
+    let bar = progress(cells.len() as u64, "matrix");
+    let mut results = Vec::new();
+    for cell in cells {
+        if let Some(dir) = &args.cells {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            let path = dir.join(format!("{}.yaml", cell.id()));
+            std::fs::write(&path, cell.yaml("ok")).with_context(|| format!("writing {}", path.display()))?;
+        }
+        let (verdict, expect) = judge(&cell, &budget, &fabric)?;
+        let upstream = match (&mut seat, &expect) {
+            (Some(seat), Some(scenario)) => Some(match seat.case_of(scenario, &cell.id(), &budget) {
+                Ok(()) => Upstream::Same,
+                Err(lines) => Upstream::Differs { why: lines.join("; ") },
+            }),
+            _ => None,
+        };
+        results.push((cell, CellResult { id: cell.id(), verdict, upstream }));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let mut table = matrix::markdown(&results, args.planner.as_deref());
+    if fabric != harness::Fabric::Sim {
+        table.push_str(&format!("\nTransport: `{}`.\n", fabric.name()));
+    }
+    match &args.markdown {
+        Some(path) => std::fs::write(path, &table).with_context(|| format!("writing {}", path.display()))?,
+        None if args.update.is_none() => out!("{table}"),
+        None => {}
+    }
+    if let Some(path) = &args.html {
+        let page = matrix::html(&results, args.planner.as_deref());
+        std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.update {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let Some(updated) = matrix::splice(&text, &table) else {
+            anyhow::bail!(
+                "{} has no matrix markers (fix: add the lines `{}` and `{}`)",
+                path.display(),
+                matrix::BEGIN,
+                matrix::END
+            );
+        };
+        std::fs::write(path, updated).with_context(|| format!("writing {}", path.display()))?;
+        outln!("updated the matrix in {}", path.display());
+    }
+    let failed = results.iter().any(|(_, result)| matches!(result.verdict, Verdict::Failed { .. }));
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// kvrelay's verdict on `cell`, and the scenario a planner in the seat is held to (`expect` set to kvrelay's
+/// verdict: a clean transfer, or the same rejection kind); none for a cell that is no deployment.
+fn judge(cell: &Cell, budget: &Budget, fabric: &harness::Fabric) -> anyhow::Result<(Verdict, Option<Scenario>)> {
+    let parse = |expect: &str| scenario::parse(&cell.yaml(expect), &format!("<matrix {}>", cell.id()), &cell.id());
+    let scenario = match parse("ok") {
+        Ok(scenario) => scenario,
+        Err(error) => {
+            // `<matrix id>:5: decode.dcp: ...`: the field and the rule, without the cell's own name and line.
+            let text = error.to_string();
+            let line = text.lines().next().unwrap_or_default();
+            let why = line.split_once(">:").and_then(|(_, rest)| rest.split_once(": ")).map_or(line, |(_, why)| why);
+            return Ok((Verdict::Impossible { why: why.trim().to_owned() }, None));
+        }
+    };
+    if let Err(error) = crate::plan::plan(&scenario.problem) {
+        let kind = error.kind().name().to_owned();
+        let expect = parse(&format!("{{error: {kind}}}")).ok();
+        return Ok((Verdict::Rejected { kind, message: error.to_string() }, expect));
+    }
+    let outcome = harness::Run::new(&scenario, budget).on(fabric).execute()?;
+    if outcome.passed() {
+        Ok((Verdict::Supported, Some(scenario)))
+    } else {
+        let mut why = outcome.failure_text("; ");
+        if let Some(violation) = outcome.violations.first() {
+            why.push_str(&format!("; {violation}"));
+        }
+        Ok((Verdict::Failed { why }, Some(scenario)))
+    }
+}
