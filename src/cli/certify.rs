@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
+
 use crate::certify::{self, CaseResult, CaseSet, Options, Transport, Verdict};
 use crate::harness::Budget;
 
@@ -41,6 +43,9 @@ pub struct CertifyArgs {
     /// Seconds a scenario's decode request may wait for the prefill side before it fails.
     #[arg(long, default_value_t = 60)]
     pub timeout: u64,
+    /// Also write the JSON report (report.json's content, schema src/schemas/certify-report.schema.json) to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 impl CertifyArgs {
@@ -109,18 +114,30 @@ pub(super) fn certify(args: &CertifyArgs) -> anyhow::Result<ExitCode> {
         set.hash
     );
     let mut printed = Ok(());
+    let planned = if options.only.is_empty() { set.cases.len() } else { options.only.len() };
+    let bar = super::progress(planned as u64, "certify");
     let report = certify::certify(&mut *transport, &set, &options, &mut |result| {
         if printed.is_ok() {
-            printed = print_case(result);
+            printed = bar.suspend(|| print_case(result));
         }
+        bar.inc(1);
     });
+    bar.finish_and_clear();
     printed?;
     let written = report.write(&args.out_dir(&identity.name))?;
+    if let Some(path) = &args.json {
+        std::fs::write(path, report.json()).with_context(|| format!("writing {}", path.display()))?;
+    }
     if let Some(throughput) = &report.throughput {
         outln!("throughput: {throughput}");
     }
     outln!("{}", report.summary());
     outln!("wrote {}, {} and {}", written.junit.display(), written.json.display(), written.manifest.display());
+    let pages = report.results.iter().filter(|result| result.page.is_some()).count();
+    if pages > 0 {
+        let dir = written.junit.with_file_name("pages");
+        outln!("and {pages} report pages in {} (index.html; each linked from its case in junit.xml)", dir.display());
+    }
     Ok(if report.certified() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 

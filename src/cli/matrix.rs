@@ -13,6 +13,7 @@ use super::progress;
 use crate::harness::{self, Budget};
 use crate::matrix::{self, Cell, CellResult, Upstream, Verdict};
 use crate::scenario::{self, Scenario};
+use crate::shard::Shard;
 
 #[derive(Debug, clap::Args)]
 pub struct MatrixArgs {
@@ -39,6 +40,29 @@ pub struct MatrixArgs {
     /// Run the supported cells' bytes on this transport (default `sim`, the in-memory fabric).
     #[command(flatten)]
     pub fabric: super::FabricArgs,
+    /// Judge only shard K of N of the cells (`K/N`, counted from 1; `slurm`: this Slurm array task's); `kvrelay
+    /// merge` combines the shards' `--json` files into the whole table.
+    #[arg(long, conflicts_with = "update")]
+    pub shard: Option<String>,
+    /// Also write every cell's result as JSON to this file (format kvrelay-matrix-1).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// `--json`'s format.
+pub(super) const FORMAT: &str = "kvrelay-matrix-1";
+
+/// A matrix run (or one shard of it) as `--json` writes it and `kvrelay merge` reads it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct MatrixResult {
+    format: String,
+    planner: Option<String>,
+    fabric: String,
+    /// Cells of the whole matrix.
+    cells: usize,
+    shard: Shard,
+    /// The cells this shard judged, in table order.
+    results: Vec<CellResult>,
 }
 
 /// `kvrelay matrix`; FAILURE when a cell kvrelay planned failed its run.
@@ -47,7 +71,11 @@ pub(super) fn matrix(args: &MatrixArgs) -> anyhow::Result<ExitCode> {
     let fabric = args.fabric.fabric("sim")?;
     let mut seat =
         args.planner.as_deref().map(|command| Seat::planner(command, Duration::from_secs(args.planner_timeout)));
-    let cells = matrix::cells();
+    let shard = super::sim::shard(args.shard.as_deref())?;
+    let all = matrix::cells();
+    let total = all.len();
+    let cells: Vec<Cell> =
+        all.into_iter().enumerate().filter(|(index, _)| shard.takes(*index as u64)).map(|(_, cell)| cell).collect();
     let bar = progress(cells.len() as u64, "matrix");
     let mut results = Vec::new();
     for cell in cells {
@@ -68,6 +96,17 @@ pub(super) fn matrix(args: &MatrixArgs) -> anyhow::Result<ExitCode> {
         bar.inc(1);
     }
     bar.finish_and_clear();
+    if let Some(path) = &args.json {
+        let result = MatrixResult {
+            format: FORMAT.to_owned(),
+            planner: args.planner.clone(),
+            fabric: fabric.name(),
+            cells: total,
+            shard,
+            results: results.iter().map(|(_, result)| result.clone()).collect(),
+        };
+        super::write_json(path, &result)?;
+    }
     let mut table = matrix::markdown(&results, args.planner.as_deref());
     if fabric != harness::Fabric::Sim {
         table.push_str(&format!("\nTransport: `{}`.\n", fabric.name()));
@@ -95,6 +134,48 @@ pub(super) fn matrix(args: &MatrixArgs) -> anyhow::Result<ExitCode> {
         outln!("updated the matrix in {}", path.display());
     }
     let failed = results.iter().any(|(_, result)| matches!(result.verdict, Verdict::Failed { .. }));
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// `kvrelay merge` of a matrix's shards: the whole table, as the unsharded run prints it.
+pub(super) fn merge(results: Vec<(PathBuf, MatrixResult)>, json: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
+    super::one_run(
+        &results,
+        |result| (result.planner.clone(), result.fabric.clone(), result.cells),
+        |result| result.shard,
+        "planner, fabric or cell count",
+    )?;
+    let first = results[0].1.clone();
+    let cells = matrix::cells();
+    anyhow::ensure!(
+        cells.len() == first.cells,
+        "the shards judged a matrix of {} cells, this kvrelay's has {} (fix: merge with the kvrelay that ran them)",
+        first.cells,
+        cells.len()
+    );
+    let mut by_id: std::collections::BTreeMap<String, CellResult> = std::collections::BTreeMap::new();
+    for (_, result) in results {
+        for cell in result.results {
+            by_id.insert(cell.id.clone(), cell);
+        }
+    }
+    let mut table = Vec::new();
+    for cell in cells {
+        let Some(result) = by_id.remove(&cell.id()) else {
+            anyhow::bail!("no shard judged cell `{}` (fix: merge every shard of one run)", cell.id());
+        };
+        table.push((cell, result));
+    }
+    out!("{}", matrix::markdown(&table, first.planner.as_deref()));
+    if let Some(path) = json {
+        let merged = MatrixResult {
+            shard: Shard::ALL,
+            results: table.iter().map(|(_, result)| result.clone()).collect(),
+            ..first
+        };
+        super::write_json(path, &merged)?;
+    }
+    let failed = table.iter().any(|(_, result)| matches!(result.verdict, Verdict::Failed { .. }));
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 

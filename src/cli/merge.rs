@@ -111,10 +111,15 @@ pub(super) fn merge(files: &[PathBuf], json: Option<&Path>) -> anyhow::Result<Ex
     match format.as_str() {
         CHECK_FORMAT => merge_check(parse(&texts, CHECK_FORMAT)?, json),
         super::sim::FORMAT => super::sim::merge(parse(&texts, super::sim::FORMAT)?, json),
+        super::matrix::FORMAT => super::matrix::merge(parse(&texts, super::matrix::FORMAT)?, json),
+        super::selftest::FORMAT => super::selftest::merge(parse(&texts, super::selftest::FORMAT)?, json),
         other => anyhow::bail!(
-            "{}: format {other} (this kvrelay merges {CHECK_FORMAT} and {}; fix: merge files written by `check --json` or `sim --json` of the same kvrelay)",
+            "{}: format {other} (this kvrelay merges {CHECK_FORMAT}, {}, {} and {}; fix: merge files written by the \
+             `--json` of `check`, `sim`, `matrix` or `selftest` of the same kvrelay)",
             first.display(),
-            super::sim::FORMAT
+            super::sim::FORMAT,
+            super::matrix::FORMAT,
+            super::selftest::FORMAT
         ),
     }
 }

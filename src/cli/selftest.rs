@@ -12,6 +12,7 @@ use super::{scenario_files, Found};
 use crate::harness::{self, Budget};
 use crate::scenario::{self, Expectation, Scenario};
 use crate::selftest::{self, Case, Mutant, Verdict};
+use crate::shard::Shard;
 
 /// Arguments of `kvrelay selftest`.
 #[derive(Debug, Clone, clap::Args)]
@@ -28,6 +29,13 @@ pub struct SelftestArgs {
     /// Run the mutants on this fabric (default `sim`; e.g. `cuda`: the bytes moved and judged on the GPU).
     #[arg(long, default_value = "sim")]
     pub fabric: String,
+    /// Run only shard K of N of the cases (`K/N`, counted from 1; `slurm`: this Slurm array task's); `kvrelay
+    /// merge` combines the shards' `--json` files into the whole table and verdict.
+    #[arg(long)]
+    pub shard: Option<String>,
+    /// Also write every case's result as JSON to this file (format kvrelay-selftest-1).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 pub(super) fn parse_mutant(name: &str) -> Result<Mutant, super::CliError> {
@@ -67,29 +75,78 @@ fn select(dir: &Path, max_bytes: u64) -> anyhow::Result<(Vec<Scenario>, LeftOut)
     Ok((chosen, left_out))
 }
 
-/// One table row: a mutant's cases over every scenario.
-struct Row {
-    mutant: Mutant,
-    cases: Vec<Case>,
+/// How one case ended, as `--json` records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Mark {
+    /// Caught by the oracle's byte checks.
+    Caught,
+    /// Caught by room outcomes alone.
+    CaughtByRooms,
+    /// Survived although copies changed.
+    Survived,
+    /// Survived and no copy changed (the baseline's expected mark).
+    Unchanged,
+    NotApplicable,
 }
 
-impl Row {
-    fn count(&self, pick: impl Fn(&Verdict) -> bool) -> usize {
-        self.cases.iter().filter(|case| pick(&case.verdict)).count()
+/// One case (a mutant, or none for the baseline, on one scenario).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct CaseRecord {
+    /// The mutant's name; empty for the baseline (kvrelay's own plans in the seat).
+    mutant: String,
+    scenario: String,
+    mark: Mark,
+    /// A catch's first violation or room failure; a not-applicable case's reason.
+    detail: String,
+    kinds: Vec<String>,
+}
+
+impl CaseRecord {
+    fn new(mutant: Option<Mutant>, case: Case) -> CaseRecord {
+        let (mark, detail) = match case.verdict {
+            Verdict::Caught { example, by_oracle: true } => (Mark::Caught, example),
+            Verdict::Caught { example, by_oracle: false } => (Mark::CaughtByRooms, example),
+            Verdict::Survived { changed: true } => (Mark::Survived, String::new()),
+            Verdict::Survived { changed: false } => (Mark::Unchanged, String::new()),
+            Verdict::NotApplicable(why) => (Mark::NotApplicable, why.to_owned()),
+        };
+        let mutant = mutant.map_or(String::new(), |mutant| mutant.name().to_owned());
+        let kinds = case.kinds.iter().map(|kind| (*kind).to_owned()).collect();
+        CaseRecord { mutant, scenario: case.scenario, mark, detail, kinds }
     }
 
-    fn kinds(&self) -> String {
-        let kinds: BTreeSet<&str> = self.cases.iter().flat_map(|case| case.kinds.iter().copied()).collect();
-        if kinds.is_empty() {
-            return "-".to_owned();
-        }
-        kinds.into_iter().collect::<Vec<_>>().join(",")
+    fn caught(&self) -> bool {
+        matches!(self.mark, Mark::Caught | Mark::CaughtByRooms)
     }
+
+    fn survived(&self) -> bool {
+        matches!(self.mark, Mark::Survived | Mark::Unchanged)
+    }
+}
+
+/// `selftest --json`'s format.
+pub(super) const FORMAT: &str = "kvrelay-selftest-1";
+
+/// A self-test (or one shard of it) as `--json` writes it and `kvrelay merge` reads it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct SelftestResult {
+    format: String,
+    dir: String,
+    fabric: String,
+    /// Every mutant of the run and every scenario, in table order.
+    mutants: Vec<String>,
+    scenarios: Vec<String>,
+    left_out: LeftOut,
+    shard: Shard,
+    /// The cases this shard ran: baseline cases (empty `mutant`) and mutant cases.
+    cases: Vec<CaseRecord>,
 }
 
 pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
     let budget = Budget::from_env()?;
     let fabric = harness::Fabric::parse(&args.fabric, None).map_err(anyhow::Error::msg)?;
+    let shard = super::sim::shard(args.shard.as_deref())?;
     // A planner in the seat runs without the scenario's faults on every fabric (`harness::Run::fault_plan`).
     let (scenarios, left_out) = select(&args.dir, args.max_bytes)?;
     outln!(
@@ -98,62 +155,143 @@ pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
         args.dir.display(),
         fabric.name()
     );
-    for (file, why) in &left_out {
-        outln!("skipped {file}: {why}");
+    if shard != Shard::ALL {
+        outln!("shard {shard}: every {}th case from case {}", shard.count, shard.index - 1);
     }
     if scenarios.is_empty() {
         anyhow::bail!("no scenarios to plant mutants in under {}", args.dir.display());
     }
-    let mut false_alarms = 0;
-    for scenario in &scenarios {
-        let case = selftest::run_case_on(scenario, &budget, None, &fabric)?;
-        if !matches!(case.verdict, Verdict::Survived { changed: false }) {
-            false_alarms += 1;
-            outln!("FALSE ALARM {}: kvrelay's own plans fail in the seat: {:?}", case.scenario, case.verdict);
-        }
-    }
-    outln!("baseline: kvrelay's own plans pass {} of {} scenarios", scenarios.len() - false_alarms, scenarios.len());
     let mutants = if args.mutant.is_empty() { selftest::ALL.to_vec() } else { args.mutant.clone() };
-    let bar = super::progress((mutants.len() * scenarios.len()) as u64, "selftest cases");
-    let mut rows = Vec::new();
-    for mutant in mutants {
-        let cases = scenarios.iter().map(|scenario| {
-            bar.inc(1);
-            selftest::run_case_on(scenario, &budget, Some(mutant), &fabric)
-        });
-        rows.push(Row { mutant, cases: cases.collect::<Result<_, _>>()? });
+    // Every case in one order: the baseline on each scenario, then each mutant on each scenario.
+    let plan: Vec<(Option<Mutant>, &Scenario)> = scenarios
+        .iter()
+        .map(|scenario| (None, scenario))
+        .chain(mutants.iter().flat_map(|mutant| scenarios.iter().map(move |scenario| (Some(*mutant), scenario))))
+        .collect();
+    let mine: Vec<&(Option<Mutant>, &Scenario)> =
+        plan.iter().enumerate().filter(|(index, _)| shard.takes(*index as u64)).map(|(_, case)| case).collect();
+    let bar = super::progress(mine.len() as u64, "selftest cases");
+    let mut cases = Vec::new();
+    for (mutant, scenario) in mine {
+        cases.push(CaseRecord::new(*mutant, selftest::run_case_on(scenario, &budget, *mutant, &fabric)?));
+        bar.inc(1);
     }
     bar.finish_and_clear();
+    let result = SelftestResult {
+        format: FORMAT.to_owned(),
+        dir: args.dir.display().to_string(),
+        fabric: fabric.name(),
+        mutants: mutants.iter().map(|mutant| mutant.name().to_owned()).collect(),
+        scenarios: scenarios.iter().map(|scenario| scenario.file.clone()).collect(),
+        left_out,
+        shard,
+        cases,
+    };
+    if let Some(path) = &args.json {
+        super::write_json(path, &result)?;
+    }
+    print_result(&result)
+}
+
+/// `kvrelay merge` of a self-test's shards: the unsharded run's table, matrix and verdict.
+pub(super) fn merge(results: Vec<(PathBuf, SelftestResult)>, json: Option<&Path>) -> anyhow::Result<ExitCode> {
+    super::one_run(
+        &results,
+        |result| (result.dir.clone(), result.fabric.clone(), result.mutants.clone(), result.scenarios.clone()),
+        |result| result.shard,
+        "directory, fabric, mutants or scenarios",
+    )?;
+    let first = results[0].1.clone();
+    let mut cases: Vec<CaseRecord> = results.into_iter().flat_map(|(_, result)| result.cases).collect();
+    let order = |case: &CaseRecord| {
+        let mutant = first.mutants.iter().position(|name| *name == case.mutant).map_or(0, |index| index + 1);
+        (mutant, first.scenarios.iter().position(|name| *name == case.scenario))
+    };
+    cases.sort_by_key(order);
+    let merged = SelftestResult { shard: Shard::ALL, cases, ..first };
+    if let Some(path) = json {
+        super::write_json(path, &merged)?;
+    }
+    print_result(&merged)
+}
+
+/// The table, the matrix and the verdict of `result`'s cases; FAILURE on a survivor, a false alarm or a mutant
+/// never caught.
+fn print_result(result: &SelftestResult) -> anyhow::Result<ExitCode> {
+    for (file, why) in &result.left_out {
+        outln!("skipped {file}: {why}");
+    }
+    let baseline: Vec<&CaseRecord> = result.cases.iter().filter(|case| case.mutant.is_empty()).collect();
+    let mut false_alarms = 0;
+    for case in &baseline {
+        if case.mark != Mark::Unchanged {
+            false_alarms += 1;
+            outln!(
+                "FALSE ALARM {}: kvrelay's own plans fail in the seat: {:?} {}",
+                case.scenario,
+                case.mark,
+                case.detail
+            );
+        }
+    }
+    outln!("baseline: kvrelay's own plans pass {} of {} scenarios", baseline.len() - false_alarms, baseline.len());
+    let rows: Vec<Row<'_>> = result
+        .mutants
+        .iter()
+        .map(|name| Row { mutant: name, cases: result.cases.iter().filter(|case| case.mutant == *name).collect() })
+        .collect();
     let survivors = print_table(&rows)?;
-    print_matrix(&rows, &scenarios)?;
-    let by_rooms: usize =
-        rows.iter().map(|row| row.count(|it| matches!(it, Verdict::Caught { by_oracle: false, .. }))).sum();
+    print_matrix(&rows, &result.scenarios)?;
+    let by_rooms: usize = rows.iter().map(|row| row.count(|case| case.mark == Mark::CaughtByRooms)).sum();
     let (applied, caught): (usize, usize) = rows.iter().fold((0, 0), |(applied, caught), row| {
-        let row_applied = row.count(|verdict| !matches!(verdict, Verdict::NotApplicable(_)));
-        (applied + row_applied, caught + row.count(|verdict| matches!(verdict, Verdict::Caught { .. })))
+        let row_applied = row.count(|case| case.mark != Mark::NotApplicable);
+        (applied + row_applied, caught + row.count(CaseRecord::caught))
     });
-    let uncaught = rows.iter().filter(|row| row.count(|verdict| matches!(verdict, Verdict::Caught { .. })) == 0);
-    let never_caught: Vec<&str> = uncaught.map(|row| row.mutant.name()).collect();
+    // A shard may hold none of a mutant's catches: only the whole run (or the merge) can say it was never caught.
+    let whole = result.shard == Shard::ALL;
+    let never_caught: Vec<&str> =
+        rows.iter().filter(|row| whole && row.count(CaseRecord::caught) == 0).map(|row| row.mutant).collect();
     let pass = survivors == 0 && false_alarms == 0 && never_caught.is_empty();
     outln!(
         "selftest {}: {} mutants, {applied} applicable cases, {caught} caught ({by_rooms} by room outcomes alone), \
          {survivors} survived, {} never caught{}, \
-         {false_alarms} false alarms, over {} scenarios ({} skipped)",
+         {false_alarms} false alarms, over {} scenarios ({} skipped){}",
         if pass { "passed" } else { "FAILED" },
         rows.len(),
         never_caught.len(),
         if never_caught.is_empty() { String::new() } else { format!(" ({})", never_caught.join(", ")) },
-        scenarios.len(),
-        left_out.len()
+        result.scenarios.len(),
+        result.left_out.len(),
+        if result.shard == Shard::ALL { String::new() } else { format!(" (shard {})", result.shard) }
     );
     Ok(if pass { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
+/// One table row: a mutant's cases over every scenario (of this shard).
+struct Row<'a> {
+    mutant: &'a str,
+    cases: Vec<&'a CaseRecord>,
+}
+
+impl Row<'_> {
+    fn count(&self, pick: impl Fn(&CaseRecord) -> bool) -> usize {
+        self.cases.iter().filter(|case| pick(case)).count()
+    }
+
+    fn kinds(&self) -> String {
+        let kinds: BTreeSet<&str> = self.cases.iter().flat_map(|case| case.kinds.iter().map(String::as_str)).collect();
+        if kinds.is_empty() {
+            return "-".to_owned();
+        }
+        kinds.into_iter().collect::<Vec<_>>().join(",")
+    }
+}
+
 /// Prints the table and every survivor; returns the number of survived cases.
-fn print_table(rows: &[Row]) -> anyhow::Result<usize> {
+fn print_table(rows: &[Row<'_>]) -> anyhow::Result<usize> {
     let kinds: Vec<String> = rows.iter().map(Row::kinds).collect();
     let width = kinds.iter().map(String::len).max().unwrap_or(0).max("kinds changed".len());
-    let names = rows.iter().map(|row| row.mutant.name().len()).max().unwrap_or(0).max(28);
+    let names = rows.iter().map(|row| row.mutant.len()).max().unwrap_or(0).max(28);
     outln!(
         "{:<names$} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
         "mutant",
@@ -166,54 +304,54 @@ fn print_table(rows: &[Row]) -> anyhow::Result<usize> {
     );
     let mut survivors = 0;
     for (row, kinds) in rows.iter().zip(&kinds) {
-        let not_applicable = row.count(|verdict| matches!(verdict, Verdict::NotApplicable(_)));
-        let caught = row.count(|verdict| matches!(verdict, Verdict::Caught { .. }));
-        let survived = row.count(|verdict| matches!(verdict, Verdict::Survived { .. }));
+        let not_applicable = row.count(|case| case.mark == Mark::NotApplicable);
+        let caught = row.count(CaseRecord::caught);
+        let survived = row.count(CaseRecord::survived);
         survivors += survived;
+        let section = Mutant::from_name(row.mutant).map_or("?", Mutant::section);
         outln!(
             "{:<names$} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
-            row.mutant.name(),
-            row.mutant.section(),
+            row.mutant,
+            section,
             kinds,
             row.cases.len() - not_applicable,
             caught,
             survived,
             not_applicable
         );
-        if let Some((case, example)) = row.cases.iter().find_map(|case| match &case.verdict {
-            Verdict::Caught { example, .. } => Some((case, example)),
-            _ => None,
-        }) {
-            outln!("    e.g. {}: {}", case.scenario, example);
+        if let Some(case) = row.cases.iter().find(|case| case.caught()) {
+            outln!("    e.g. {}: {}", case.scenario, case.detail);
         }
-        for case in &row.cases {
-            if let Verdict::Survived { changed } = case.verdict {
-                let how = if changed { "bytes moved elsewhere, the oracle saw nothing" } else { "no byte changed" };
-                outln!("    SURVIVED {}: {how}", case.scenario);
-            }
+        for case in row.cases.iter().filter(|case| case.survived()) {
+            let how = if case.mark == Mark::Survived {
+                "bytes moved elsewhere, the oracle saw nothing"
+            } else {
+                "no byte changed"
+            };
+            outln!("    SURVIVED {}: {how}", case.scenario);
         }
     }
     Ok(survivors)
 }
 
 /// Prints one line per scenario, one column per mutant (numbered in table order): `C` caught by the oracle, `R`
-/// caught by room outcomes alone, `S` survived, `.` not applicable.
-fn print_matrix(rows: &[Row], scenarios: &[Scenario]) -> anyhow::Result<()> {
+/// caught by room outcomes alone, `S` survived, `.` not applicable or not run in this shard.
+fn print_matrix(rows: &[Row<'_>], scenarios: &[String]) -> anyhow::Result<()> {
     let numbers: Vec<String> = (1..=rows.len()).map(|number| format!("{number:>2}")).collect();
-    let width = scenarios.iter().map(|scenario| scenario.file.len()).max().unwrap_or(0);
+    let width = scenarios.iter().map(String::len).max().unwrap_or(0);
     outln!("matrix (C caught by the oracle, R by room outcomes alone, S survived, . n/a); columns in table order:");
     outln!("{:<width$} {}", "scenario", numbers.join(" "));
-    for (index, scenario) in scenarios.iter().enumerate() {
+    for scenario in scenarios {
         let marks: Vec<&str> = rows
             .iter()
-            .map(|row| match row.cases.get(index).map(|case| &case.verdict) {
-                Some(Verdict::Caught { by_oracle: true, .. }) => " C",
-                Some(Verdict::Caught { by_oracle: false, .. }) => " R",
-                Some(Verdict::Survived { .. }) => " S",
+            .map(|row| match row.cases.iter().find(|case| case.scenario == *scenario).map(|case| case.mark) {
+                Some(Mark::Caught) => " C",
+                Some(Mark::CaughtByRooms) => " R",
+                Some(Mark::Survived | Mark::Unchanged) => " S",
                 _ => " .",
             })
             .collect();
-        outln!("{:<width$} {}", scenario.file, marks.join(" "));
+        outln!("{:<width$} {}", scenario, marks.join(" "));
     }
     Ok(())
 }

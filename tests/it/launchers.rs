@@ -172,3 +172,34 @@ fn a_sharded_check_merges_back_to_the_unsharded_one() {
     assert_eq!(cases("merged.json"), cases("all.json"));
     let _ = std::fs::remove_dir_all(&temp);
 }
+
+/// `kvrelay selftest --shard K/N --json`, merged: the unsharded run's table, matrix and verdict line for line.
+#[test]
+fn a_sharded_selftest_merges_back_to_the_unsharded_one() {
+    use crate::support::kvrelay;
+
+    let temp = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("selftest-shards");
+    std::fs::create_dir_all(&temp).unwrap();
+    let file = |name: &str| temp.join(name).display().to_string();
+    let selftest = |extra: &[&str]| {
+        let mut args =
+            vec!["selftest", "scenarios/state", "--mutant", "state-block-wrong-rank", "--mutant", "flat-conv-split"];
+        args.extend_from_slice(extra);
+        let output = kvrelay(&args);
+        assert!(output.status.success(), "{}{}", text(&output.stdout), text(&output.stderr));
+        text(&output.stdout)
+    };
+    let all = selftest(&["--json", &file("all.json")]);
+    selftest(&["--shard", "1/2", "--json", &file("1.json")]);
+    selftest(&["--shard", "2/2", "--json", &file("2.json")]);
+    let merged = kvrelay(&["merge", &file("2.json"), &file("1.json"), "--json", &file("merged.json")]);
+    assert!(merged.status.success(), "{}{}", text(&merged.stdout), text(&merged.stderr));
+    // The unsharded run's first line names the directory; everything after it is the table, matrix and verdict.
+    let body = all.split_once('\n').unwrap().1;
+    assert_eq!(text(&merged.stdout), body);
+    assert!(body.contains("selftest passed"), "{body}");
+    let json = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(file(name)).unwrap()).unwrap()
+    };
+    assert_eq!(json("merged.json"), json("all.json"));
+}

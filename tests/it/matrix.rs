@@ -31,3 +31,26 @@ fn every_cell_has_its_own_name_and_a_scenario_that_loads_or_says_why_not() {
     // Only the DCP2 columns of a TP1 decode are no deployment: 2 TP changes x 2 PP x 2 peers x 5 families.
     assert_eq!(cells.len() - loaded, 40);
 }
+
+/// `kvrelay matrix --shard K/N --json` on every shard, merged: the unsharded table and JSON exactly.
+#[test]
+fn a_sharded_matrix_merges_back_to_the_unsharded_one() {
+    let temp = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("matrix-shards");
+    std::fs::create_dir_all(&temp).unwrap();
+    let file = |name: &str| temp.join(name).display().to_string();
+    let all = kvrelay(&["matrix", "--json", &file("all.json")]);
+    assert!(all.status.success(), "{}", text(&all.stderr));
+    for index in 1..=2 {
+        let shard = kvrelay(&["matrix", "--shard", &format!("{index}/2"), "--json", &file(&format!("{index}.json"))]);
+        assert!(shard.status.success(), "{}", text(&shard.stderr));
+    }
+    let merged = kvrelay(&["merge", &file("2.json"), &file("1.json"), "--json", &file("merged.json")]);
+    assert!(merged.status.success(), "{}", text(&merged.stderr));
+    assert_eq!(text(&merged.stdout), text(&all.stdout), "the merged table is the unsharded one");
+    let json = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(file(name)).unwrap()).unwrap()
+    };
+    assert_eq!(json("merged.json"), json("all.json"));
+    let missing = kvrelay(&["merge", &file("1.json")]);
+    assert!(!missing.status.success() && text(&missing.stderr).contains("2/2 missing"), "{}", text(&missing.stderr));
+}

@@ -71,11 +71,17 @@ fn pure_modules_do_no_io_time_or_randomness() {
         "crate::seed",
         "chacha20",
     ];
-    let mut pure: Vec<PathBuf> =
-        ["src/pure/model", "src/pure/plan", "src/pure/verify", "src/pure/wire", "src/tools/report", "src/tools/matrix.rs"]
-            .iter()
-            .flat_map(|dir| files(&root().join(dir), "rs"))
-            .collect();
+    let mut pure: Vec<PathBuf> = [
+        "src/pure/model",
+        "src/pure/plan",
+        "src/pure/verify",
+        "src/pure/wire",
+        "src/tools/report",
+        "src/tools/matrix.rs",
+    ]
+    .iter()
+    .flat_map(|dir| files(&root().join(dir), "rs"))
+    .collect();
     pure.extend(["src/tools/render.rs", "src/pure/limits.rs", "src/pure/faults.rs"].map(|path| root().join(path)));
     for path in pure {
         let text = read(&path);
@@ -336,7 +342,10 @@ const LAYERS: [(&str, &[&str]); 5] = [
     ("pure", &["kinds", "model", "limits", "seed", "faults", "scenario", "plan", "verify", "wire"]),
     ("fabric", &["fabric"]),
     ("running", &["engine", "control", "external", "exec", "harness", "process"]),
-    ("tools", &["certify", "selftest", "explain", "from_config", "swarm", "shard", "shrink", "render", "report", "matrix"]),
+    (
+        "tools",
+        &["certify", "selftest", "explain", "from_config", "swarm", "shard", "shrink", "render", "report", "matrix"],
+    ),
     ("cli", &["cli"]),
 ];
 
