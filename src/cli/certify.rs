@@ -43,6 +43,10 @@ pub struct CertifyArgs {
     /// Seconds a scenario's decode request may wait for the prefill side before it fails.
     #[arg(long, default_value_t = 60)]
     pub timeout: u64,
+    /// Run only shard K of N of the case set (`K/N`, counted from 1; `slurm`: this Slurm array task's): a partial
+    /// run whose `--json` reports `kvrelay merge` joins into the whole certification.
+    #[arg(long, conflicts_with = "cases")]
+    pub shard: Option<String>,
     /// Also write the JSON report (report.json's content, schema src/schemas/certify-report.schema.json) to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -89,6 +93,27 @@ fn quoted(text: &str) -> String {
     }
 }
 
+/// `kvrelay merge` of a sharded certification's `--json` reports: the whole report, its summary, and exit 0 only
+/// when the merged run is a certification.
+pub(super) fn merge(texts: &[(&PathBuf, &str)], json: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
+    let mut reports = Vec::new();
+    for (file, text) in texts {
+        reports.push(certify::Report::from_json(text).map_err(|error| anyhow::anyhow!("{}: {error}", file.display()))?);
+    }
+    let merged = certify::Report::merge(reports).map_err(anyhow::Error::msg)?;
+    for result in &merged.results {
+        print_case(result)?;
+    }
+    if let Some(throughput) = &merged.throughput {
+        outln!("throughput: {throughput}");
+    }
+    outln!("{}", merged.summary());
+    if let Some(path) = json {
+        std::fs::write(path, merged.json()).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(if merged.certified() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
 /// Runs `kvrelay certify`.
 pub(super) fn certify(args: &CertifyArgs) -> anyhow::Result<ExitCode> {
     let set = CaseSet::load(&args.scenarios)?;
@@ -100,6 +125,7 @@ pub(super) fn certify(args: &CertifyArgs) -> anyhow::Result<ExitCode> {
     let mut transport = transport(args)?;
     let mut options = Options::new(Budget::from_env()?, &args.reproduce());
     options.only = args.cases.clone();
+    options.shard = super::sim::shard(args.shard.as_deref())?;
     options.run_flags = Some(args.run_flags());
     options.throughput_bytes = args.throughput_bytes;
     options.message_bytes = args.message_bytes;
@@ -114,7 +140,8 @@ pub(super) fn certify(args: &CertifyArgs) -> anyhow::Result<ExitCode> {
         set.hash
     );
     let mut printed = Ok(());
-    let planned = if options.only.is_empty() { set.cases.len() } else { options.only.len() };
+    let in_shard = (0..set.cases.len() as u64).filter(|index| options.shard.takes(*index)).count();
+    let planned = if options.only.is_empty() { in_shard } else { options.only.len() };
     let bar = super::progress(planned as u64, "certify");
     let report = certify::certify(&mut *transport, &set, &options, &mut |result| {
         if printed.is_ok() {

@@ -113,13 +113,15 @@ pub(super) fn merge(files: &[PathBuf], json: Option<&Path>) -> anyhow::Result<Ex
         super::sim::FORMAT => super::sim::merge(parse(&texts, super::sim::FORMAT)?, json),
         super::matrix::FORMAT => super::matrix::merge(parse(&texts, super::matrix::FORMAT)?, json),
         super::selftest::FORMAT => super::selftest::merge(parse(&texts, super::selftest::FORMAT)?, json),
+        crate::certify::REPORT_FORMAT => super::certify::merge(&texts, json),
         other => anyhow::bail!(
-            "{}: format {other} (this kvrelay merges {CHECK_FORMAT}, {}, {} and {}; fix: merge files written by the \
-             `--json` of `check`, `sim`, `matrix` or `selftest` of the same kvrelay)",
+            "{}: format {other} (this kvrelay merges {CHECK_FORMAT}, {}, {}, {} and {}; fix: merge files written by \
+             the `--json` of `check`, `sim`, `matrix`, `selftest` or `certify` of the same kvrelay)",
             first.display(),
             super::sim::FORMAT,
             super::matrix::FORMAT,
-            super::selftest::FORMAT
+            super::selftest::FORMAT,
+            crate::certify::REPORT_FORMAT
         ),
     }
 }

@@ -246,3 +246,43 @@ fn a_nixl_shaped_transport_is_certified_through_the_seam_and_its_planted_bug_is_
     assert!(dcp.detail.contains("decode rank") || dcp.detail.contains("decode pp"), "{}", dcp.detail);
     assert!(dcp.detail.contains("oracle violations"), "{}", dcp.detail);
 }
+
+/// `kvrelay certify --shard K/N --json` on every shard, merged: the whole case set in its order, certified as the
+/// unsharded run is, while each shard alone is a partial run that certifies nothing.
+#[test]
+fn a_sharded_certification_merges_into_the_whole_one() {
+    let temp = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("certify-shards");
+    std::fs::create_dir_all(&temp).unwrap();
+    let file = |name: &str| temp.join(name).display().to_string();
+    let certify = |extra: &[&str]| {
+        let mut args = vec!["certify", "--scenarios", "scenarios/engines", "--throughput-bytes", "1048576"];
+        args.extend_from_slice(extra);
+        kvrelay(&args)
+    };
+    let all = certify(&["--json", &file("all.json"), "--out", &file("all")]);
+    assert!(all.status.success(), "{}", text(&all.stdout));
+    for index in 1..=3 {
+        let name = format!("{index}");
+        let shard = certify(&[
+            "--shard",
+            &format!("{index}/3"),
+            "--json",
+            &file(&format!("{name}.json")),
+            "--out",
+            &file(&name),
+        ]);
+        assert!(!shard.status.success(), "a shard alone certified: {}", text(&shard.stdout));
+        assert!(text(&shard.stdout).contains("NOT CERTIFIED (partial run)"), "{}", text(&shard.stdout));
+    }
+    let merged = kvrelay(&["merge", &file("3.json"), &file("1.json"), &file("2.json"), "--json", &file("merged.json")]);
+    assert!(merged.status.success(), "{}{}", text(&merged.stdout), text(&merged.stderr));
+    assert!(text(&merged.stdout).contains("CERTIFIED: "), "{}", text(&merged.stdout));
+    let cases = |name: &str| -> Vec<(String, String)> {
+        let value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(file(name)).unwrap()).unwrap();
+        let cases = value["cases"].as_array().unwrap();
+        cases.iter().map(|case| (case["id"].to_string(), case["verdict"].to_string())).collect()
+    };
+    assert_eq!(cases("merged.json"), cases("all.json"));
+    let missing = kvrelay(&["merge", &file("1.json"), &file("2.json")]);
+    assert!(!missing.status.success() && text(&missing.stderr).contains("3/3 missing"), "{}", text(&missing.stderr));
+}

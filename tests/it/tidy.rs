@@ -71,18 +71,15 @@ fn pure_modules_do_no_io_time_or_randomness() {
         "crate::seed",
         "chacha20",
     ];
-    let mut pure: Vec<PathBuf> = [
-        "src/pure/model",
-        "src/pure/plan",
-        "src/pure/verify",
-        "src/pure/wire",
-        "src/tools/report",
-        "src/tools/matrix.rs",
-    ]
-    .iter()
-    .flat_map(|dir| files(&root().join(dir), "rs"))
-    .collect();
-    pure.extend(["src/tools/render.rs", "src/pure/limits.rs", "src/pure/faults.rs"].map(|path| root().join(path)));
+    let mut pure: Vec<PathBuf> =
+        ["src/pure/model", "src/pure/plan", "src/pure/verify", "src/pure/wire", "src/tools/report"]
+            .iter()
+            .flat_map(|dir| files(&root().join(dir), "rs"))
+            .collect();
+    pure.extend(
+        ["src/tools/render.rs", "src/tools/matrix.rs", "src/pure/limits.rs", "src/pure/faults.rs"]
+            .map(|path| root().join(path)),
+    );
     for path in pure {
         let text = read(&path);
         for word in forbidden {

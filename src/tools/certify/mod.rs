@@ -32,6 +32,6 @@ pub use crate::fabric::transport::{Identity, Transport, TransportError, Transpor
 mod run;
 mod throughput;
 
-pub use report::{report_schema, CaseResult, Host, Report, Verdict};
+pub use report::{report_schema, CaseResult, Host, Report, Verdict, FORMAT as REPORT_FORMAT};
 pub use run::{certify, CaseSet, CertifyError, Group, Options, CASE_SET_VERSION, LARGE_SCENARIO_BYTES};
 pub use throughput::Throughput;

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::render::markup_escape as escape;
+use crate::shard::Shard;
 
 use super::{Identity, Throughput};
 
@@ -66,7 +67,7 @@ impl CaseResult {
 }
 
 /// The machine the certification ran on.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct Host {
     pub hostname: String,
     pub kernel: String,
@@ -101,6 +102,8 @@ pub struct Report {
     pub date: String,
     pub results: Vec<CaseResult>,
     pub throughput: Option<Throughput>,
+    /// The shard of the set this run took (`Shard::ALL`: every case asked for).
+    pub shard: Shard,
 }
 
 /// The paths [`Report::write`] wrote.
@@ -238,6 +241,7 @@ impl Report {
             host: &self.host,
             date: &self.date,
             throughput,
+            shard: self.shard,
             cases,
         };
         let mut text = serde_json::to_string_pretty(&report).expect("a report of strings and numbers serialises");
@@ -364,7 +368,7 @@ pub fn report_schema() -> serde_json::Value {
 }
 
 /// `report.json`'s `format`.
-const FORMAT: &str = "kvrelay-certification-report-1";
+pub const FORMAT: &str = "kvrelay-certification-report-1";
 
 #[derive(Serialize, schemars::JsonSchema)]
 struct JsonReport<'a> {
@@ -378,7 +382,145 @@ struct JsonReport<'a> {
     host: &'a Host,
     date: &'a str,
     throughput: Option<JsonThroughput>,
+    shard: Shard,
     cases: Vec<JsonCase<'a>>,
+}
+
+/// `report.json` read back (`kvrelay merge` of a sharded certification): what [`Report`] needs.
+#[derive(serde::Deserialize)]
+struct ReadReport {
+    format: String,
+    kvrelay_version: String,
+    case_set: ReadCaseSet,
+    transport: ReadTransport,
+    host: Host,
+    date: String,
+    throughput: Option<ReadThroughput>,
+    #[serde(default = "all")]
+    shard: Shard,
+    cases: Vec<ReadCase>,
+}
+
+fn all() -> Shard {
+    Shard::ALL
+}
+
+#[derive(serde::Deserialize)]
+struct ReadCaseSet {
+    version: String,
+    hash: String,
+    size: usize,
+}
+
+#[derive(serde::Deserialize)]
+struct ReadTransport {
+    name: String,
+    version: String,
+    facts: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(serde::Deserialize)]
+struct ReadThroughput {
+    bytes: u64,
+    message_bytes: u64,
+    work_requests: u64,
+    seconds: f64,
+}
+
+#[derive(serde::Deserialize)]
+struct ReadCase {
+    id: String,
+    group: String,
+    claim: String,
+    verdict: String,
+    detail: String,
+    seconds: f64,
+    reproduce: String,
+}
+
+impl Report {
+    /// A `report.json` read back; the error names what is wrong with it.
+    pub fn from_json(text: &str) -> Result<Report, String> {
+        let read: ReadReport =
+            serde_json::from_str(text).map_err(|error| format!("not a certification report: {error}"))?;
+        if read.format != FORMAT {
+            return Err(format!("format `{}`, not {FORMAT}", read.format));
+        }
+        let verdicts = [
+            Verdict::Pass,
+            Verdict::Fail,
+            Verdict::Unsupported { allowed: true },
+            Verdict::Unsupported { allowed: false },
+        ];
+        let mut results = Vec::new();
+        for case in read.cases {
+            let Some(verdict) = verdicts.into_iter().find(|verdict| verdict.name() == case.verdict) else {
+                return Err(format!("case {}: unknown verdict `{}`", case.id, case.verdict));
+            };
+            let ReadCase { id, group, claim, detail, seconds, reproduce, .. } = case;
+            results.push(CaseResult { id, group, claim, verdict, detail, seconds, reproduce, page: None });
+        }
+        Ok(Report {
+            kvrelay_version: read.kvrelay_version,
+            case_set_version: read.case_set.version,
+            case_set_hash: read.case_set.hash,
+            case_set_size: read.case_set.size,
+            transport: Identity {
+                name: read.transport.name,
+                version: read.transport.version,
+                facts: read.transport.facts,
+            },
+            host: read.host,
+            date: read.date,
+            results,
+            throughput: read.throughput.map(|figure| Throughput {
+                bytes: figure.bytes,
+                message_bytes: figure.message_bytes,
+                work_requests: figure.work_requests,
+                seconds: figure.seconds,
+            }),
+            shard: read.shard,
+        })
+    }
+
+    /// The shards of one certification (same case set, transport and kvrelay; every shard once) as one report:
+    /// the cases in the set's order (each shard took every `count`th case), the throughput of the shard that ran it.
+    pub fn merge(mut shards: Vec<Report>) -> Result<Report, String> {
+        let Some(first) = shards.first() else { return Err("no reports to merge".to_owned()) };
+        let key = |report: &Report| {
+            (
+                report.case_set_hash.clone(),
+                report.transport.name.clone(),
+                report.transport.version.clone(),
+                report.kvrelay_version.clone(),
+            )
+        };
+        let want = key(first);
+        if let Some(other) = shards.iter().find(|report| key(report) != want) {
+            return Err(format!(
+                "the reports are of different runs: case set {} on {} {} (kvrelay {}) and case set {} on {} {} (kvrelay {})",
+                want.0, want.1, want.2, want.3, other.case_set_hash, other.transport.name, other.transport.version, other.kvrelay_version
+            ));
+        }
+        let marks: Vec<Shard> = shards.iter().map(|report| report.shard).collect();
+        crate::shard::complete(&marks)?;
+        shards.sort_by_key(|report| report.shard.index);
+        let mut merged = Report { results: Vec::new(), throughput: None, shard: Shard::ALL, ..shards[0].clone() };
+        merged.throughput = shards.iter().find_map(|report| report.throughput);
+        let mut queues: Vec<std::vec::IntoIter<CaseResult>> =
+            shards.into_iter().map(|report| report.results.into_iter()).collect();
+        // Shard k took cases k-1, k-1+N, ...: taking one from each in turn restores the set's order.
+        loop {
+            let before = merged.results.len();
+            for queue in &mut queues {
+                merged.results.extend(queue.next());
+            }
+            if merged.results.len() == before {
+                break;
+            }
+        }
+        Ok(merged)
+    }
 }
 
 #[derive(Serialize, schemars::JsonSchema)]

@@ -20,6 +20,7 @@ use super::Transport;
 use crate::engine::live::LiveOptions;
 use crate::harness::{self, Budget, RunError};
 use crate::scenario::{self, Scenario};
+use crate::shard::Shard;
 
 /// The version of the case set: bumped whenever a case is added, removed or changes its claim, so two reports with
 /// the same version and hash ran the same cases.
@@ -198,6 +199,8 @@ fn scenario_files(dir: &Path) -> Result<Vec<PathBuf>, CertifyError> {
 pub struct Options {
     /// Only these case ids (empty: all). A partial run is never a certification.
     pub only: Vec<String>,
+    /// Only this shard of the set's cases (`kvrelay merge` joins the shards' reports into the whole).
+    pub shard: Shard,
     /// Simulated memory a scenario case may register on this transport.
     pub budget: Budget,
     /// Deadlines of each scenario's engines on the real clock.
@@ -218,6 +221,7 @@ impl Options {
         let live = LiveOptions::default();
         Options {
             only: Vec::new(),
+            shard: Shard::ALL,
             budget,
             live,
             throughput_bytes: 64 << 20,
@@ -239,7 +243,8 @@ pub fn certify(
 ) -> Report {
     let mut results = Vec::new();
     let mut measured = None;
-    for case in set.cases.iter().filter(|case| options.only.is_empty() || options.only.contains(&case.id)) {
+    let mine = set.cases.iter().enumerate().filter(|(index, _)| options.shard.takes(*index as u64)).map(|it| it.1);
+    for case in mine.filter(|case| options.only.is_empty() || options.only.contains(&case.id)) {
         let start = Instant::now();
         let mut page = None;
         let (verdict, detail) = match &case.kind {
@@ -286,6 +291,7 @@ pub fn certify(
         date: super::report::utc_now(),
         results,
         throughput: measured,
+        shard: options.shard,
     }
 }
 
