@@ -32,13 +32,16 @@ pub struct Side {
     pub page_size: u32,
     /// `--kv-cache-dtype` (`auto`: the config's `torch_dtype`).
     pub kv_cache_dtype: String,
+    /// `--speculative-algorithm` (`NEXTN`, `EAGLE`, ...): this side registers the draft KV of the checkpoint's own
+    /// multi-token-prediction layers.
+    pub speculative: Option<String>,
 }
 
 /// `--tp 8 --dcp-size 8 --page-size 64 ...` of side `side` (`prefill` or `decode`): SGLang's spellings (`--tp-size`,
-/// `--pp-size`, `--dcp-size`, `--page-size`, `--kv-cache-dtype`, `--flag=value` too). DP attention and speculative
-/// decoding are refused by name (not expressible in a scenario yet); any other flag is an error.
+/// `--pp-size`, `--dcp-size`, `--page-size`, `--kv-cache-dtype`, `--speculative-algorithm`, `--flag=value` too).
+/// DP attention and a separate draft model are refused by name; any other flag is an error.
 pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
-    let mut parsed = Side { tp: 1, pp: 1, dcp: 1, page_size: 1, kv_cache_dtype: "auto".to_owned() };
+    let mut parsed = Side { tp: 1, pp: 1, dcp: 1, page_size: 1, kv_cache_dtype: "auto".to_owned(), speculative: None };
     let mut words = text.split_whitespace().flat_map(|word| match word.split_once('=') {
         Some((flag, value)) if flag.starts_with("--") => vec![flag.to_owned(), value.to_owned()],
         _ => vec![word.to_owned()],
@@ -66,18 +69,36 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
                      \"Not yet expressible\") (fix: import without it: each DP group transfers as a TP group of its own)",
                 ))
             }
-            speculative if speculative.starts_with("--speculative") => {
+            "--speculative-algorithm" => {
+                let algorithm = value()?.to_ascii_uppercase();
+                if !matches!(algorithm.as_str(), "NEXTN" | "EAGLE" | "EAGLE3" | "MTP") {
+                    return Err(error(
+                        &field,
+                        format!("{algorithm}: kvrelay imports the draft KV of NEXTN, EAGLE, EAGLE3 or MTP"),
+                    ));
+                }
+                parsed.speculative = Some(algorithm);
+            }
+            "--speculative-draft-model-path" | "--speculative-draft" => {
                 return Err(error(
                     &field,
-                    "speculative decoding's draft KV is not imported from the config yet (fix: add model.draft \
-                     {entries, token_len} to the written scenario by hand; README, Scenarios)",
+                    "a separate draft model's KV geometry is not in this config (fix: import without it and add \
+                     model.draft {entries, token_len} from the draft model's config by hand; README, Scenarios)",
                 ))
+            }
+            // Step counts, top-k and draft-token budgets shape compute, not where KV bytes go.
+            "--speculative-num-steps"
+            | "--speculative-eagle-topk"
+            | "--speculative-num-draft-tokens"
+            | "--speculative-accept-threshold-single"
+            | "--speculative-accept-threshold-acc" => {
+                value()?;
             }
             _ => {
                 return Err(error(
                     &field,
                     "not a flag that shapes the KV layout (known: --tp, --pp-size, --dcp-size, --page-size, \
-                     --kv-cache-dtype)",
+                     --kv-cache-dtype, --speculative-algorithm)",
                 ))
             }
         }
@@ -138,6 +159,11 @@ pub fn import(
         ));
     }
     model.lines.push(format!("dtype_bytes: {prefill_bytes}"));
+    if prefill.speculative.is_some() || decode.speculative.is_some() {
+        let (line, note) = draft(&json, &architecture, prefill_bytes)?;
+        model.lines.push(line);
+        model.notes.push(note);
+    }
     if tokens == 0 {
         return Err(error("--tokens", "a request needs at least one token"));
     }
@@ -160,15 +186,44 @@ pub fn import(
     for line in &model.lines {
         let _ = writeln!(out, "  {line}");
     }
+    let speculative = prefill.speculative.is_some() || decode.speculative.is_some();
     for (name, side) in [("prefill", prefill), ("decode", decode)] {
+        // A side started without --speculative-algorithm registers no draft entries (`draft: false`).
+        let draft = if speculative && side.speculative.is_none() { ", draft: false" } else { "" };
         let _ = writeln!(
             out,
-            "{name}: {{tp: {}, pp: {}, dcp: {}, page_size: {}}}",
+            "{name}: {{tp: {}, pp: {}, dcp: {}, page_size: {}{draft}}}",
             side.tp, side.pp, side.dcp, side.page_size
         );
     }
     let _ = writeln!(out, "requests:\n  - tokens: {tokens}\nexpect: ok");
     Ok(out)
+}
+
+/// The `model.draft` line and header note of a checkpoint's own MTP layers under `--speculative-algorithm`: one
+/// draft KV entry per `num_nextn_predict_layers`, each of the target's MLA latent row (SGLang runs NEXTN as EAGLE
+/// with the checkpoint's MTP layers as the draft model, their KV in the target's layout and dtype).
+fn draft(json: &Value, architecture: &str, dtype_bytes: u32) -> Result<(String, String), ImportError> {
+    if !matches!(architecture, "DeepseekV2ForCausalLM" | "DeepseekV3ForCausalLM") {
+        return Err(error(
+            "--speculative-algorithm",
+            format!(
+                "{architecture} has no multi-token-prediction layers kvrelay imports (fix: import without it and add \
+                 model.draft {{entries, token_len}} from the draft model's config by hand)"
+            ),
+        ));
+    }
+    let layers = optional(json, "num_nextn_predict_layers")?.unwrap_or(0);
+    if layers == 0 || layers > 16 {
+        return Err(error(
+            "num_nextn_predict_layers",
+            format!("{layers}: the checkpoint has no MTP layers to draft with (fix: import without speculative flags)"),
+        ));
+    }
+    let row = (number(json, "kv_lora_rank")? + number(json, "qk_rope_head_dim")?) * u64::from(dtype_bytes);
+    let line = format!("draft: {{entries: {layers}, token_len: {row}}}");
+    let note = format!("Draft KV: {layers} MTP layer(s) (num_nextn_predict_layers) of {row} B per token.");
+    Ok((line, note))
 }
 
 /// A non-negative integer field of the config (`at`: a path inside it, e.g. `linear_attn_config.num_heads`).

@@ -70,6 +70,16 @@ fn a_real_config_imports_as_its_preset_and_runs_clean(
     "",
     "fix: model: {preset: deepseek-v3.2}"
 )]
+#[case::no_mtp_layers(
+    r#"{"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64}"#,
+    "--speculative-algorithm NEXTN",
+    "num_nextn_predict_layers: 0: the checkpoint has no MTP layers"
+)]
+#[case::gqa_draft(
+    r#"{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024}"#,
+    "--speculative-algorithm EAGLE",
+    "LlamaForCausalLM has no multi-token-prediction layers"
+)]
 #[case::dtypes_differ(
     r#"{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024}"#,
     "--kv-cache-dtype fp8_e4m3",
@@ -90,7 +100,8 @@ fn a_config_that_cannot_be_imported_is_refused_by_field(
     "--tp 8 --enable-dp-attention --dp 8",
     "--prefill --enable-dp-attention: DP attention is not expressible"
 )]
-#[case::speculative("--speculative-algorithm EAGLE", "draft KV is not imported")]
+#[case::draft_model("--speculative-algorithm EAGLE --speculative-draft-model-path x", "a separate draft model")]
+#[case::unknown_algorithm("--speculative-algorithm LOOKAHEAD", "LOOKAHEAD: kvrelay imports the draft KV of")]
 #[case::unknown("--mem-fraction-static 0.8", "not a flag that shapes the KV layout")]
 #[case::no_value("--tp", "--prefill --tp: needs a value")]
 #[case::dcp_not_dividing("--tp 6 --dcp-size 4", "4 does not divide --tp 6")]
@@ -123,4 +134,33 @@ fn from_config_writes_a_file_that_run_passes() {
     let _ = std::fs::remove_file(&out);
     assert!(run.status.success(), "{}{}", text(&run.stdout), text(&run.stderr));
     assert!(text(&run.stdout).contains("verdict: pass"), "{}", text(&run.stdout));
+}
+
+/// `--speculative-algorithm NEXTN` on both sides, or on the decode only: DeepSeek-V3's MTP layer
+/// (`num_nextn_predict_layers`: 1) becomes one draft entry of its latent row, and the run passes byte-exact.
+#[rstest::rstest]
+#[case::both(
+    "--tp 2 --speculative-algorithm NEXTN --speculative-num-steps 3",
+    "--tp 4 --speculative-algorithm NEXTN",
+    ""
+)]
+#[case::decode_only(
+    "--tp 2",
+    "--tp 2 --speculative-algorithm EAGLE --speculative-eagle-topk 1",
+    "prefill: {tp: 2, pp: 1, dcp: 1, page_size: 1, draft: false}"
+)]
+fn speculative_flags_import_the_checkpoints_mtp_layers_as_draft_kv(
+    #[case] prefill: &str,
+    #[case] decode: &str,
+    #[case] side_line: &str,
+) {
+    let text = imported("deepseek-v3.json", prefill, decode);
+    assert!(text.contains("draft: {entries: 1, token_len: 1152}"), "{text}");
+    assert!(text.contains(side_line), "{text}");
+    let scenario =
+        scenario::parse(&text, "deepseek-v3.json", "imported").unwrap_or_else(|error| panic!("{error}\n{text}"));
+    let draft = scenario.problem.model.draft.expect("draft entries");
+    assert_eq!(draft.entries, 1);
+    let outcome = harness::run(&scenario).expect("runs");
+    assert!(outcome.passed(), "{}\n{text}", outcome.failure_text("; "));
 }
