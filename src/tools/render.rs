@@ -332,7 +332,8 @@ pub fn layout(problem: &Problem, observation: &Observation, only: Option<RankId>
             let Some(bytes) = observation.images.get(&key) else {
                 continue;
             };
-            let lines = region_lines(
+            // The run-length encoded lines, independent of the region's own layer id (so layers can share a block).
+            let spans = region_spans(
                 &sources,
                 region.layer,
                 &tensor_name(problem, region),
@@ -340,6 +341,7 @@ pub fn layout(problem: &Problem, observation: &Observation, only: Option<RankId>
                 item_noun(problem, region),
                 bytes,
             );
+            let lines: Vec<String> = spans.into_iter().map(|span| span.line).collect();
             if lines.is_empty() {
                 untouched += 1;
                 continue;
@@ -375,18 +377,6 @@ struct Cell {
     length: u64,
     number: u32,
     source_offset: u64,
-}
-
-/// The run-length encoded lines of one region, independent of the region's own layer id.
-fn region_lines(
-    sources: &Sources<'_>,
-    layer: u32,
-    tensor: &str,
-    row_len: u64,
-    noun: &str,
-    bytes: &[u8],
-) -> Vec<String> {
-    region_spans(sources, layer, tensor, row_len, noun, bytes).into_iter().map(|span| span.line).collect()
 }
 
 /// One run-length encoded piece of a decode region: `rows` consecutive rows from `first_row`, bytes
