@@ -35,13 +35,26 @@ pub struct Side {
     /// `--speculative-algorithm` (`NEXTN`, `EAGLE`, ...): this side registers the draft KV of the checkpoint's own
     /// multi-token-prediction layers.
     pub speculative: Option<String>,
+    /// `--dp` (data-parallel replicas or, with `--enable-dp-attention`, attention DP groups) and whether attention
+    /// is data parallel; `tp` is then the attention TP size of one group (`tp_size / dp_size`).
+    pub dp: u32,
+    pub dp_attention: bool,
 }
 
 /// `--tp 8 --dcp-size 8 --page-size 64 ...` of side `side` (`prefill` or `decode`): SGLang's spellings (`--tp-size`,
 /// `--pp-size`, `--dcp-size`, `--page-size`, `--kv-cache-dtype`, `--speculative-algorithm`, `--flag=value` too).
 /// DP attention and a separate draft model are refused by name; any other flag is an error.
 pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
-    let mut parsed = Side { tp: 1, pp: 1, dcp: 1, page_size: 1, kv_cache_dtype: "auto".to_owned(), speculative: None };
+    let mut parsed = Side {
+        tp: 1,
+        pp: 1,
+        dcp: 1,
+        page_size: 1,
+        kv_cache_dtype: "auto".to_owned(),
+        speculative: None,
+        dp: 1,
+        dp_attention: false,
+    };
     let mut words = text.split_whitespace().flat_map(|word| match word.split_once('=') {
         Some((flag, value)) if flag.starts_with("--") => vec![flag.to_owned(), value.to_owned()],
         _ => vec![word.to_owned()],
@@ -62,13 +75,8 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
             "--dcp" | "--dcp-size" | "--decode-context-parallel-size" => parsed.dcp = count(value()?)?,
             "--page-size" => parsed.page_size = count(value()?)?,
             "--kv-cache-dtype" => parsed.kv_cache_dtype = value()?,
-            "--enable-dp-attention" | "--dp" | "--dp-size" | "--data-parallel-size" => {
-                return Err(error(
-                    &field,
-                    "DP attention is not expressible in a kvrelay scenario yet (issue 22; src/pure/plan/SGLANG.md, \
-                     \"Not yet expressible\") (fix: import without it: each DP group transfers as a TP group of its own)",
-                ))
-            }
+            "--enable-dp-attention" => parsed.dp_attention = true,
+            "--dp" | "--dp-size" | "--data-parallel-size" => parsed.dp = count(value()?)?,
             "--speculative-algorithm" => {
                 let algorithm = value()?.to_ascii_uppercase();
                 if !matches!(algorithm.as_str(), "NEXTN" | "EAGLE" | "EAGLE3" | "MTP") {
@@ -102,6 +110,19 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
                 ))
             }
         }
+    }
+    if parsed.dp_attention {
+        // SGLang: attn_tp_size = tp_size // dp_size; each DP group is an attention-TP group of its own.
+        if parsed.tp % parsed.dp != 0 {
+            return Err(error(
+                format!("--{side} --dp"),
+                format!(
+                    "{} does not divide --tp {} (DP attention splits the TP ranks into --dp groups)",
+                    parsed.dp, parsed.tp
+                ),
+            ));
+        }
+        parsed.tp /= parsed.dp;
     }
     if parsed.tp % parsed.dcp != 0 {
         return Err(error(
@@ -172,6 +193,23 @@ pub fn import(
     let _ = writeln!(out, "# from {config_name} ({architecture}):");
     for note in &model.notes {
         let _ = writeln!(out, "#   {note}");
+    }
+    for (name, side) in [("prefill", prefill), ("decode", decode)] {
+        if side.dp_attention && side.dp > 1 {
+            let _ = writeln!(
+                out,
+                "#   {name}: DP attention, {} groups of attention TP {} (attn_tp_size = tp_size / dp_size): this \
+                 scenario is the group a request is routed to; which group serves it and the bootstrap's DP rank \
+                 offsets are not modelled (src/pure/plan/SGLANG.md).",
+                side.dp, side.tp
+            );
+        } else if side.dp > 1 {
+            let _ = writeln!(
+                out,
+                "#   {name}: --dp {} without DP attention: {} independent replicas of TP {}; this scenario is one.",
+                side.dp, side.dp, side.tp
+            );
+        }
     }
     let _ = writeln!(
         out,

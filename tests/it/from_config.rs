@@ -96,10 +96,7 @@ fn a_config_that_cannot_be_imported_is_refused_by_field(
 }
 
 #[rstest::rstest]
-#[case::dp_attention(
-    "--tp 8 --enable-dp-attention --dp 8",
-    "--prefill --enable-dp-attention: DP attention is not expressible"
-)]
+#[case::dp_not_dividing("--tp 8 --enable-dp-attention --dp 3", "--prefill --dp: 3 does not divide --tp 8")]
 #[case::draft_model("--speculative-algorithm EAGLE --speculative-draft-model-path x", "a separate draft model")]
 #[case::unknown_algorithm("--speculative-algorithm LOOKAHEAD", "LOOKAHEAD: kvrelay imports the draft KV of")]
 #[case::unknown("--mem-fraction-static 0.8", "not a flag that shapes the KV layout")]
@@ -163,4 +160,18 @@ fn speculative_flags_import_the_checkpoints_mtp_layers_as_draft_kv(
     assert_eq!(draft.entries, 1);
     let outcome = harness::run(&scenario).expect("runs");
     assert!(outcome.passed(), "{}\n{text}", outcome.failure_text("; "));
+}
+
+/// DeepSeek-V3 as SGLang's DP-attention decode (`--tp 8 --dp 8 --enable-dp-attention`: eight groups of attention
+/// TP 1) fed by a TP2 prefill: the scenario is one group, TP2 -> TP1, said in its header, and it runs byte-exact.
+#[test]
+fn dp_attention_imports_one_group_of_attention_tp() {
+    let text = imported("deepseek-v3.json", "--tp 2", "--tp 8 --dp 8 --enable-dp-attention --dcp-size 1");
+    assert!(text.contains("decode: {tp: 1, pp: 1, dcp: 1"), "{text}");
+    assert!(text.contains("decode: DP attention, 8 groups of attention TP 1"), "{text}");
+    let plain = imported("deepseek-v3.json", "--tp 2", "--tp 4 --dp 2");
+    assert!(plain.contains("decode: {tp: 4,") && plain.contains("2 independent replicas of TP 4"), "{plain}");
+    let scenario = scenario::parse(&text, "deepseek-v3.json", "imported").unwrap();
+    let outcome = harness::run(&scenario).expect("runs");
+    assert!(outcome.passed(), "{}", outcome.failure_text("; "));
 }
