@@ -55,8 +55,8 @@ mod sim;
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
-    /// Replace the scenario's allocator seed (run, layout, plan, diff, shrink and the rank commands; golden checks keep each
-    /// file's own seed). Without it, `KVRELAY_SEED` when set.
+    /// Replace the scenario's allocator seed (run, layout, plan, diff, shrink, report and the rank commands; golden
+    /// checks keep each file's own seed). Without it, `KVRELAY_SEED` when set.
     #[arg(long, global = true)]
     pub seed: Option<u64>,
 }
