@@ -4,8 +4,9 @@
 //! naming the field and the fix. No IO here: the CLI reads the files.
 //!
 //! Architectures: MLA (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`, which Kimi-K2 uses), MHA/GQA (`Llama`,
-//! `Mistral`, `Mixtral`, `Qwen2`, `Qwen3`, `Qwen3Moe`), hybrid Gated DeltaNet (`Qwen3NextForCausalLM`) and hybrid
-//! KDA + MLA (`KimiLinearForCausalLM`, the Kimi-K3 family's layout).
+//! `Mistral`, `Mixtral`, `Qwen2`, `Qwen3`, `Qwen3Moe`), hybrid Gated DeltaNet (`Qwen3NextForCausalLM`), hybrid
+//! KDA + MLA (`KimiLinearForCausalLM`, the Kimi-K3 family's layout) and GQA + sliding window (`Gemma2ForCausalLM`,
+//! `Gemma3ForCausalLM`: the SWA layers as SGLang's SWA pool).
 
 use std::fmt::Write as _;
 
@@ -139,6 +140,17 @@ struct Model {
     notes: Vec<String>,
     /// Bytes per KV element the config's `torch_dtype` implies.
     dtype_bytes: u32,
+    /// A sliding-window model's SWA layers, window (tokens), KV heads and head width: its `swa` state component
+    /// depends on the sides' page size, TP and the request ([`swa_component`]).
+    swa: Option<Swa>,
+}
+
+/// What a Gemma-style config says about its sliding-window layers.
+struct Swa {
+    layers: Vec<u32>,
+    window: u64,
+    kv_heads: u64,
+    head_dim: u64,
 }
 
 /// A scenario file from config `config` (named `config_name` in the header), the two sides' flags and one request
@@ -180,6 +192,13 @@ pub fn import(
         ));
     }
     model.lines.push(format!("dtype_bytes: {prefill_bytes}"));
+    let mut decode_extra = String::new();
+    if let Some(swa) = &model.swa {
+        let (lines, note, extra) = swa_component(swa, prefill, decode, prefill_bytes, tokens)?;
+        model.lines.extend(lines);
+        model.notes.push(note);
+        decode_extra = extra;
+    }
     if prefill.speculative.is_some() || decode.speculative.is_some() {
         let (line, note) = draft(&json, &architecture, prefill_bytes)?;
         model.lines.push(line);
@@ -228,14 +247,73 @@ pub fn import(
     for (name, side) in [("prefill", prefill), ("decode", decode)] {
         // A side started without --speculative-algorithm registers no draft entries (`draft: false`).
         let draft = if speculative && side.speculative.is_none() { ", draft: false" } else { "" };
+        let extra = if name == "decode" { decode_extra.as_str() } else { "" };
         let _ = writeln!(
             out,
-            "{name}: {{tp: {}, pp: {}, dcp: {}, page_size: {}{draft}}}",
+            "{name}: {{tp: {}, pp: {}, dcp: {}, page_size: {}{draft}{extra}}}",
             side.tp, side.pp, side.dcp, side.page_size
         );
     }
     let _ = writeln!(out, "requests:\n  - tokens: {tokens}\nexpect: ok");
     Ok(out)
+}
+
+/// The `swa` state component of a sliding-window model, its header note, and the decode side's `state_item_lens`
+/// when its SWA pages differ in length (another TP): an item is one page of one layer's K (or V) for the rank's own
+/// KV heads (`page_size` x heads x head_dim x dtype, NHD; heads replicated when TP exceeds them). The window sends
+/// the pages holding the request's last `window` tokens (SGLang's prefill takes `req_to_token[seq_len - window:
+/// seq_len]` and pages it): for the one request of `tokens` tokens, `ceil(T / P) - floor((T - W) / P)` pages.
+fn swa_component(
+    swa: &Swa,
+    prefill: &Side,
+    decode: &Side,
+    dtype_bytes: u32,
+    tokens: u32,
+) -> Result<(Vec<String>, String, String), ImportError> {
+    if prefill.page_size != decode.page_size {
+        return Err(error(
+            "--page-size",
+            "a sliding-window model's SWA pages are one size on both sides (fix: the same --page-size)",
+        ));
+    }
+    let page = u64::from(prefill.page_size);
+    let item = |side: &Side| {
+        let heads = (swa.kv_heads / u64::from(side.tp)).max(1);
+        page.checked_mul(heads)
+            .and_then(|bytes| bytes.checked_mul(swa.head_dim))
+            .and_then(|bytes| bytes.checked_mul(u64::from(dtype_bytes)))
+            .ok_or_else(|| error("head_dim", "an SWA page of this many bytes does not fit 64 bits"))
+    };
+    let (prefill_item, decode_item) = (item(prefill)?, item(decode)?);
+    let tokens = u64::from(tokens);
+    let window_pages = tokens.div_ceil(page) - tokens.saturating_sub(swa.window) / page;
+    let lines = vec![
+        "state:".to_owned(),
+        "  - kind: swa".to_owned(),
+        "    layer_ids: false".to_owned(),
+        format!("    layers: {}", list(swa.layers.iter().copied())),
+        format!("    window_pages: {window_pages}"),
+        "    tensors:".to_owned(),
+        format!("      - {{name: k, item_len: {prefill_item}}}"),
+        format!("      - {{name: v, item_len: {prefill_item}}}"),
+    ];
+    let note = format!(
+        "SWA pool: pages of {page} tokens x {} KV head(s) x {} (prefill TP{}: {prefill_item} B per K or V page); the \
+         request's last {} tokens lie in its last {window_pages} page(s).",
+        (swa.kv_heads / u64::from(prefill.tp)).max(1),
+        swa.head_dim,
+        prefill.tp,
+        swa.window.min(tokens)
+    );
+    let extra = if decode_item == prefill_item {
+        String::new()
+    } else {
+        format!(
+            ", state_item_lens: [{{component: 0, tensor: 0, item_len: {decode_item}}}, \
+             {{component: 0, tensor: 1, item_len: {decode_item}}}]"
+        )
+    };
+    Ok((lines, note, extra))
 }
 
 /// The `model.draft` line and header note of a checkpoint's own MTP layers under `--speculative-algorithm`: one
@@ -320,6 +398,7 @@ fn model(json: &Value, architecture: &str) -> Result<Model, ImportError> {
         Ok(vec![format!("kv_heads: {kv_heads}"), format!("head_dim: {head_dim}")])
     };
     let mut notes = vec![format!("{layers} layers (num_hidden_layers).")];
+    let mut swa = None;
     let mut lines = vec![format!("layers: {layers}")];
     match architecture {
         "DeepseekV2ForCausalLM" | "DeepseekV3ForCausalLM" => lines.extend(mla(&mut notes)?),
@@ -341,6 +420,47 @@ fn model(json: &Value, architecture: &str) -> Result<Model, ImportError> {
                 ));
             }
             lines.extend(gqa(&mut notes)?);
+        }
+        "Gemma2ForCausalLM" | "Gemma3ForCausalLM" => {
+            // Sliding layers: `layer_types` when the config lists them; else Gemma 3's pattern (every
+            // `sliding_window_pattern`th layer global) or Gemma 2's alternation (even layers sliding).
+            let sliding: Vec<u32> = match json.get("layer_types").and_then(Value::as_array) {
+                Some(types) => {
+                    if types.len() != layers as usize {
+                        return Err(error("layer_types", format!("{} entries for {layers} layers", types.len())));
+                    }
+                    let kinds = types.iter().map(|kind| kind.as_str() == Some("sliding_attention"));
+                    kinds.enumerate().filter(|(_, sliding)| *sliding).map(|(layer, _)| layer as u32).collect()
+                }
+                None if architecture == "Gemma3ForCausalLM" => {
+                    let pattern = number(json, "sliding_window_pattern")? as u32;
+                    if pattern == 0 {
+                        return Err(error("sliding_window_pattern", "must be at least 1"));
+                    }
+                    (0..layers).filter(|layer| (layer + 1) % pattern != 0).collect()
+                }
+                None => (0..layers).filter(|layer| layer % 2 == 0).collect(),
+            };
+            let window = number(json, "sliding_window")?;
+            if window == 0 {
+                return Err(error("sliding_window", "must be at least 1 token"));
+            }
+            let kv: Vec<u32> = (0..layers).filter(|layer| !sliding.contains(layer)).collect();
+            lines.extend(gqa(&mut notes)?);
+            notes.push(format!(
+                "Sliding-window attention (window {window} tokens, sliding_window) at layers {}; full attention at {} \
+                 (layer_types, sliding_window_pattern or Gemma 2's alternation). The SWA layers' K and V pages are \
+                 SGLang's SWA pool, a state component without layer ids.",
+                list(sliding.iter().copied()),
+                list(kv.iter().copied())
+            ));
+            lines.push(format!("kv_layers: {}", list(kv)));
+            let kv_heads = optional(json, "num_key_value_heads")?.unwrap_or(number(json, "num_attention_heads")?);
+            let head_dim = match optional(json, "head_dim")? {
+                Some(dim) => dim,
+                None => number(json, "hidden_size")? / number(json, "num_attention_heads")?.max(1),
+            };
+            swa = Some(Swa { layers: sliding, window, kv_heads, head_dim });
         }
         "Qwen3NextForCausalLM" => {
             let interval = number(json, "full_attention_interval")? as u32;
@@ -432,13 +552,13 @@ fn model(json: &Value, architecture: &str) -> Result<Model, ImportError> {
                 "architectures",
                 format!(
                     "{other} is not an architecture kvrelay imports (known: DeepseekV2/V3, Llama, Mistral, Mixtral, \
-                     Qwen2, Qwen3, Qwen3Moe, Qwen3Next, KimiLinear ForCausalLM) (fix: write the model section by \
-                     hand: README, Scenarios)"
+                     Qwen2, Qwen3, Qwen3Moe, Qwen3Next, KimiLinear, Gemma2, Gemma3 ForCausalLM) (fix: write the model \
+                     section by hand: README, Scenarios)"
                 ),
             ))
         }
     }
-    Ok(Model { lines, notes, dtype_bytes })
+    Ok(Model { lines, notes, dtype_bytes, swa })
 }
 
 /// Bytes per KV element for `--kv-cache-dtype` `dtype` (`auto`: the config's `config_bytes`).

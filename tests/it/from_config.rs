@@ -175,3 +175,28 @@ fn dp_attention_imports_one_group_of_attention_tp() {
     let outcome = harness::run(&scenario).expect("runs");
     assert!(outcome.passed(), "{}", outcome.failure_text("; "));
 }
+
+/// Gemma 3 1B (Gemma-style SWA): layers 5, 11, 17 and 23 full attention, the other 22 a `swa` component without
+/// layer ids whose K and V pages hold the one KV head; the request's last 512 tokens lie in its last 33 pages of 16
+/// (1000 tokens: pages 30..62 of 63). TP1 -> TP2 replicates the head (same page length), and the run is byte-exact.
+#[test]
+fn a_gemma_style_sliding_window_model_imports_its_swa_pool() {
+    let (prefill, decode) = (
+        parse_flags("prefill", "--tp 1 --page-size 16").unwrap(),
+        parse_flags("decode", "--tp 2 --page-size 16").unwrap(),
+    );
+    let text = import("gemma-3-1b.json", &config("gemma-3-1b.json"), &prefill, &decode, 1000, "test").unwrap();
+    let scenario =
+        scenario::parse(&text, "gemma-3-1b.json", "imported").unwrap_or_else(|error| panic!("{error}\n{text}"));
+    let model = &scenario.problem.model;
+    assert_eq!(model.kv_layers, vec![5, 11, 17, 23], "{text}");
+    let swa = &model.state[0];
+    assert_eq!(swa.layers.len(), 22, "{text}");
+    assert!(text.contains("window_pages: 33") && text.contains("item_len: 8192"), "{text}");
+    let outcome = harness::run(&scenario).expect("runs");
+    assert!(outcome.passed(), "{}\n{text}", outcome.failure_text("; "));
+    // Another page size on the decode side is refused by field.
+    let other = parse_flags("decode", "--tp 2 --page-size 32").unwrap();
+    let error = import("gemma-3-1b.json", &config("gemma-3-1b.json"), &prefill, &other, 1000, "test").unwrap_err();
+    assert!(error.to_string().contains("--page-size"), "{error}");
+}
