@@ -140,7 +140,7 @@ pub(super) fn certify(args: &CertifyArgs) -> anyhow::Result<ExitCode> {
         set.hash
     );
     let mut printed = Ok(());
-    let in_shard = (0..set.cases.len() as u64).filter(|index| options.shard.takes(*index)).count();
+    let in_shard = options.shard.pick(&set.cases).count();
     let planned = if options.only.is_empty() { in_shard } else { options.only.len() };
     let bar = super::progress(planned as u64, "certify");
     let report = certify::certify(&mut *transport, &set, &options, &mut |result| {

@@ -74,13 +74,14 @@ pub(super) fn matrix(args: &MatrixArgs) -> anyhow::Result<ExitCode> {
     let shard = super::sim::shard(args.shard.as_deref())?;
     let all = matrix::cells();
     let total = all.len();
-    let cells: Vec<Cell> =
-        all.into_iter().enumerate().filter(|(index, _)| shard.takes(*index as u64)).map(|(_, cell)| cell).collect();
+    let cells: Vec<Cell> = shard.pick(all).collect();
     let bar = progress(cells.len() as u64, "matrix");
     let mut results = Vec::new();
+    if let Some(dir) = &args.cells {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     for cell in cells {
         if let Some(dir) = &args.cells {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             let path = dir.join(format!("{}.yaml", cell.id()));
             std::fs::write(&path, cell.yaml("ok")).with_context(|| format!("writing {}", path.display()))?;
         }
@@ -186,11 +187,12 @@ fn judge(cell: &Cell, budget: &Budget, fabric: &harness::Fabric) -> anyhow::Resu
     let scenario = match parse("ok") {
         Ok(scenario) => scenario,
         Err(error) => {
-            // `<matrix id>:5: decode.dcp: ...`: the field and the rule, without the cell's own name and line.
-            let text = error.to_string();
-            let line = text.lines().next().unwrap_or_default();
-            let why = line.split_once(">:").and_then(|(_, rest)| rest.split_once(": ")).map_or(line, |(_, why)| why);
-            return Ok((Verdict::Impossible { why: why.trim().to_owned() }, None));
+            // The field and the rule (`decode.dcp: 2 does not divide tp 1 ...`), without the cell's own name.
+            let why = error
+                .diagnostics
+                .first()
+                .map_or_else(|| error.to_string(), |diagnostic| format!("{}: {}", diagnostic.path, diagnostic.message));
+            return Ok((Verdict::Impossible { why }, None));
         }
     };
     if let Err(error) = crate::plan::plan(&scenario.problem) {

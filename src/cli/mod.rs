@@ -733,8 +733,7 @@ fn check(
         relative.unwrap_or(file).display().to_string()
     };
     let mut cases = Vec::new();
-    let mine: Vec<&PathBuf> =
-        files.iter().enumerate().filter(|(index, _)| shard.takes(*index as u64)).map(|it| it.1).collect();
+    let mine: Vec<&PathBuf> = shard.pick(&files).collect();
     let bar = progress(mine.len() as u64, "check");
     for file in mine {
         let mut said = Vec::new();

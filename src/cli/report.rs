@@ -32,7 +32,8 @@ pub struct ReportArgs {
     pub fabric: FabricArgs,
 }
 
-/// `kvrelay report`: the pages, then one line per page; FAILURE when a scenario could not be run at all.
+/// `kvrelay report`: the pages, one line per page and the index; FAILURE when a scenario could not be run at all
+/// (said on stderr; the other pages are written).
 pub(super) fn report(args: &ReportArgs, seed: Option<u64>) -> anyhow::Result<ExitCode> {
     let fabric = args.fabric.fabric("sim")?;
     let mut files = Vec::new();
@@ -49,18 +50,33 @@ pub(super) fn report(args: &ReportArgs, seed: Option<u64>) -> anyhow::Result<Exi
     std::fs::create_dir_all(&args.html).with_context(|| format!("creating {}", args.html.display()))?;
     let mutant_name = args.mutant.map(Mutant::name);
     let mut entries = Vec::new();
+    let budget = Budget::from_env()?;
+    let mut not_run = 0;
     let bar = progress(files.len() as u64, "report");
     for file in &files {
+        bar.inc(1);
         let scenario = load(file, seed)?;
-        let budget = Budget::from_env()?;
         let planner = args.mutant.map(|mutant| SharedPlanner(Rc::new(RefCell::new(MutantPlanner::new(Some(mutant))))));
-        let mut outcome = harness::Run::new(&scenario, &budget).on(&fabric).planner(planner).trace(true).execute()?;
+        let run = harness::Run::new(&scenario, &budget).on(&fabric).planner(planner).trace(true).execute();
+        let mut outcome = match run {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                // One scenario that cannot run (over the memory budget, a fabric that fails) leaves the others' pages.
+                not_run += 1;
+                bar.suspend(|| eprintln!("not run {}: {error}", file.display()));
+                continue;
+            }
+        };
         if let Err(error) = outcome.observation.materialise() {
             eprintln!("{}: device memory not read back for the picture: {error}", file.display());
         }
         let reproduce = reproduce(file, &scenario, args, &fabric);
         let context = PageContext { reproduce: &reproduce, mutant: mutant_name, fabric: &fabric.name() };
-        let name = page_name(file);
+        // Two files of one name under different `scenarios` folders get a page each.
+        let mut name = page_name(file);
+        if name == "index.html" || entries.iter().any(|entry: &IndexEntry| entry.href == name) {
+            name = format!("{}-{}.html", name.trim_end_matches(".html"), entries.len() + 1);
+        }
         let path = args.html.join(&name);
         std::fs::write(&path, report::page(&scenario, &outcome, &context))
             .with_context(|| format!("writing {}", path.display()))?;
@@ -69,12 +85,11 @@ pub(super) fn report(args: &ReportArgs, seed: Option<u64>) -> anyhow::Result<Exi
             outln!("{verdict} {}: {}", file.display(), path.display());
             Ok(())
         })?;
-        bar.inc(1);
         entries.push(IndexEntry {
             scenario: file.display().to_string(),
             href: name,
             passed: outcome.passed(),
-            violations: outcome.violations.len(),
+            violations: Some(outcome.violations.len()),
             failure: outcome.failure_text("; "),
         });
     }
@@ -86,10 +101,10 @@ pub(super) fn report(args: &ReportArgs, seed: Option<u64>) -> anyhow::Result<Exi
     let index = args.html.join("index.html");
     std::fs::write(&index, report::index(&title, &entries)).with_context(|| format!("writing {}", index.display()))?;
     outln!("index: {}", index.display());
-    Ok(ExitCode::SUCCESS)
+    Ok(if not_run == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// `basic__mla-tp2-to-tp4.html` for `scenarios/basic/mla-tp2-to-tp4.yaml`: the path's parts below the first
+/// `basic__mla-tp2-to-tp4.html` for `scenarios/basic/mla-tp2-to-tp4.yaml`: the path's parts below the last
 /// directory named `scenarios` (or all of them), joined.
 fn page_name(file: &Path) -> String {
     let parts: Vec<String> = file.with_extension("").iter().map(|part| part.to_string_lossy().into_owned()).collect();
@@ -97,9 +112,7 @@ fn page_name(file: &Path) -> String {
     let safe: Vec<String> = below
         .iter()
         .filter(|part| !matches!(part.as_str(), "/" | "." | ".."))
-        .map(|part| {
-            part.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect()
-        })
+        .map(|part| crate::report::file_stem(part))
         .collect();
     format!("{}.html", safe.join("__"))
 }

@@ -40,16 +40,30 @@ impl SchemaName {
 
 /// The schema `name`, as `kvrelay schema` prints it and src/schemas/ holds it.
 pub fn schema(name: SchemaName) -> Value {
-    let (mut schema, title) = match name {
+    let (mut schema, format, title) = match name {
         SchemaName::Scenario => return crate::scenario::schema::scenario_schema(),
         SchemaName::Plan => {
             return serde_json::from_str(include_str!("../schemas/plan.schema.json"))
                 .expect("src/schemas/plan.schema.json is JSON (tests/it/schemas.rs)")
         }
-        SchemaName::CertifyReport => (crate::certify::report_schema(), "kvrelay certification report (report.json)"),
-        SchemaName::Check => (merge::check_schema(), "kvrelay check --json (kvrelay-check-1)"),
-        SchemaName::Sim => (sim::sim_schema(), "kvrelay sim --json (kvrelay-sim-1)"),
+        SchemaName::CertifyReport => (
+            crate::certify::report_schema(),
+            crate::certify::REPORT_FORMAT,
+            "kvrelay certification report (report.json)",
+        ),
+        SchemaName::Check => (
+            schemars::schema_for!(merge::CheckResult).to_value(),
+            merge::CHECK_FORMAT,
+            "kvrelay check --json (kvrelay-check-1)",
+        ),
+        SchemaName::Sim => {
+            (schemars::schema_for!(sim::SimResult).to_value(), sim::FORMAT, "kvrelay sim --json (kvrelay-sim-1)")
+        }
     };
+    // The serde types hold `format` as a string; the schema pins the one value each document carries.
+    if let Some(slot) = schema.pointer_mut("/properties/format") {
+        *slot = serde_json::json!({ "const": format });
+    }
     if let Value::Object(object) = &mut schema {
         let id = format!("https://kvrelay.dev/schemas/{}.schema.json", name.stem());
         object.insert("$id".to_owned(), Value::String(id));

@@ -168,8 +168,7 @@ pub(super) fn selftest(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
         .map(|scenario| (None, scenario))
         .chain(mutants.iter().flat_map(|mutant| scenarios.iter().map(move |scenario| (Some(*mutant), scenario))))
         .collect();
-    let mine: Vec<&(Option<Mutant>, &Scenario)> =
-        plan.iter().enumerate().filter(|(index, _)| shard.takes(*index as u64)).map(|(_, case)| case).collect();
+    let mine: Vec<&(Option<Mutant>, &Scenario)> = shard.pick(&plan).collect();
     let bar = super::progress(mine.len() as u64, "selftest cases");
     let mut cases = Vec::new();
     for (mutant, scenario) in mine {

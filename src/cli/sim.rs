@@ -52,15 +52,6 @@ pub(super) struct SimResult {
 
 pub(super) const FORMAT: &str = "kvrelay-sim-1";
 
-/// The JSON Schema of `sim --json` (`kvrelay schema sim`).
-pub(super) fn sim_schema() -> serde_json::Value {
-    let mut schema = schemars::schema_for!(SimResult).to_value();
-    if let Some(format) = schema.pointer_mut("/properties/format") {
-        *format = serde_json::json!({ "const": FORMAT });
-    }
-    schema
-}
-
 /// `--shard`'s value: `K/N`, `slurm`, or the whole.
 pub(super) fn shard(text: Option<&str>) -> anyhow::Result<Shard> {
     match text {

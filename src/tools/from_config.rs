@@ -33,9 +33,9 @@ pub struct Side {
     pub page_size: u32,
     /// `--kv-cache-dtype` (`auto`: the config's `torch_dtype`).
     pub kv_cache_dtype: String,
-    /// `--speculative-algorithm` (`NEXTN`, `EAGLE`, ...): this side registers the draft KV of the checkpoint's own
+    /// `--speculative-algorithm NEXTN|EAGLE`: this side registers the draft KV of the checkpoint's own
     /// multi-token-prediction layers.
-    pub speculative: Option<String>,
+    pub speculative: bool,
     /// `--dp` (data-parallel replicas or, with `--enable-dp-attention`, attention DP groups) and whether attention
     /// is data parallel; `tp` is then the attention TP size of one group (`tp_size / dp_size`).
     pub dp: u32,
@@ -44,7 +44,8 @@ pub struct Side {
 
 /// `--tp 8 --dcp-size 8 --page-size 64 ...` of side `side` (`prefill` or `decode`): SGLang's spellings (`--tp-size`,
 /// `--pp-size`, `--dcp-size`, `--page-size`, `--kv-cache-dtype`, `--speculative-algorithm`, `--flag=value` too).
-/// DP attention and a separate draft model are refused by name; any other flag is an error.
+/// `--enable-dp-attention --dp D` makes `tp` one DP group's attention TP; a separate draft model is refused by name;
+/// any other flag is an error.
 pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
     let mut parsed = Side {
         tp: 1,
@@ -52,7 +53,7 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
         dcp: 1,
         page_size: 1,
         kv_cache_dtype: "auto".to_owned(),
-        speculative: None,
+        speculative: false,
         dp: 1,
         dp_attention: false,
     };
@@ -80,13 +81,18 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
             "--dp" | "--dp-size" | "--data-parallel-size" => parsed.dp = count(value()?)?,
             "--speculative-algorithm" => {
                 let algorithm = value()?.to_ascii_uppercase();
-                if !matches!(algorithm.as_str(), "NEXTN" | "EAGLE" | "EAGLE3" | "MTP") {
+                // NEXTN (which SGLang runs as EAGLE) and EAGLE draft with the checkpoint's own MTP layers; EAGLE3 and
+                // the others need a draft model of their own.
+                if !matches!(algorithm.as_str(), "NEXTN" | "EAGLE") {
                     return Err(error(
                         &field,
-                        format!("{algorithm}: kvrelay imports the draft KV of NEXTN, EAGLE, EAGLE3 or MTP"),
+                        format!(
+                            "{algorithm}: kvrelay imports the draft KV of NEXTN or EAGLE (the checkpoint's own MTP \
+                             layers) (fix: import without it and add model.draft by hand)"
+                        ),
                     ));
                 }
-                parsed.speculative = Some(algorithm);
+                parsed.speculative = true;
             }
             "--speculative-draft-model-path" | "--speculative-draft" => {
                 return Err(error(
@@ -199,7 +205,8 @@ pub fn import(
         model.notes.push(note);
         decode_extra = extra;
     }
-    if prefill.speculative.is_some() || decode.speculative.is_some() {
+    let speculative = prefill.speculative || decode.speculative;
+    if speculative {
         let (line, note) = draft(&json, &architecture, prefill_bytes)?;
         model.lines.push(line);
         model.notes.push(note);
@@ -243,10 +250,9 @@ pub fn import(
     for line in &model.lines {
         let _ = writeln!(out, "  {line}");
     }
-    let speculative = prefill.speculative.is_some() || decode.speculative.is_some();
     for (name, side) in [("prefill", prefill), ("decode", decode)] {
         // A side started without --speculative-algorithm registers no draft entries (`draft: false`).
-        let draft = if speculative && side.speculative.is_none() { ", draft: false" } else { "" };
+        let draft = if speculative && !side.speculative { ", draft: false" } else { "" };
         let extra = if name == "decode" { decode_extra.as_str() } else { "" };
         let _ = writeln!(
             out,
@@ -256,6 +262,18 @@ pub fn import(
     }
     let _ = writeln!(out, "requests:\n  - tokens: {tokens}\nexpect: ok");
     Ok(out)
+}
+
+/// KV heads (`num_key_value_heads`, else `num_attention_heads`) and head width (`head_dim`, else `hidden_size /
+/// num_attention_heads`) of an MHA/GQA config.
+fn gqa_dims(json: &Value) -> Result<(u64, u64), ImportError> {
+    let heads = number(json, "num_attention_heads")?;
+    let kv_heads = optional(json, "num_key_value_heads")?.unwrap_or(heads);
+    let head_dim = match optional(json, "head_dim")? {
+        Some(dim) => dim,
+        None => number(json, "hidden_size")?.checked_div(heads).ok_or_else(|| error("num_attention_heads", "is 0"))?,
+    };
+    Ok((kv_heads, head_dim))
 }
 
 /// The `swa` state component of a sliding-window model, its header note, and the decode side's `state_item_lens`
@@ -386,14 +404,7 @@ fn model(json: &Value, architecture: &str) -> Result<Model, ImportError> {
         Ok(vec![format!("kv_lora_rank: {rank}"), format!("qk_rope_head_dim: {rope}")])
     };
     let gqa = |notes: &mut Vec<String>| -> Result<Vec<String>, ImportError> {
-        let heads = number(json, "num_attention_heads")?;
-        let kv_heads = optional(json, "num_key_value_heads")?.unwrap_or(heads);
-        let head_dim = match optional(json, "head_dim")? {
-            Some(dim) => dim,
-            None => {
-                number(json, "hidden_size")?.checked_div(heads).ok_or_else(|| error("num_attention_heads", "is 0"))?
-            }
-        };
+        let (kv_heads, head_dim) = gqa_dims(json)?;
         notes.push(format!("GQA: {kv_heads} KV heads of {head_dim} (num_key_value_heads, head_dim)."));
         Ok(vec![format!("kv_heads: {kv_heads}"), format!("head_dim: {head_dim}")])
     };
@@ -424,22 +435,24 @@ fn model(json: &Value, architecture: &str) -> Result<Model, ImportError> {
         "Gemma2ForCausalLM" | "Gemma3ForCausalLM" => {
             // Sliding layers: `layer_types` when the config lists them; else Gemma 3's pattern (every
             // `sliding_window_pattern`th layer global) or Gemma 2's alternation (even layers sliding).
-            let sliding: Vec<u32> = match json.get("layer_types").and_then(Value::as_array) {
+            let (sliding, source): (Vec<u32>, &str) = match json.get("layer_types").and_then(Value::as_array) {
                 Some(types) => {
                     if types.len() != layers as usize {
                         return Err(error("layer_types", format!("{} entries for {layers} layers", types.len())));
                     }
                     let kinds = types.iter().map(|kind| kind.as_str() == Some("sliding_attention"));
-                    kinds.enumerate().filter(|(_, sliding)| *sliding).map(|(layer, _)| layer as u32).collect()
+                    let sliding = kinds.enumerate().filter(|(_, sliding)| *sliding).map(|(layer, _)| layer as u32);
+                    (sliding.collect(), "layer_types")
                 }
                 None if architecture == "Gemma3ForCausalLM" => {
                     let pattern = number(json, "sliding_window_pattern")? as u32;
                     if pattern == 0 {
                         return Err(error("sliding_window_pattern", "must be at least 1"));
                     }
-                    (0..layers).filter(|layer| (layer + 1) % pattern != 0).collect()
+                    let sliding = (0..layers).filter(|layer| (layer + 1) % pattern != 0);
+                    (sliding.collect(), "every sliding_window_pattern-th layer global")
                 }
-                None => (0..layers).filter(|layer| layer % 2 == 0).collect(),
+                None => ((0..layers).filter(|layer| layer % 2 == 0).collect(), "Gemma 2: even layers sliding"),
             };
             let window = number(json, "sliding_window")?;
             if window == 0 {
@@ -449,17 +462,13 @@ fn model(json: &Value, architecture: &str) -> Result<Model, ImportError> {
             lines.extend(gqa(&mut notes)?);
             notes.push(format!(
                 "Sliding-window attention (window {window} tokens, sliding_window) at layers {}; full attention at {} \
-                 (layer_types, sliding_window_pattern or Gemma 2's alternation). The SWA layers' K and V pages are \
-                 SGLang's SWA pool, a state component without layer ids.",
+                 ({source}). The SWA layers' K and V pages are SGLang's SWA pool, a state component without layer \
+                 ids.",
                 list(sliding.iter().copied()),
                 list(kv.iter().copied())
             ));
             lines.push(format!("kv_layers: {}", list(kv)));
-            let kv_heads = optional(json, "num_key_value_heads")?.unwrap_or(number(json, "num_attention_heads")?);
-            let head_dim = match optional(json, "head_dim")? {
-                Some(dim) => dim,
-                None => number(json, "hidden_size")? / number(json, "num_attention_heads")?.max(1),
-            };
+            let (kv_heads, head_dim) = gqa_dims(json)?;
             swa = Some(Swa { layers: sliding, window, kv_heads, head_dim });
         }
         "Qwen3NextForCausalLM" => {

@@ -231,7 +231,7 @@ pub fn markdown(results: &[(Cell, CellResult)], planner: Option<&str>) -> String
     out
 }
 
-/// The matrix as one self-contained HTML page: the same table, each cell's full verdict on hover.
+/// The matrix as one self-contained HTML page: one line per cell with its whole verdict (and the seat's) in words.
 pub fn html(results: &[(Cell, CellResult)], planner: Option<&str>) -> String {
     let mut body = String::from("<h1>kvrelay compatibility matrix</h1><table><tr><th>cell</th><th>kvrelay</th>");
     if planner.is_some() {
@@ -240,10 +240,10 @@ pub fn html(results: &[(Cell, CellResult)], planner: Option<&str>) -> String {
     body.push_str("</tr>");
     for (cell, result) in results {
         let (verdict, colour) = match &result.verdict {
-            Verdict::Supported => ("supported".to_owned(), "#1a7f37"),
+            Verdict::Supported => ("supported".to_owned(), crate::report::PASS),
             Verdict::Rejected { kind, message } => (format!("rejected ({kind}): {message}"), "#9a6700"),
             Verdict::Impossible { why } => (format!("no such deployment: {why}"), "#57606a"),
-            Verdict::Failed { why } => (format!("FAILED: {why}"), "#cf222e"),
+            Verdict::Failed { why } => (format!("FAILED: {why}"), crate::report::FAIL),
         };
         let _ = write!(
             body,
@@ -261,25 +261,27 @@ pub fn html(results: &[(Cell, CellResult)], planner: Option<&str>) -> String {
         body.push_str("</tr>");
     }
     body.push_str("</table>");
-    format!(
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>kvrelay matrix</title><style>body{{font:14px system-ui,sans-serif;margin:16px}}td,th{{border:1px solid #d0d7de;padding:3px 8px;text-align:left}}table{{border-collapse:collapse}}</style></head><body>{body}</body></html>\n"
-    )
+    crate::report::document("kvrelay matrix", &body, "")
 }
 
 /// Where the README holds the generated table.
 pub const BEGIN: &str = "<!-- kvrelay matrix: begin (cargo run --release -- matrix --update README.md) -->";
 pub const END: &str = "<!-- kvrelay matrix: end -->";
 
+/// The byte range between the end of [`BEGIN`] and the start of [`END`] in `text`.
+fn block(text: &str) -> Option<(usize, usize)> {
+    let start = text.find(BEGIN)? + BEGIN.len();
+    Some((start, start + text[start..].find(END)?))
+}
+
 /// `text` with the block between [`BEGIN`] and [`END`] replaced by `table`; `None` when the markers are missing.
 pub fn splice(text: &str, table: &str) -> Option<String> {
-    let start = text.find(BEGIN)? + BEGIN.len();
-    let end = start + text[start..].find(END)?;
+    let (start, end) = block(text)?;
     Some(format!("{}\n{}{}", &text[..start], table, &text[end..]))
 }
 
 /// The block between the markers, as [`splice`] writes it.
 pub fn embedded(text: &str) -> Option<&str> {
-    let start = text.find(BEGIN)? + BEGIN.len();
-    let end = start + text[start..].find(END)?;
+    let (start, end) = block(text)?;
     Some(text[start..end].strip_prefix('\n').unwrap_or(&text[start..end]))
 }

@@ -25,21 +25,23 @@ pub fn golden(scenario: &Scenario, outcome: &Outcome) -> String {
     out
 }
 
+/// What a scenario expects: `ok`, `error: <kind>`, or the rooms a partial rejection fails.
+pub fn expectation(expect: &Expectation) -> String {
+    match expect {
+        Expectation::Ok => "ok".to_owned(),
+        Expectation::Error(expected) => format!("error: {expected}"),
+        Expectation::Partial { error, ranks, requests } => {
+            let list = |ids: &Option<Vec<u32>>| ids.as_ref().map_or("all".to_owned(), |ids| format!("{ids:?}"));
+            format!("error on decode ranks {}, requests {}: {error}", list(ranks), list(requests))
+        }
+    }
+}
+
 /// Verdict, plan statistics, decisions and violations of a run.
 pub fn golden_header(scenario: &Scenario, outcome: &Outcome) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "scenario: {}", scenario.name);
-    match &scenario.expect {
-        Expectation::Ok => out.push_str("expect: ok\n"),
-        Expectation::Error(expected) => {
-            let _ = writeln!(out, "expect: error: {expected}");
-        }
-        Expectation::Partial { error, ranks, requests } => {
-            let list = |ids: &Option<Vec<u32>>| ids.as_ref().map_or("all".to_owned(), |ids| format!("{ids:?}"));
-            let _ =
-                writeln!(out, "expect: error on decode ranks {}, requests {}: {error}", list(ranks), list(requests));
-        }
-    }
+    let _ = writeln!(out, "expect: {}", expectation(&scenario.expect));
     if outcome.passed() {
         out.push_str("verdict: pass\n");
     } else {
@@ -387,7 +389,7 @@ pub struct Span {
     pub rows: u64,
     pub column: u64,
     pub length: u64,
-    /// The first row's origin, and the count of rows the span merges.
+    /// Where the first row's bytes came from.
     pub from: Option<Described>,
     pub line: String,
 }

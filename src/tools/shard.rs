@@ -24,6 +24,11 @@ impl Shard {
         case % u64::from(self.count) == u64::from(self.index - 1)
     }
 
+    /// This shard's items of `items` (in the command's own order): the ones [`Shard::takes`].
+    pub fn pick<T>(self, items: impl IntoIterator<Item = T>) -> impl Iterator<Item = T> {
+        items.into_iter().enumerate().filter(move |(index, _)| self.takes(*index as u64)).map(|(_, item)| item)
+    }
+
     /// The shard of a Slurm array task, from the array's variables (`env`: a variable's value): task ids
     /// `SLURM_ARRAY_TASK_MIN ..= SLURM_ARRAY_TASK_MAX` are shards `1 ..= N` (a step other than 1 is refused).
     pub fn from_slurm(env: &dyn Fn(&str) -> Option<String>) -> Result<Shard, String> {

@@ -84,9 +84,16 @@ fn a_report_page_shows_a_clean_run_clean_and_a_planted_bug_in_red_in_a_real_brow
         let index = std::fs::read_to_string(dir.join("index.html")).unwrap();
         assert!(index.contains(&format!("href=\"{PAGE}\"")), "the index links the page: {index}");
     }
-    let broken_html = std::fs::read_to_string(broken.join(PAGE)).unwrap();
-    assert!(broken_html.contains("decode pp0/tp0, layer 0 kv, row 16") || broken_html.contains("row 16"));
-    assert!(!broken_html.contains("http://") && !broken_html.contains("https://"), "nothing is fetched");
+    let (clean_html, broken_html) =
+        (std::fs::read_to_string(clean.join(PAGE)).unwrap(), std::fs::read_to_string(broken.join(PAGE)).unwrap());
+    // The mutant's first violation, in the oracle's coordinates, as a table row and as a mark's tooltip.
+    let first = "decode pp0/tp0, layer 0 kv, row 16: expected token 128 of request 0";
+    assert!(broken_html.contains(first), "the broken page names {first}");
+    assert!(broken_html.contains("<td>row 16</td>"), "the table row of the first violation");
+    assert!(!clean_html.contains("class=\"violation\""), "the clean page marks nothing");
+    for html in [&clean_html, &broken_html] {
+        assert!(!html.contains("http://") && !html.contains("https://"), "nothing is fetched");
+    }
 
     let Some(chromium) = chromium() else {
         assert!(

@@ -537,8 +537,19 @@ pub(super) const PRESET_NAMES: [&str; 8] = [
     "llama-3-70b",
 ];
 
-/// The names `model.state[].kind` takes.
-pub(super) const STATE_KINDS: [&str; 4] = ["mamba", "swa", "dsa", "swa_ring"];
+/// The names `model.state[].kind` takes, and what each means.
+pub(super) const STATE_KINDS: [(&str, StateKind); 4] =
+    [("mamba", StateKind::Mamba), ("swa", StateKind::Swa), ("dsa", StateKind::Dsa), ("swa_ring", StateKind::SwaRing)];
+
+/// `a, b, c or d`.
+fn one_of(names: impl IntoIterator<Item = &'static str>) -> String {
+    let names: Vec<&str> = names.into_iter().collect();
+    match names.split_last() {
+        Some((last, [])) => (*last).to_owned(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
 
 /// Known model shapes (domain.md §10); 0-based layer ids.
 pub(super) fn preset(name: &str) -> Option<ModelGeometry> {
@@ -663,7 +674,7 @@ fn lower_preset(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<Option<
     if found.is_none() {
         diagnostics.push(
             "model.preset",
-            format!("unknown preset `{name}` (fix: use kimi-k3, kimi-linear, qwen3-next, deepseek-v3, deepseek-v3.2, deepseek-v2-lite, llama-3-8b or llama-3-70b, or give the dimensions)"),
+            format!("unknown preset `{name}` (fix: use {}, or give the dimensions)", one_of(PRESET_NAMES)),
         );
         return None;
     }
@@ -821,18 +832,10 @@ fn lower_state(
             );
             continue;
         }
-        let kind = match raw.kind.as_str() {
-            "mamba" => StateKind::Mamba,
-            "swa" => StateKind::Swa,
-            "dsa" => StateKind::Dsa,
-            "swa_ring" => StateKind::SwaRing,
-            other => {
-                diagnostics.push(
-                    format!("{path}.kind"),
-                    format!("unknown state kind `{other}` (fix: mamba, swa, dsa or swa_ring)"),
-                );
-                continue;
-            }
+        let Some(kind) = STATE_KINDS.iter().find(|(name, _)| *name == raw.kind).map(|(_, kind)| *kind) else {
+            let names = one_of(STATE_KINDS.map(|(name, _)| name));
+            diagnostics.push(format!("{path}.kind"), format!("unknown state kind `{}` (fix: {names})", raw.kind));
+            continue;
         };
         let component_layers = raw.layers.clone().unwrap_or_else(|| complement(layers, kv_layers));
         check_layer_list(&format!("{path}.layers"), &component_layers, layers, diagnostics);

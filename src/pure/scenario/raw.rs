@@ -335,8 +335,7 @@ impl JsonSchema for RawRegistration {
     }
 
     fn json_schema(generator: &mut SchemaGenerator) -> Schema {
-        let fields = generator.subschema_for::<RawRegistrationFields>();
-        json_schema!({ "oneOf": [{ "const": "legacy" }, fields] })
+        word_or_map_schema::<RawRegistrationFields>(generator, "legacy")
     }
 }
 
@@ -346,9 +345,14 @@ impl JsonSchema for RawExpect {
     }
 
     fn json_schema(generator: &mut SchemaGenerator) -> Schema {
-        let error = generator.subschema_for::<RawError>();
-        json_schema!({ "oneOf": [{ "const": "ok" }, error] })
+        word_or_map_schema::<RawError>(generator, "ok")
     }
+}
+
+/// The schema of a field [`word_or_map`] reads: the one word `word`, or a mapping `M`.
+fn word_or_map_schema<M: JsonSchema>(generator: &mut SchemaGenerator, word: &str) -> Schema {
+    let map = generator.subschema_for::<M>();
+    json_schema!({ "oneOf": [{ "const": word }, map] })
 }
 
 fn one() -> u32 {

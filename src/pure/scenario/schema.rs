@@ -123,7 +123,7 @@ pub fn scenario_schema() -> Value {
     let mut done = Vec::new();
     annotate(&mut schema, &mut defs, &table, "", &mut done);
     words(&mut defs, "RawModel", "preset", PRESET_NAMES.map(str::to_owned).to_vec());
-    words(&mut defs, "RawComponent", "kind", STATE_KINDS.map(str::to_owned).to_vec());
+    words(&mut defs, "RawComponent", "kind", STATE_KINDS.map(|(name, _)| name.to_owned()).to_vec());
     words(&mut defs, "RawFault", "kind", FaultKind::ALL.iter().map(|kind| kind.name().to_owned()).collect());
     words(&mut defs, "RawError", "error", PlanErrorKind::ALL.iter().map(|kind| kind.name().to_owned()).collect());
     words(&mut defs, "RawRegistrationFields", "item_lens", vec!["per_entry".to_owned(), "entry0".to_owned()]);

@@ -279,8 +279,14 @@ pub enum ViolationKind {
 
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "decode {}, {}, {}: ", self.rank, self.region, self.place)?;
-        match &self.kind {
+        write!(f, "decode {}, {}, {}: {}", self.rank, self.region, self.place, self.kind)
+    }
+}
+
+impl fmt::Display for ViolationKind {
+    /// What is wrong, without where (the part of a [`Violation`]'s line after its coordinates).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
             ViolationKind::Wrong { expected, found } => write!(f, "expected {expected}, found {found}"),
             ViolationKind::Overwritten { offset, length } => {
                 write!(f, "bytes {offset}..{} written more than once", offset + length)

@@ -60,9 +60,7 @@ pub struct CaseResult {
 impl CaseResult {
     /// Where [`Report::write`] puts this case's page, relative to junit.xml: `pages/<id>.html`.
     pub fn page_path(&self) -> Option<String> {
-        let id: String =
-            self.id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
-        self.page.as_ref().map(|_| format!("pages/{id}.html"))
+        self.page.as_ref().map(|_| format!("pages/{}.html", crate::report::file_stem(&self.id)))
     }
 }
 
@@ -170,7 +168,7 @@ impl Report {
                 scenario: result.id.clone(),
                 href: path.trim_start_matches("pages/").to_owned(),
                 passed: result.verdict == Verdict::Pass,
-                violations: 0,
+                violations: None,
                 failure: result.detail.lines().next().unwrap_or_default().to_owned(),
             });
         }
@@ -360,11 +358,7 @@ fn one_line(text: &str) -> String {
 
 /// The JSON Schema of `report.json` (`kvrelay schema certify-report`).
 pub fn report_schema() -> serde_json::Value {
-    let mut schema = schemars::schema_for!(JsonReport<'static>).to_value();
-    if let Some(format) = schema.pointer_mut("/properties/format") {
-        *format = serde_json::json!({ "const": FORMAT });
-    }
-    schema
+    schemars::schema_for!(JsonReport<'static>).to_value()
 }
 
 /// `report.json`'s `format`.

@@ -243,7 +243,7 @@ pub fn certify(
 ) -> Report {
     let mut results = Vec::new();
     let mut measured = None;
-    let mine = set.cases.iter().enumerate().filter(|(index, _)| options.shard.takes(*index as u64)).map(|it| it.1);
+    let mine = options.shard.pick(&set.cases);
     for case in mine.filter(|case| options.only.is_empty() || options.only.contains(&case.id)) {
         let start = Instant::now();
         let mut page = None;

@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 
 use crate::harness::Outcome;
 use crate::render::{self, markup_escape as escape};
-use crate::scenario::{Expectation, Scenario};
+use crate::scenario::Scenario;
 use crate::verify::Violation;
 
 /// Violations listed in a page's table (all of them are drawn, up to the picture's own cap).
@@ -75,11 +75,7 @@ pub fn page(scenario: &Scenario, outcome: &Outcome, context: &PageContext<'_>) -
         if passed { PASS } else { FAIL },
         escape(&verdict)
     );
-    let expectation = match &scenario.expect {
-        Expectation::Ok => "ok".to_owned(),
-        Expectation::Error(error) => format!("error: {error}"),
-        Expectation::Partial { error, .. } => format!("error on some ranks or requests: {error}"),
-    };
+    let expectation = render::expectation(&scenario.expect);
     let _ = write!(
         body,
         "<p>file <code>{}</code> · seed {} · fabric <code>{}</code> · expects {}{}</p><p>reproduce: <code>{}</code></p>",
@@ -108,11 +104,16 @@ pub fn page(scenario: &Scenario, outcome: &Outcome, context: &PageContext<'_>) -
     let _ = write!(body, "<h2>SGLang code paths</h2><pre>{}</pre>", escape(&paths));
     body.push_str(&events(outcome));
     let script = SCRIPT.replace("PALETTE_JSON", &format!("{:?}", picture::PALETTE));
+    let title = format!("{} · {}", scenario.name, if passed { "pass" } else { "FAIL" });
+    document(&title, &body, &script)
+}
+
+/// A whole self-contained page: `body`, the house style and `script` (may be empty).
+pub fn document(title: &str, body: &str, script: &str) -> String {
     format!(
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{} · {}</title><style>{STYLE}</style></head>\
-         <body>{body}<script>{script}</script></body></html>\n",
-        escape(&scenario.name),
-        if passed { "pass" } else { "FAIL" },
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title><style>{STYLE}</style>\
+         </head><body>{body}<script>{script}</script></body></html>\n",
+        escape(title)
     )
 }
 
@@ -131,8 +132,6 @@ fn violation_table(violations: &[Violation]) -> String {
                 violations.len().min(TABLE_ROWS) - TABLE_SHOWN
             );
         }
-        let text = violation.to_string();
-        let what = text.split_once(": ").map_or(text.as_str(), |(_, what)| what);
         let _ = write!(
             out,
             "<tr><td>{}</td><td><a href=\"#r{}-g{}\">{}</a></td><td>{}</td><td>{}</td></tr>",
@@ -141,7 +140,7 @@ fn violation_table(violations: &[Violation]) -> String {
             violation.at.region,
             escape(&violation.region),
             escape(&violation.place),
-            escape(what)
+            escape(&violation.kind.to_string())
         );
     }
     out.push_str("</table>");
@@ -187,7 +186,7 @@ fn pictures(scenario: &Scenario, outcome: &Outcome) -> String {
                 picture::PALETTE[colour % picture::PALETTE.len()]
             );
         }
-        let sources: Vec<String> = picture.sources.keys().map(|rank| format!("prefill {rank}")).collect();
+        let sources: Vec<String> = picture.sources.iter().map(|rank| format!("prefill {rank}")).collect();
         let _ = write!(out, "<p>{legend}<span class=\"note\"> · from {}</span></p>", escape(&sources.join(", ")));
         out.push_str(&picture.svg);
         for note in &picture.notes {
@@ -237,13 +236,19 @@ fn events(outcome: &Outcome) -> String {
     out
 }
 
+/// `text` as a file name: ASCII letters, digits, `-`, `_` and `.` kept, anything else `_`.
+pub fn file_stem(text: &str) -> String {
+    text.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect()
+}
+
 /// One line of the index page.
 pub struct IndexEntry {
     pub scenario: String,
     /// The page, relative to the index.
     pub href: String,
     pub passed: bool,
-    pub violations: usize,
+    /// The oracle's violations, where the run's outcome was kept (certify keeps only the verdict).
+    pub violations: Option<usize>,
     pub failure: String,
 }
 
@@ -266,13 +271,10 @@ pub fn index(title: &str, entries: &[IndexEntry]) -> String {
             escape(&entry.scenario),
             if entry.passed { PASS } else { FAIL },
             if entry.passed { "pass" } else { "FAIL" },
-            entry.violations,
+            entry.violations.map_or("–".to_owned(), |count| count.to_string()),
             escape(&entry.failure)
         );
     }
     body.push_str("</table>");
-    format!(
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title><style>{STYLE}</style></head><body>{body}</body></html>\n",
-        escape(title)
-    )
+    document(title, &body, "")
 }

@@ -1,7 +1,7 @@
 //! The picture of one decode rank: an SVG with one band per region (layer and tensor), one rectangle per run of rows
 //! that came from the same request and source, and the oracle's violations drawn over them in their coordinates.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use crate::model::{Problem, RankId, Side};
@@ -33,9 +33,9 @@ pub const VIOLATION: &str = "#e8003d";
 /// How one decode rank's picture came out: the SVG and what it could not draw.
 pub struct Picture {
     pub svg: String,
-    /// Requests and source ranks that appear (legend entries), with their palette index.
+    /// Requests that appear, with their palette index, and the source ranks that appear (the legend).
     pub requests: BTreeMap<u32, usize>,
-    pub sources: BTreeMap<RankId, usize>,
+    pub sources: BTreeSet<RankId>,
     pub notes: Vec<String>,
 }
 
@@ -45,7 +45,7 @@ pub fn rank_picture(problem: &Problem, observation: &Observation, violations: &[
     let source_index: BTreeMap<RankId, usize> =
         problem.prefill.ranks.iter().enumerate().map(|(index, layout)| (layout.rank, index)).collect();
     let mut picture =
-        Picture { svg: String::new(), requests: BTreeMap::new(), sources: BTreeMap::new(), notes: vec![] };
+        Picture { svg: String::new(), requests: BTreeMap::new(), sources: BTreeSet::new(), notes: vec![] };
     let layout = problem.decode.rank(rank);
     let mut bands = String::new();
     let mut marks = String::new();
@@ -62,8 +62,8 @@ pub fn rank_picture(problem: &Problem, observation: &Observation, violations: &[
             }
             continue;
         };
-        let (row_len, tensor) = (region.row_len(), tensor_name(problem, region));
-        let rows = (bytes.len() as u64 / row_len.max(1)).max(1);
+        let (row_len, tensor) = (region.row_len().max(1), tensor_name(problem, region));
+        let rows = (bytes.len() as u64 / row_len).max(1);
         let scale = PLOT_WIDTH / rows as f64;
         let noun = item_noun(problem, region);
         let label = format!("layer {} {tensor}", region.layer);
@@ -137,20 +137,15 @@ fn span_rect(
                 Origin::State { request, .. } | Origin::Aux { request, .. } => *request,
                 Origin::Slot { .. } => None,
             };
-            let colours = picture.requests.len();
-            let fill = match request {
-                Some(request) => {
-                    let colour = *picture.requests.entry(request).or_insert(colours);
-                    PALETTE[colour % PALETTE.len()].to_owned()
-                }
-                None => SLOT.to_owned(),
-            };
+            // Requests take palette colours in order of first appearance on the page.
+            let next = picture.requests.len();
+            let colour = request.map(|request| *picture.requests.entry(request).or_insert(next));
+            let fill = colour.map_or(SLOT, |colour| PALETTE[colour % PALETTE.len()]).to_owned();
             let source = source_index.get(&described.source).copied().unwrap_or(0);
-            picture.sources.insert(described.source, source);
-            let request_colour = request.and_then(|request| picture.requests.get(&request)).copied();
+            picture.sources.insert(described.source);
             (
                 fill,
-                request_colour.map_or(String::new(), |colour| colour.to_string()),
+                colour.map_or(String::new(), |colour| colour.to_string()),
                 source.to_string(),
                 described.layer.to_string(),
             )

@@ -55,8 +55,8 @@ pub fn timeline(run: &SimRun) -> String {
     let x = |ns: u64| LABEL_WIDTH + (ns as f64 / 1e3).ln_1p() / span * PLOT_WIDTH;
     let lane_y = |name: &str| lanes.get(name).map_or(0.0, |lane| 20.0 + *lane as f64 * LANE);
     let mut svg = String::new();
-    for (name, lane) in &lanes {
-        let y = 20.0 + *lane as f64 * LANE;
+    for name in lanes.keys() {
+        let y = lane_y(name);
         let _ = write!(
             svg,
             r##"<text x="{lx}" y="{ty:.1}" class="lane">{name}</text><line x1="{LABEL_WIDTH}" x2="{right}" y1="{y:.1}" y2="{y:.1}" stroke="#dddddd"/>"##,
@@ -120,11 +120,12 @@ pub fn timeline(run: &SimRun) -> String {
         let _ = write!(
             grid,
             r##"<line x1="{at:.1}" x2="{at:.1}" y1="8" y2="{bottom:.1}" stroke="#eeeeee"/><text x="{at:.1}" y="{ty:.1}" class="axis" text-anchor="middle">{label}</text>"##,
-            at = x(tick.saturating_sub(1).min(end)),
+            at = x(if tick == 1 { 0 } else { tick }),
             bottom = height - 14.0,
             ty = height - 2.0,
         );
-        tick = if tick == 1 { 1_000 } else { tick * 10 };
+        let Some(next) = (if tick == 1 { Some(1_000) } else { tick.checked_mul(10) }) else { break };
+        tick = next;
     }
     format!(
         r#"<svg class="timeline" width="{width}" height="{height}" viewBox="0 0 {width} {height}">{grid}{svg}</svg>"#
