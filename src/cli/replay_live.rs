@@ -32,14 +32,41 @@ struct Wave {
 /// What a wave's time went to, in seconds, where the driver tells them apart.
 #[derive(Default)]
 struct Phases {
+    /// On the planning thread, a wave ahead of the GPU.
     plan: f64,
-    prepare: f64,
+    register: f64,
+    batches: f64,
+    records: f64,
     execute: f64,
 }
 
-fn run_wave(scenario: &Scenario, fabric: &harness::Fabric, direct: Option<&Device>) -> anyhow::Result<(Wave, Phases)> {
-    if let Some(device) = direct {
-        return device.direct_wave(scenario);
+/// A wave parsed (and, for `--direct`, planned and lowered into batches' entries) by the planning thread.
+struct Planned {
+    scenario: Scenario,
+    plan: Option<(Vec<crate::plan::Descriptor>, crate::engine::direct::Lowered)>,
+    plan_seconds: f64,
+}
+
+/// Wave `wave` of `count` requests, parsed, and where `direct` planned and lowered as the cuda fabric's engines
+/// take it (paged entries).
+fn plan_wave(count: u32, tokens: u32, wave: u64, direct: bool) -> anyhow::Result<Planned> {
+    let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave))?;
+    let start = Instant::now();
+    let plan = if direct {
+        let descriptors = crate::plan::plan(&scenario.problem)?.descriptors();
+        let lowered = crate::engine::direct::Lowered::new(&scenario.problem, &descriptors, true)?;
+        Some((descriptors, lowered))
+    } else {
+        None
+    };
+    Ok(Planned { scenario, plan, plan_seconds: start.elapsed().as_secs_f64() })
+}
+
+fn run_wave(planned: Planned, fabric: &harness::Fabric, direct: Option<&Device>) -> anyhow::Result<(Wave, Phases)> {
+    let scenario = &planned.scenario;
+    if let (Some(device), Some((descriptors, lowered))) = (direct, planned.plan) {
+        let (wave, phases) = device.direct_wave(scenario, &descriptors, lowered)?;
+        return Ok((wave, Phases { plan: planned.plan_seconds, ..phases }));
     }
     let live = LiveOptions { time_limit: Duration::from_secs(300), ..LiveOptions::default() };
     let start = Instant::now();
@@ -96,8 +123,8 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     if batch < concurrency {
         outln!("note: {concurrency} requests of {tokens} tokens do not fit the device's free memory; waves of {batch}");
     }
-    let warm = scenario::parse_seeded(&wave_text(1, tokens), "<replay>", "replay-kimi-k3", Some(0))?;
-    let (probe, _) = run_wave(&warm, fabric, direct)?;
+    let warm = plan_wave(1, tokens, 0, direct.is_some())?;
+    let (probe, _) = run_wave(warm, fabric, direct)?;
     if probe.violations > 0 || probe.failed > 0 || !probe.cross_check.is_empty() {
         anyhow::bail!("the one-request warm-up wave failed: run `kvrelay replay --fabric {} --requests 1 --concurrency 1 --tokens {tokens}`", fabric.name());
     }
@@ -112,25 +139,44 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     let mut latencies_ms = Vec::new();
     let mut phases = Phases::default();
     let bar = super::progress(u64::from(requests), "replay");
-    while done < requests {
-        let count = batch.min(requests - done);
-        let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave + 1))?;
-        let (figures, wave_phases) =
-            run_wave(&scenario, fabric, direct).map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
-        phases.plan += wave_phases.plan;
-        phases.prepare += wave_phases.prepare;
-        phases.execute += wave_phases.execute;
-        failed += figures.failed;
-        violations += figures.violations;
-        cross_check.extend(figures.cross_check);
-        bytes += figures.bytes;
-        latencies_ms.extend(figures.latencies_ms);
-        engine_seconds += figures.engine_seconds;
-        oracle_seconds += figures.oracle_seconds;
-        done += count;
-        wave += 1;
-        progress(&bar, done, tokens, &start);
-    }
+    // The waves, each planned on a thread of its own one wave ahead of the fabric (the plan is pure: the planner
+    // needs nothing the fabric holds), as a serving system plans the next requests while the last ones move.
+    let waves: Vec<(u32, u64)> = (0..u64::from(requests.div_ceil(batch)))
+        .map(|wave| (batch.min(requests - wave as u32 * batch), wave + 1))
+        .collect();
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let (sender, planned) = std::sync::mpsc::sync_channel::<anyhow::Result<Planned>>(1);
+        let direct_planning = direct.is_some();
+        scope.spawn(move || {
+            for (count, wave) in waves {
+                if sender.send(plan_wave(count, tokens, wave, direct_planning)).is_err() {
+                    break;
+                }
+            }
+        });
+        for next in planned {
+            let next = next?;
+            let count = next.scenario.problem.requests.len() as u32;
+            let (figures, wave_phases) =
+                run_wave(next, fabric, direct).map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
+            phases.plan += wave_phases.plan;
+            phases.register += wave_phases.register;
+            phases.batches += wave_phases.batches;
+            phases.records += wave_phases.records;
+            phases.execute += wave_phases.execute;
+            failed += figures.failed;
+            violations += figures.violations;
+            cross_check.extend(figures.cross_check);
+            bytes += figures.bytes;
+            latencies_ms.extend(figures.latencies_ms);
+            engine_seconds += figures.engine_seconds;
+            oracle_seconds += figures.oracle_seconds;
+            done += count;
+            wave += 1;
+            progress(&bar, done, tokens, &start);
+        }
+        Ok(())
+    })?;
     bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     let input_tokens = u64::from(requests) * u64::from(tokens);
@@ -140,9 +186,11 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     outln!("seconds: {seconds:.3} (engines {engine_seconds:.3}, oracle {oracle_seconds:.3})");
     if direct.is_some() {
         outln!(
-            "  engines: planning {:.3}, registering (device allocations, source patterns) and building batches {:.3}, writes and completions {:.3}",
+            "  engines: planning and lowering into entries {:.3} (a thread of its own, a wave ahead), registering (device allocations, source patterns, sentinels) {:.3}, building batches {:.3}, recording the writes for the oracle {:.3}, writes and completions {:.3}",
             phases.plan,
-            phases.prepare,
+            phases.register,
+            phases.batches,
+            phases.records,
             phases.execute
         );
     }
@@ -196,21 +244,25 @@ impl Device {
 
     /// One wave through `engine::direct` on this GPU: planned, registered, executed with one thread per prefill
     /// engine, then judged on the GPU (every decode rank, in parallel) and cross-checked by a host read-back.
-    fn direct_wave(&self, scenario: &Scenario) -> anyhow::Result<(Wave, Phases)> {
+    fn direct_wave(
+        &self,
+        scenario: &Scenario,
+        descriptors: &[crate::plan::Descriptor],
+        lowered: crate::engine::direct::Lowered,
+    ) -> anyhow::Result<(Wave, Phases)> {
         use crate::engine::direct::Direct;
         use crate::fabric::seam::NodeId;
 
         let problem = &scenario.problem;
         let start = Instant::now();
-        let descriptors = crate::plan::plan(problem)?.descriptors();
-        let plan = start.elapsed().as_secs_f64();
-        let start = Instant::now();
-        let mut direct = Direct::prepare(problem, &descriptors, |node| Ok(self.0.cuda_engine(NodeId(node as u32))))?;
+        let open = |node: usize| Ok(self.0.cuda_engine(NodeId(node as u32)));
+        let mut direct = Direct::prepare_lowered(problem, Some(lowered), descriptors, open)?;
         let prepare = start.elapsed().as_secs_f64();
+        let prepared = direct.prepared();
         let executed = direct.execute_parallel(Duration::from_secs(60)).map_err(anyhow::Error::msg)?;
         let bytes = direct.bytes();
         let observation = direct.observe()?;
-        let engine_seconds = plan + prepare + executed.total;
+        let engine_seconds = prepare + executed.total;
         let start = Instant::now();
         let ranks: Vec<_> =
             problem.decode.ranks.iter().map(|layout| (layout.rank, crate::verify::Verdicts::all_succeeded())).collect();
@@ -227,7 +279,14 @@ impl Device {
             engine_seconds,
             oracle_seconds,
         };
-        Ok((wave, Phases { plan, prepare, execute: executed.total }))
+        let phases = Phases {
+            register: prepared.register,
+            batches: prepared.batches,
+            records: prepared.records,
+            execute: executed.total,
+            ..Phases::default()
+        };
+        Ok((wave, phases))
     }
 }
 
@@ -250,7 +309,12 @@ impl Device {
     fn name(&self) -> String {
         String::new()
     }
-    fn direct_wave(&self, _: &Scenario) -> anyhow::Result<(Wave, Phases)> {
+    fn direct_wave(
+        &self,
+        _: &Scenario,
+        _: &[crate::plan::Descriptor],
+        _: crate::engine::direct::Lowered,
+    ) -> anyhow::Result<(Wave, Phases)> {
         anyhow::bail!("--direct needs the cuda feature (fix: build with --features cuda)")
     }
 }

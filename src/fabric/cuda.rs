@@ -328,9 +328,6 @@ struct Shared {
     /// Bumped whenever `State::live` changes: a connection's cached liveness of its peer's memory is current while
     /// this is unchanged, so a batch takes the state's lock only after a registration came or went.
     generation: std::sync::atomic::AtomicU64,
-    /// The oracle's own stream and lock (its calls come from the harness's threads).
-    judge_stream: Arc<CudaStream>,
-    judge_lock: Mutex<JudgeBuffers>,
     gpu: u32,
     device: Arc<Device>,
 }
@@ -363,40 +360,46 @@ impl Shared {
     /// memory between processes by emulating RDMA over TCP (`rma_am(tcp/lo)`, 0.4 GB/s).
     fn alloc(&self, len: u64, owner: u32) -> Result<(DeviceAlloc, u64), SeamError> {
         let size = usize::try_from(len.max(1)).map_err(|_| SeamError::Exhausted("device memory"))?;
-        let (free, _) = self.ctx.mem_get_info().map_err(|error| driver("cuMemGetInfo", error))?;
-        if size > free {
-            return Err(SeamError::Engine {
-                call: "cuMemAlloc",
-                message: format!("{size} bytes asked, {free} free on GPU {} (fix: a smaller scenario)", self.gpu),
-            });
-        }
         self.ctx.bind_to_thread().map_err(|error| driver("cuCtxSetCurrent", error))?;
-        // SAFETY: the context is current; the memory is filled (a pattern, a fill, or the sentinel) before anything
-        // reads it, and freed once by `DeviceAlloc`'s drop.
-        let ptr = unsafe { result::malloc_sync(size) }.map_err(|error| driver("cuMemAlloc", error))?;
-        let allocation = DeviceAlloc { ctx: self.ctx.clone(), ptr };
+        let ptr = match self.device.reuse(size)? {
+            Some(ptr) => ptr,
+            None => {
+                let (mut free, _) = self.ctx.mem_get_info().map_err(|error| driver("cuMemGetInfo", error))?;
+                if size > free && self.device.release_spares() > 0 {
+                    free = self.ctx.mem_get_info().map_err(|error| driver("cuMemGetInfo", error))?.0;
+                }
+                if size > free {
+                    return Err(SeamError::Engine {
+                        call: "cuMemAlloc",
+                        message: format!(
+                            "{size} bytes asked, {free} free on GPU {} (fix: a smaller scenario)",
+                            self.gpu
+                        ),
+                    });
+                }
+                // SAFETY: the context is current; the memory is filled (a pattern, a fill, or the sentinel) before
+                // anything reads it, and freed once (by `Device::release_spares` or the process's end) after
+                // `DeviceAlloc`'s drop hands it back.
+                let ptr = unsafe { result::malloc_sync(size) }.map_err(|error| driver("cuMemAlloc", error))?;
+                self.account(size as i64);
+                ptr
+            }
+        };
+        let allocation = DeviceAlloc { ctx: self.ctx.clone(), ptr, spare: Some((self.device.clone(), size)) };
         self.state().live.insert(ptr, (len, owner));
         self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        self.account(size as i64);
         Ok((allocation, ptr))
     }
 
-    fn forget(&self, ptr: u64, len: u64) {
+    /// Forgets the registration at `ptr` (its allocation goes back to the GPU's spares when its `DeviceAlloc` drops).
+    fn forget(&self, ptr: u64, _len: u64) {
         self.state().live.remove(&ptr);
         self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        self.account(-(len.max(1) as i64));
     }
 
     /// Adds `bytes` (negative: frees) to the GPU's accounting, raising its peak.
     fn account(&self, bytes: i64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let now = if bytes >= 0 {
-            self.device.allocated.fetch_add(bytes as u64, Relaxed) + bytes as u64
-        } else {
-            let freed = bytes.unsigned_abs();
-            self.device.allocated.fetch_sub(freed, Relaxed).saturating_sub(freed)
-        };
-        self.device.peak.fetch_max(now, Relaxed);
+        self.device.account(bytes);
     }
 
     /// Writes `pattern` over `len` bytes at `ptr`, on the stream.
@@ -528,8 +531,6 @@ impl CudaTransport {
             judge_rows: device.judge_rows.clone(),
             state: Mutex::default(),
             generation: 0.into(),
-            judge_stream: device.judge_stream.clone(),
-            judge_lock: Mutex::new(JudgeBuffers::default()),
             gpu,
             device,
         };
@@ -537,14 +538,16 @@ impl CudaTransport {
     }
 
     /// The most device memory this process's engines held at once on this GPU since the last
-    /// [`CudaTransport::reset_peak`], in bytes (regions and kept regions; not descriptor tables).
+    /// [`CudaTransport::reset_peak`], in bytes (regions, kept regions and the allocations kept for their reuse; not
+    /// descriptor tables).
     pub fn peak_bytes(&self) -> u64 {
         self.shared.device.peak.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Device memory free on this GPU now, in bytes.
+    /// Device memory free on this GPU now, in bytes, counting the allocations kept for reuse ([`Spares`]).
     pub fn free_bytes(&self) -> u64 {
-        self.shared.ctx.mem_get_info().map_or(0, |(free, _)| free as u64)
+        let spare = self.shared.device.spares().bytes;
+        self.shared.ctx.mem_get_info().map_or(0, |(free, _)| free as u64) + spare
     }
 
     /// What the oracle's compares on this GPU cost since the last call (which starts them over).
@@ -660,9 +663,17 @@ struct Device {
     peak: std::sync::atomic::AtomicU64,
     /// What the oracle's compares cost on this GPU since the last [`CudaTransport::judge_stats`] reset.
     judged: JudgeCounters,
+    /// Regions' allocations handed back, by size, for the next region of the same size ([`Device::reuse`]).
+    spares: Mutex<Spares>,
+    /// Streams and descriptor-table buffers of engines gone, for the next engines (a replay's waves make new ones;
+    /// `cuStreamCreate`, `cuMemHostAlloc` and `cuMemAlloc` on the doorbell's path cost more than a launch).
+    streams: Mutex<Vec<Arc<CudaStream>>>,
+    tables: Mutex<Vec<Staging>>,
+    /// The oracle's compare slots (a stream and its buffers each), one taken per call: the harness judges decode
+    /// ranks on several threads, and their compares run side by side on the GPU.
+    judges: Mutex<Vec<JudgeSlot>>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    judge_stream: Arc<CudaStream>,
     gather: CudaFunction,
     strided: CudaFunction,
     paged: CudaFunction,
@@ -720,7 +731,110 @@ type Opened = Result<Arc<Device>, String>;
 /// The devices opened so far, by ordinal.
 static DEVICES: std::sync::OnceLock<Mutex<BTreeMap<u32, Opened>>> = std::sync::OnceLock::new();
 
+/// Device allocations no region holds, kept for the next region of the same size: a replay's waves register the
+/// same regions again, and `cuMemAlloc` plus `cuMemFree` of a wave's gigabytes cost more than its writes. Each is
+/// refilled (pattern, fill or sentinel) before anything reads it, as a fresh allocation is; counted in the device
+/// memory the process holds (`Device::allocated`), freed when an allocation does not fit beside them.
+#[derive(Default)]
+struct Spares {
+    by_size: BTreeMap<usize, Vec<u64>>,
+    bytes: u64,
+}
+
 impl Device {
+    fn spares(&self) -> MutexGuard<'_, Spares> {
+        self.spares.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A spare allocation of exactly `size` bytes, once every stream finished what it still did with it (a freed
+    /// allocation's last kernel may still run: `cuMemFree` would have waited for it).
+    fn reuse(&self, size: usize) -> Result<Option<u64>, SeamError> {
+        let ptr = {
+            let mut spares = self.spares();
+            let ptr = spares.by_size.get_mut(&size).and_then(Vec::pop);
+            if ptr.is_some() {
+                spares.bytes -= size as u64;
+            }
+            ptr
+        };
+        if ptr.is_some() {
+            self.ctx.synchronize().map_err(|error| driver("cuCtxSynchronize", error))?;
+        }
+        Ok(ptr)
+    }
+
+    fn keep_spare(&self, ptr: u64, size: usize) {
+        let mut spares = self.spares();
+        spares.by_size.entry(size).or_default().push(ptr);
+        spares.bytes += size as u64;
+    }
+
+    /// Frees every spare allocation (after everything on the GPU finished); the bytes freed.
+    fn release_spares(&self) -> u64 {
+        let spares = std::mem::take(&mut *self.spares());
+        if spares.bytes == 0 || self.ctx.bind_to_thread().is_err() {
+            return 0;
+        }
+        for (_, ptrs) in spares.by_size {
+            for ptr in ptrs {
+                // SAFETY: `ptr` came from cuMemAlloc in `Shared::alloc`, no region holds it (its `DeviceAlloc` was
+                // dropped), and it is freed once, here; cuMemFree waits for work still using it.
+                let _ = unsafe { result::free_sync(ptr) };
+            }
+        }
+        self.account(-(spares.bytes as i64));
+        spares.bytes
+    }
+
+    /// A stream for a new engine: one an engine gone left, or a new one.
+    fn take_stream(&self) -> Option<Arc<CudaStream>> {
+        let kept = self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+        kept.or_else(|| self.ctx.new_stream().ok())
+    }
+
+    /// The smallest descriptor-table buffer an engine gone left holding at least `words` words, else a new one.
+    fn take_table(&self, words: usize) -> Result<Staging, SeamError> {
+        let mut tables = self.tables.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let best = tables
+            .iter()
+            .enumerate()
+            .filter(|(_, staging)| staging.words >= words)
+            .min_by_key(|(_, staging)| staging.words)
+            .map(|(index, _)| index);
+        match best {
+            Some(index) => Ok(tables.swap_remove(index)),
+            None => {
+                drop(tables);
+                Staging::new(&self.ctx, words)
+            }
+        }
+    }
+
+    /// An engine's stream and table buffers, once the last launch that read each buffer finished.
+    fn give_back(&self, stream: Arc<CudaStream>, tables: Vec<Staging>) {
+        let mut idle = Vec::with_capacity(tables.len());
+        for mut staging in tables {
+            if staging.reserved || staging.busy.take().is_some_and(|event| event.synchronize().is_err()) {
+                continue; // a launch that failed may still read it: dropped (freed after its event) instead
+            }
+            idle.push(staging);
+        }
+        self.tables.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(idle);
+        self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(stream);
+    }
+
+    /// Adds `bytes` (negative: frees) to the memory this process holds on the GPU, raising its peak.
+    fn account(&self, bytes: i64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = if bytes >= 0 {
+            self.allocated.fetch_add(bytes as u64, Relaxed) + bytes as u64
+        } else {
+            let freed = bytes.unsigned_abs();
+            self.allocated.fetch_sub(freed, Relaxed).saturating_sub(freed)
+        };
+        self.peak.fetch_max(now, Relaxed);
+    }
+
     fn open(gpu: u32) -> Result<Arc<Device>, String> {
         let devices = DEVICES.get_or_init(Mutex::default);
         let mut devices = devices.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -749,16 +863,18 @@ impl Device {
         let (gather, fill, judge) = (function("kv_gather")?, function("kv_fill_source")?, function("kv_judge")?);
         let (strided, paged, judge_rows) = (function("kv_strided")?, function("kv_paged")?, function("kv_judge_rows")?);
         let stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
-        let judge_stream = ctx.new_stream().map_err(|error| unavailable("no stream", format!("{error:?}")))?;
         let (allocated, peak) = (0.into(), 0.into());
         let judged = JudgeCounters::default();
         Ok(Device {
             allocated,
             peak,
             judged,
+            spares: Mutex::default(),
+            streams: Mutex::default(),
+            tables: Mutex::default(),
+            judges: Mutex::default(),
             ctx,
             stream,
-            judge_stream,
             gather,
             strided,
             paged,
@@ -827,15 +943,19 @@ impl Transport for CudaTransport {
     }
 }
 
-/// One `cuMemAlloc` allocation, freed (with its context current) when dropped.
+/// One `cuMemAlloc` allocation: a region's goes back to its GPU's spares when dropped (`spare`: the GPU and the
+/// allocation's size), any other is freed (with its context current).
 struct DeviceAlloc {
     ctx: Arc<CudaContext>,
     ptr: u64,
+    spare: Option<(Arc<Device>, usize)>,
 }
 
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
+        if let Some((device, size)) = self.spare.take() {
+            device.keep_spare(self.ptr, size);
+        } else if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` came from cuMemAlloc in `Shared::alloc` and is freed once, here; cuMemFree waits for
             // work still using it.
             let _ = unsafe { result::free_sync(self.ptr) };
@@ -907,7 +1027,7 @@ impl Staging {
         // SAFETY: the context is current; both allocations are freed once by `Staging`'s drop (the device words
         // through `DeviceAlloc`).
         let device = unsafe { result::malloc_sync(bytes) }.map_err(|error| driver("cuMemAlloc", error))?;
-        let device = DeviceAlloc { ctx: ctx.clone(), ptr: device };
+        let device = DeviceAlloc { ctx: ctx.clone(), ptr: device, spare: None };
         // SAFETY: as above; the page-locked words are freed once by `Staging`'s drop.
         let host = unsafe { result::malloc_host(bytes, 0) }.map_err(|error| driver("cuMemHostAlloc", error))?;
         Ok(Staging { host: host.cast(), device, words: capacity, busy: None, reserved: false })
@@ -987,7 +1107,7 @@ impl CudaEngine {
             state.mail.insert(id, VecDeque::new());
             id
         };
-        let stream = shared.ctx.new_stream().unwrap_or_else(|_| shared.stream.clone());
+        let stream = shared.device.take_stream().unwrap_or_else(|| shared.stream.clone());
         CudaEngine {
             node,
             id,
@@ -1018,7 +1138,7 @@ impl CudaEngine {
         let index = match free {
             Some(index) => index,
             None => {
-                self.staging.push(Staging::new(&self.shared.ctx, words.len())?);
+                self.staging.push(self.shared.device.take_table(words.len())?);
                 self.staging.len() - 1
             }
         };
@@ -1373,8 +1493,10 @@ impl Drop for CudaEngine {
         state.mail.remove(&self.id);
         drop(state);
         self.shared.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        for region in self.regions.values() {
-            self.shared.account(-(region.len.max(1) as i64));
+        // The regions' allocations go back to the GPU's spares as `regions` drops (still counted as held); the
+        // stream and the table buffers to the GPU's pools.
+        if !Arc::ptr_eq(&self.stream, &self.shared.stream) {
+            self.shared.device.give_back(self.stream.clone(), std::mem::take(&mut self.staging));
         }
     }
 }
@@ -1616,8 +1738,7 @@ impl Drop for Holder {
     fn drop(&mut self) {
         if let Some(region) = self.region.take() {
             self.shared.state().resident.remove(&region.ptr);
-            self.shared.account(-(region.len.max(1) as i64));
-            drop(region);
+            drop(region); // its allocation goes back to the GPU's spares
         }
     }
 }
@@ -1640,15 +1761,50 @@ pub fn plant(keep: &(dyn std::any::Any + Send + Sync), offset: u64, byte: u8) ->
 /// Kept memory compared on the GPU: a batch of checks is one compare launch.
 struct DeviceCompare(Arc<Shared>);
 
-/// The oracle's compare buffers, reused from call to call under `Shared::judge_lock`: the words uploaded (checks,
-/// row checks, runs) and the flags read back, page-locked on the host.
-#[derive(Default)]
-struct JudgeBuffers {
+/// One compare's stream and buffers, reused from call to call (`Device::judges`): the words uploaded (checks, row
+/// checks, runs) and the flags read back, page-locked on the host.
+struct JudgeSlot {
+    stream: Arc<CudaStream>,
     words: Option<Staging>,
     flags: Option<Staging>,
 }
 
-impl JudgeBuffers {
+/// A compare slot taken from the GPU's pool, handed back when dropped.
+struct TakenSlot<'a> {
+    device: &'a Device,
+    slot: Option<JudgeSlot>,
+}
+
+impl TakenSlot<'_> {
+    fn take(device: &Device) -> Result<TakenSlot<'_>, String> {
+        let kept = device.judges.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+        let slot = match kept {
+            Some(slot) => slot,
+            None => {
+                let stream = device.ctx.new_stream().map_err(|error| format!("cuStreamCreate: {error:?}"))?;
+                JudgeSlot { stream, words: None, flags: None }
+            }
+        };
+        Ok(TakenSlot { device, slot: Some(slot) })
+    }
+
+    fn slot(&mut self) -> &mut JudgeSlot {
+        self.slot.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for TakenSlot<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            // Only a slot whose stream finished: a call that failed half-way may still have a copy in flight.
+            if slot.stream.synchronize().is_ok() {
+                self.device.judges.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(slot);
+            }
+        }
+    }
+}
+
+impl JudgeSlot {
     /// `buffer`, holding at least `words` words (replaced by a larger one where it holds fewer).
     fn ensure<'a>(
         buffer: &'a mut Option<Staging>,
@@ -1812,20 +1968,20 @@ impl Compare for DeviceCompare {
         }
         let built = Instant::now();
         let failed = |call: &str, error: cudarc::driver::DriverError| format!("{call}: {error:?}");
-        let mut buffers = shared.judge_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let buffers = &mut *buffers;
         shared.ctx.bind_to_thread().map_err(|error| failed("cuCtxSetCurrent", error))?;
-        let stream = &shared.judge_stream;
+        let mut taken = TakenSlot::take(&shared.device)?;
+        let buffers = taken.slot();
+        let stream = &buffers.stream.clone();
         // Flags: [any, bad of each plain entry, bad of each row check].
         let flag_count = 1 + plain as usize + rows.len();
-        let words = JudgeBuffers::ensure(&mut buffers.words, &shared.ctx, table.words.len())?;
+        let words = JudgeSlot::ensure(&mut buffers.words, &shared.ctx, table.words.len())?;
         words.host()[..table.words.len()].copy_from_slice(&table.words);
         let base = words.device.ptr;
         // SAFETY: the device buffer holds at least as many words; the host words are not written again before the
         // stream is synchronised below.
         unsafe { result::memcpy_htod_async(base, &words.host()[..table.words.len()], stream.cu_stream()) }
             .map_err(|error| failed("cuMemcpyHtoDAsync", error))?;
-        let flags = JudgeBuffers::ensure(&mut buffers.flags, &shared.ctx, flag_count.div_ceil(2))?;
+        let flags = JudgeSlot::ensure(&mut buffers.flags, &shared.ctx, flag_count.div_ceil(2))?;
         let (any, bad) = (flags.device.ptr, flags.device.ptr + 4);
         // SAFETY: the flags buffer holds at least `flag_count` 4-byte words.
         unsafe { result::memset_d8_async(any, 0, 4 * flag_count, stream.cu_stream()) }
@@ -1880,11 +2036,13 @@ impl Compare for DeviceCompare {
         if start.checked_add(out.len() as u64).is_none_or(|end| end > len) {
             return Err(format!("bytes {start}.. ({} bytes) are outside the {len}-byte region", out.len()));
         }
-        let _lock = shared.judge_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        shared.ctx.bind_to_thread().map_err(|error| format!("cuCtxSetCurrent: {error:?}"))?;
+        let mut taken = TakenSlot::take(&shared.device)?;
+        let stream = taken.slot().stream.clone();
         // SAFETY: the range lies inside kept memory that its `Holder` keeps alive.
-        unsafe { result::memcpy_dtoh_async(out, handle + start, shared.judge_stream.cu_stream()) }
+        unsafe { result::memcpy_dtoh_async(out, handle + start, stream.cu_stream()) }
             .map_err(|error| format!("cuMemcpyDtoHAsync: {error:?}"))?;
-        shared.judge_stream.synchronize().map_err(|error| format!("cuStreamSynchronize: {error:?}"))
+        stream.synchronize().map_err(|error| format!("cuStreamSynchronize: {error:?}"))
     }
 
     fn name(&self) -> String {

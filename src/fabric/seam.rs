@@ -421,6 +421,42 @@ impl Batch {
         self.entries.iter().any(|entry| entry.paging != Paging::NONE)
     }
 
+    /// Every remote byte range the batch writes, in entry order, as (remote memory, physical offset, length):
+    /// elements that follow one another on the remote side given as one range, cut where a paged side's item ends.
+    /// The same bytes in the same order as [`Batch::physical_elements`]' remote ranges, without an entry per
+    /// element. `None` where a paged offset is outside its table or a length overflows.
+    pub fn remote_spans(&self, mut span: impl FnMut(u32, u64, u64)) -> Option<()> {
+        for entry in &self.entries {
+            let table = match entry.paging.remote {
+                Some(index) => Some(self.tables.get(index as usize)?),
+                None => None,
+            };
+            let Repeat { count, remote_stride, .. } = entry.repeat;
+            // Elements whose remote bytes follow one another are one run.
+            let (runs, run_len, run_stride) = if count > 1 && remote_stride != entry.len {
+                (count, entry.len, remote_stride)
+            } else {
+                (count.min(1), entry.bytes()?, 0)
+            };
+            for k in 0..runs {
+                let start = k.checked_mul(run_stride)?.checked_add(entry.remote_offset)?;
+                let mut done = 0;
+                while done < run_len {
+                    let at = start.checked_add(done)?;
+                    let take = table
+                        .map_or(run_len - done, |t| (t.item_len.max(1) - at % t.item_len.max(1)).min(run_len - done));
+                    let physical = match table {
+                        Some(t) => t.physical(at)?,
+                        None => at,
+                    };
+                    span(entry.remote, physical, take);
+                    done += take;
+                }
+            }
+        }
+        Some(())
+    }
+
     /// Every element of every entry as a plain entry with physical offsets, in order: what an engine that takes
     /// neither strided nor paged entries is handed instead. `None` where a paged offset is outside its table.
     pub fn physical_elements(&self) -> Option<Vec<Entry>> {

@@ -273,50 +273,57 @@ pub fn cross_check(scenario: &Scenario, run: Option<&SimRun>, observation: &Obse
 
 /// [`cross_check`] with each decode rank's verdicts given (a run without rooms: `engine::direct`).
 pub fn cross_check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Failure> {
-    let mut failures = Vec::new();
     if observation.resident.is_empty() {
-        return failures;
+        return Vec::new();
     }
-    for (rank, verdicts) in ranks {
-        let keys = observation.resident.iter().filter(|(key, _)| key.rank == *rank);
+    let per_rank = each_rank_in_parallel(ranks, |rank, verdicts| {
+        let keys = observation.resident.iter().filter(|(key, _)| key.rank == rank);
         let first = keys.clone().next().filter(|(_, region)| region.len <= CROSS_CHECK_BYTES);
-        let Some((key, _)) = first.or_else(|| keys.min_by_key(|(_, region)| region.len)) else { continue };
-        if let Some(text) = verify::cross_check_region(problem, observation, *key, verdicts) {
-            failures.push(Failure::new(FailureKind::Oracle, text));
-        }
-    }
-    failures
+        let (key, _) = first.or_else(|| keys.min_by_key(|(_, region)| region.len))?;
+        verify::cross_check_region(problem, observation, *key, verdicts)
+            .map(|text| Failure::new(FailureKind::Oracle, text))
+    });
+    per_rank.into_iter().flatten().collect()
 }
 
 /// [`verify::check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores; the
 /// violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
 pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
+    each_rank_in_parallel(ranks, |rank, verdicts| verify::check_rank(problem, rank, observation, verdicts))
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// `judge` of each `(rank, verdicts)`, the ranks spread over the machine's cores; the answers in the order given.
+fn each_rank_in_parallel<T: Send>(
+    ranks: &[(RankId, Verdicts)],
+    judge: impl Fn(RankId, &Verdicts) -> T + Sync,
+) -> Vec<T> {
     let workers = std::thread::available_parallelism().map_or(1, usize::from).min(ranks.len()).max(1);
     if workers == 1 {
-        return verify::check_ranks(problem, observation, ranks);
+        return ranks.iter().map(|(rank, verdicts)| judge(*rank, verdicts)).collect();
     }
-    let mut per_rank: Vec<Vec<Violation>> = vec![Vec::new(); ranks.len()];
+    let mut per_rank: Vec<Option<T>> = std::iter::repeat_with(|| None).take(ranks.len()).collect();
+    let judge = &judge;
     std::thread::scope(|scope| {
         // Rank i goes to worker i % workers, so every worker gets a similar share.
         let handles: Vec<_> = (0..workers)
             .map(|worker| {
                 scope.spawn(move || {
                     let mine = ranks.iter().enumerate().skip(worker).step_by(workers);
-                    mine.map(|(index, (rank, verdicts))| {
-                        (index, verify::check_rank(problem, *rank, observation, verdicts))
-                    })
-                    .collect::<Vec<_>>()
+                    mine.map(|(index, (rank, verdicts))| (index, judge(*rank, verdicts))).collect::<Vec<_>>()
                 })
             })
             .collect();
         for handle in handles {
             match handle.join() {
-                Ok(done) => done.into_iter().for_each(|(index, violations)| per_rank[index] = violations),
+                Ok(done) => done.into_iter().for_each(|(index, answer)| per_rank[index] = Some(answer)),
                 Err(panic) => std::panic::resume_unwind(panic),
             }
         }
     });
-    per_rank.into_iter().flatten().collect()
+    per_rank.into_iter().map(|answer| answer.expect("every rank judged")).collect()
 }
 
 /// The oracle's verdicts for `rank`: a rejected scenario promises more than failed rooms (no byte may have moved

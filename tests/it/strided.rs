@@ -232,3 +232,48 @@ fn paged_entries_resolve_through_their_tables_and_bad_ones_are_refused() {
     let across = Entry { local_offset: 56, repeat: Repeat { count: 1, ..entry.repeat }, ..entry };
     refused(&Batch { entries: vec![across], ..batch.clone() }, limits, "crosses an item");
 }
+
+/// Ranges that continue one another in the same region, merged: the canonical form of a sequence of writes.
+fn merged(ranges: impl IntoIterator<Item = (u32, u64, u64)>) -> Vec<(u32, u64, u64)> {
+    let mut out: Vec<(u32, u64, u64)> = Vec::new();
+    for (region, offset, len) in ranges {
+        match out.last_mut() {
+            Some(last) if last.0 == region && last.1 + last.2 == offset => last.2 += len,
+            _ => out.push((region, offset, len)),
+        }
+    }
+    out
+}
+
+proptest::proptest! {
+    /// `Batch::remote_spans` names the same remote bytes in the same order as the batch's physical elements (what
+    /// `engine::direct` records as the writes the oracle checks for overlaps), paged or not, strided or not.
+    #[test]
+    fn remote_spans_cover_the_physical_elements_remote_bytes(
+        entries in proptest::collection::vec(
+            (0u32..2, 0u64..200, 1u64..40, 0u64..6, 0u64..64, proptest::bool::ANY),
+            1..4,
+        ),
+        item_len in 16u64..96,
+        pages in proptest::collection::vec(0u32..12, 24),
+    ) {
+        let table = PageTable { item_len, pages };
+        let entries: Vec<Entry> = entries
+            .into_iter()
+            .map(|(remote, offset, len, count, gap, paged)| Entry {
+                repeat: Repeat { count, local_stride: len, remote_stride: len + gap },
+                paging: Paging { local: None, remote: paged.then_some(0) },
+                ..Entry::new(0, 0, remote, offset, len)
+            })
+            .collect();
+        let batch = Batch { entries, notify: None, tables: vec![table] };
+        let elements = batch.physical_elements();
+        let mut spans = Vec::new();
+        let walked = batch.remote_spans(|region, offset, len| spans.push((region, offset, len)));
+        proptest::prop_assert_eq!(walked.is_some(), elements.is_some());
+        if let Some(elements) = elements {
+            let expected = merged(elements.iter().map(|e| (e.remote, e.remote_offset, e.len)));
+            proptest::prop_assert_eq!(merged(spans), expected);
+        }
+    }
+}

@@ -31,6 +31,16 @@ pub struct Phases {
     pub total: f64,
 }
 
+/// Seconds [`Direct::prepare`] spent registering every rank's memory (allocations, source patterns, sentinels),
+/// lowering the plan into batches (page-table compaction, one batch per pair, connections), and recording the
+/// writes the batches make for the oracle.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Prepared {
+    pub register: f64,
+    pub batches: f64,
+    pub records: f64,
+}
+
 /// One (prefill, decode) pair's entries and the page tables they name, each table once per (request, side, rank,
 /// table, item length).
 #[derive(Default)]
@@ -66,6 +76,49 @@ impl Pair {
     }
 }
 
+/// A plan lowered into each (prefill, decode) pair's entries, in plan order: through the requests' page tables
+/// where the engines take paged entries (`plan::paged::compact`), at physical offsets otherwise; an entry's local
+/// memory is the prefill rank's region index until [`Direct::prepare_lowered`] names the engine's. Needs no engine,
+/// so a replay lowers the next wave on its planning thread.
+pub struct Lowered {
+    paged: bool,
+    pairs: BTreeMap<(RankId, RankId), Pair>,
+}
+
+impl Lowered {
+    pub fn new(problem: &Problem, descriptors: &[Descriptor], paged: bool) -> Result<Lowered, SeamError> {
+        let descriptors = if paged {
+            crate::plan::paged::compact(problem, descriptors)
+        } else {
+            descriptors.iter().map(crate::plan::paged::physical).collect()
+        };
+        let mut pairs: BTreeMap<(RankId, RankId), Pair> = BTreeMap::new();
+        for descriptor in &descriptors {
+            let pair = pairs.entry((descriptor.source, descriptor.target)).or_default();
+            let request = problem.requests.iter().find(|request| request.id == descriptor.request);
+            let prefill = (Side::Prefill, descriptor.source, descriptor.source_region, descriptor.source_table);
+            let decode = (Side::Decode, descriptor.target, descriptor.target_region, descriptor.target_table);
+            let paging =
+                Paging { local: pair.table(problem, request, prefill)?, remote: pair.table(problem, request, decode)? };
+            let repeat = Repeat {
+                count: descriptor.count,
+                local_stride: descriptor.source_stride,
+                remote_stride: descriptor.target_stride,
+            };
+            pair.entries.push(Entry {
+                local: descriptor.source_region,
+                local_offset: descriptor.source_offset,
+                remote: descriptor.target_region,
+                remote_offset: descriptor.target_offset,
+                len: descriptor.element_len,
+                repeat,
+                paging,
+            });
+        }
+        Ok(Lowered { paged, pairs })
+    }
+}
+
 /// One prefill engine's batches, by connection.
 struct Sender<N> {
     nic: N,
@@ -79,17 +132,31 @@ pub struct Direct<N> {
     bytes: u64,
     /// The writes the batches make, for the observation (computed before anything is timed).
     writes: Vec<WriteRecord>,
+    prepared: Prepared,
 }
 
 impl<N: TransferEngine> Direct<N> {
     /// Registers every rank of `problem` on the engine `open` gives it (prefill ranks first, as the rank engines'
     /// nodes), connects each prefill engine to the decode engines `descriptors` write to, and builds one batch per
-    /// pair from them.
+    /// pair from them: [`Lowered::new`] then [`Direct::prepare_lowered`].
     pub fn prepare(
         problem: &Problem,
         descriptors: &[Descriptor],
+        open: impl FnMut(usize) -> Result<N, SeamError>,
+    ) -> Result<Direct<N>, SeamError> {
+        Direct::prepare_lowered(problem, None, descriptors, open)
+    }
+
+    /// [`Direct::prepare`] with the plan already lowered (`Some`, on another thread, say: it needs no engine), or
+    /// lowered here for the engines' limits (`None`).
+    #[allow(clippy::disallowed_methods, reason = "the phases are timed at this edge for the benchmark")]
+    pub fn prepare_lowered(
+        problem: &Problem,
+        lowered: Option<Lowered>,
+        descriptors: &[Descriptor],
         mut open: impl FnMut(usize) -> Result<N, SeamError>,
     ) -> Result<Direct<N>, SeamError> {
+        let start = std::time::Instant::now();
         let sources = Sources::new(problem);
         let mut node = 0;
         let mut senders = BTreeMap::new();
@@ -104,46 +171,20 @@ impl<N: TransferEngine> Direct<N> {
             node += 1;
             receivers.insert(layout.rank, (built.nic, built.regions));
         }
-        // The entries of each (prefill, decode) pair, in plan order: through the requests' page tables where the
-        // engines take paged entries (`plan::paged::compact`), at physical offsets otherwise.
+        let registered = std::time::Instant::now();
         let paged = senders.values().next().is_some_and(|(nic, _)| nic.limits().paged);
-        let descriptors = if paged {
-            crate::plan::paged::compact(problem, descriptors)
-        } else {
-            descriptors.iter().map(crate::plan::paged::physical).collect()
+        let lowered = match lowered {
+            Some(lowered) if lowered.paged == paged => lowered,
+            _ => Lowered::new(problem, descriptors, paged)?,
         };
-        let mut pairs: BTreeMap<(RankId, RankId), Pair> = BTreeMap::new();
-        for descriptor in &descriptors {
-            let (_, regions) =
-                senders.get(&descriptor.source).ok_or(SeamError::UnknownMemory(descriptor.source_region))?;
-            let local = regions
-                .get(descriptor.source_region as usize)
-                .ok_or(SeamError::UnknownMemory(descriptor.source_region))?;
-            let pair = pairs.entry((descriptor.source, descriptor.target)).or_default();
-            let request = problem.requests.iter().find(|request| request.id == descriptor.request);
-            let prefill = (Side::Prefill, descriptor.source, descriptor.source_region, descriptor.source_table);
-            let decode = (Side::Decode, descriptor.target, descriptor.target_region, descriptor.target_table);
-            let paging =
-                Paging { local: pair.table(problem, request, prefill)?, remote: pair.table(problem, request, decode)? };
-            let repeat = Repeat {
-                count: descriptor.count,
-                local_stride: descriptor.source_stride,
-                remote_stride: descriptor.target_stride,
-            };
-            pair.entries.push(Entry {
-                local: local.id,
-                local_offset: descriptor.source_offset,
-                remote: descriptor.target_region,
-                remote_offset: descriptor.target_offset,
-                len: descriptor.element_len,
-                repeat,
-                paging,
-            });
-        }
         let mut bytes = 0u64;
         let mut batches: BTreeMap<RankId, Vec<(ConnId, RankId, Batch)>> = BTreeMap::new();
-        for ((source, target), Pair { entries, tables, .. }) in pairs {
-            let (sender, _) = senders.get_mut(&source).expect("listed above");
+        for ((source, target), Pair { mut entries, tables, .. }) in lowered.pairs {
+            let (sender, regions) = senders.get_mut(&source).ok_or(SeamError::UnknownMemory(0))?;
+            // The lowering named the prefill rank's regions by index: the engine's ids for them.
+            for entry in &mut entries {
+                entry.local = regions.get(entry.local as usize).ok_or(SeamError::UnknownMemory(entry.local))?.id;
+            }
             let (receiver, regions) = receivers.get_mut(&target).ok_or(SeamError::UnknownMemory(0))?;
             let (conn, address) = sender.open()?;
             let (back, peer_address) = receiver.open()?;
@@ -162,8 +203,19 @@ impl<N: TransferEngine> Direct<N> {
             .map(|(rank, (nic, _))| Sender { nic, batches: batches.remove(&rank).unwrap_or_default() })
             .collect();
         let receivers = receivers.into_iter().map(|(rank, (nic, regions))| (rank, nic, regions)).collect();
-        let writes = write_records(&senders);
-        Ok(Direct { senders, receivers, bytes, writes })
+        let lowered = std::time::Instant::now();
+        let writes = write_records(&senders)?;
+        let prepared = Prepared {
+            register: (registered - start).as_secs_f64(),
+            batches: (lowered - registered).as_secs_f64(),
+            records: lowered.elapsed().as_secs_f64(),
+        };
+        Ok(Direct { senders, receivers, bytes, writes, prepared })
+    }
+
+    /// What [`Direct::prepare`] spent its time on.
+    pub fn prepared(&self) -> Prepared {
+        self.prepared
     }
 
     /// Bytes the batches move.
@@ -300,24 +352,24 @@ impl<N: TransferEngine> Sender<N> {
     }
 }
 
-/// Every element the senders' batches write, as write records (targets that continue one another merged).
-fn write_records<N>(senders: &[Sender<N>]) -> Vec<WriteRecord> {
+/// Every range the senders' batches write, as write records (ranges that continue one another merged), computed
+/// from the entries' runs, not element by element (a wave of the seed's load is millions of elements).
+fn write_records<N>(senders: &[Sender<N>]) -> Result<Vec<WriteRecord>, SeamError> {
     let mut writes: Vec<WriteRecord> = Vec::new();
     for sender in senders {
         for (_, target, batch) in &sender.batches {
-            for element in batch.physical_elements().unwrap_or_default() {
-                {
-                    let target = RegionKey { side: Side::Decode, rank: *target, region: element.remote };
-                    let record = WriteRecord { target, offset: element.remote_offset, length: element.len };
+            batch
+                .remote_spans(|region, offset, length| {
+                    let target = RegionKey { side: Side::Decode, rank: *target, region };
                     match writes.last_mut() {
-                        Some(last) if last.target == target && last.offset + last.length == record.offset => {
-                            last.length += record.length;
+                        Some(last) if last.target == target && last.offset + last.length == offset => {
+                            last.length += length;
                         }
-                        _ => writes.push(record),
+                        _ => writes.push(WriteRecord { target, offset, length }),
                     }
-                }
-            }
+                })
+                .ok_or(SeamError::Exhausted("page table entries"))?;
         }
     }
-    writes
+    Ok(writes)
 }
