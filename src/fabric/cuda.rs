@@ -1956,11 +1956,15 @@ impl Compare for DeviceCompare {
         let shared = &self.0;
         let began = Instant::now();
         let mut table = JudgeTable::default();
-        {
+        // The lengths of the kept memory asked about, copied out under the lock: the tables are built without it,
+        // so the harness's per-rank threads build theirs side by side.
+        let kept: BTreeMap<u64, u64> = {
             let state = shared.state();
-            table.plain(checks, &state.resident)?;
-            table.rows(tables, rows, &state.resident)?;
-        }
+            let handles = checks.iter().map(|check| check.handle).chain(rows.iter().map(|check| check.handle));
+            handles.filter_map(|handle| state.resident.get(&handle).map(|len| (handle, *len))).collect()
+        };
+        table.plain(checks, &kept)?;
+        table.rows(tables, rows, &kept)?;
         let mut answers = vec![true; checks.len() + rows.len()];
         let plain = table.owner.len() as u64;
         if plain == 0 && table.works == 0 {
