@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles the `cuda` fabric's kernels (the `KERNELS` string of src/fabric/cuda.rs) with NVRTC on a machine without a
+# Compiles the `cuda` fabric's kernels (the `KERNELS` string of src/fabric/cuda/kernels.rs) with NVRTC on a machine without a
 # GPU, so that a kernel that does not compile fails CI instead of the first GPU run. NVRTC comes from its pinned
 # wheel (`nvidia-cuda-nvrtc`, about 40 MB, no CUDA toolkit or driver needed); the program is compiled with NVRTC's
 # default options, as the fabric compiles it at start-up (`cudarc::nvrtc::compile_ptx` in `CudaTransport::new`),
@@ -16,7 +16,7 @@ fi
 if ! find "$DIR/lib" -name 'libnvrtc.so*' 2>/dev/null | grep -q .; then
     python3 -m zipfile -e "$DIR"/nvidia_cuda_nvrtc-"$VERSION"-*.whl "$DIR/lib"
 fi
-python3 - src/fabric/cuda.rs "$DIR/lib" <<'PY'
+python3 - src/fabric/cuda/kernels.rs "$DIR/lib" <<'PY'
 import ctypes, pathlib, re, sys
 
 source, lib_dir = sys.argv[1], pathlib.Path(sys.argv[2])
