@@ -27,6 +27,33 @@ struct Wave {
     latencies_ms: Vec<f64>,
     engine_seconds: f64,
     oracle_seconds: f64,
+    cross_check_seconds: f64,
+}
+
+/// The decode ranks a wave's host read-back cross-checks: every rank (the warm-up), or the one rank `wave % ranks`,
+/// so that the waves of a replay take turns over the ranks and each is read back every `ranks` waves. A read-back
+/// through pageable memory costs more than the wave's writes; the device oracle judges every byte of every wave.
+#[derive(Clone, Copy)]
+enum CrossCheck {
+    Every,
+    Turn(usize),
+}
+
+/// The cross-check's disagreements over the ranks `which` picks, and its seconds.
+fn cross_check(
+    problem: &crate::model::Problem,
+    observation: &crate::verify::Observation,
+    ranks: &[(crate::model::RankId, crate::verify::Verdicts)],
+    which: CrossCheck,
+) -> (Vec<String>, f64) {
+    let start = Instant::now();
+    let ranks = match which {
+        CrossCheck::Every => ranks,
+        CrossCheck::Turn(wave) if !ranks.is_empty() => &ranks[wave % ranks.len()..wave % ranks.len() + 1],
+        CrossCheck::Turn(_) => ranks,
+    };
+    let texts = harness::cross_check_ranks(problem, observation, ranks).into_iter().map(|it| it.text).collect();
+    (texts, start.elapsed().as_secs_f64())
 }
 
 /// What a wave's time went to, in seconds, where the driver tells them apart.
@@ -38,6 +65,9 @@ struct Phases {
     batches: f64,
     records: f64,
     execute: f64,
+    /// Keeping the decode memory for the oracle, and handing it back after.
+    observe: f64,
+    teardown: f64,
 }
 
 /// A wave parsed (and, for `--direct`, planned and lowered into batches' entries) by the planning thread.
@@ -62,10 +92,15 @@ fn plan_wave(count: u32, tokens: u32, wave: u64, direct: bool) -> anyhow::Result
     Ok(Planned { scenario, plan, plan_seconds: start.elapsed().as_secs_f64() })
 }
 
-fn run_wave(planned: Planned, fabric: &harness::Fabric, direct: Option<&Device>) -> anyhow::Result<(Wave, Phases)> {
+fn run_wave(
+    planned: Planned,
+    fabric: &harness::Fabric,
+    direct: Option<&Device>,
+    which: CrossCheck,
+) -> anyhow::Result<(Wave, Phases)> {
     let scenario = &planned.scenario;
     if let (Some(device), Some((descriptors, lowered))) = (direct, planned.plan) {
-        let (wave, phases) = device.direct_wave(scenario, &descriptors, lowered)?;
+        let (wave, phases) = device.direct_wave(scenario, &descriptors, lowered, which)?;
         return Ok((wave, Phases { plan: planned.plan_seconds, ..phases }));
     }
     let live = LiveOptions { time_limit: Duration::from_secs(300), ..LiveOptions::default() };
@@ -76,8 +111,14 @@ fn run_wave(planned: Planned, fabric: &harness::Fabric, direct: Option<&Device>)
     let start = Instant::now();
     let violations = harness::oracle(scenario, &run, &run.observation).len();
     let oracle_seconds = start.elapsed().as_secs_f64();
-    let cross_check =
-        harness::cross_check(scenario, Some(&run), &run.observation).into_iter().map(|it| it.text).collect();
+    let ranks: Vec<_> = scenario
+        .problem
+        .decode
+        .ranks
+        .iter()
+        .map(|layout| (layout.rank, harness::verdicts(&scenario.expect, &run, layout.rank)))
+        .collect();
+    let (cross_check, cross_check_seconds) = cross_check(&scenario.problem, &run.observation, &ranks, which);
     let wave = Wave {
         failed: run.failures().len(),
         violations,
@@ -86,6 +127,7 @@ fn run_wave(planned: Planned, fabric: &harness::Fabric, direct: Option<&Device>)
         latencies_ms: request_latencies_ms(&run),
         engine_seconds,
         oracle_seconds,
+        cross_check_seconds,
     };
     Ok((wave, Phases::default()))
 }
@@ -124,7 +166,7 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
         outln!("note: {concurrency} requests of {tokens} tokens do not fit the device's free memory; waves of {batch}");
     }
     let warm = plan_wave(1, tokens, 0, direct.is_some())?;
-    let (probe, _) = run_wave(warm, fabric, direct)?;
+    let (probe, _) = run_wave(warm, fabric, direct, CrossCheck::Every)?;
     if probe.violations > 0 || probe.failed > 0 || !probe.cross_check.is_empty() {
         anyhow::bail!("the one-request warm-up wave failed: run `kvrelay replay --fabric {} --requests 1 --concurrency 1 --tokens {tokens}`", fabric.name());
     }
@@ -135,6 +177,7 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     let (mut done, mut wave) = (0u32, 0u64);
     let (mut bytes, mut violations, mut failed, mut engine_seconds, mut oracle_seconds) =
         (0u64, 0usize, 0usize, 0.0, 0.0);
+    let (mut cross_check_seconds, mut planning_wait) = (0.0, 0.0);
     let mut cross_check = Vec::new();
     let mut latencies_ms = Vec::new();
     let mut phases = Phases::default();
@@ -154,16 +197,21 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
                 }
             }
         });
-        for next in planned {
+        loop {
+            let waited = Instant::now();
+            let Ok(next) = planned.recv() else { break };
+            planning_wait += waited.elapsed().as_secs_f64();
             let next = next?;
             let count = next.scenario.problem.requests.len() as u32;
-            let (figures, wave_phases) =
-                run_wave(next, fabric, direct).map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
+            let (figures, wave_phases) = run_wave(next, fabric, direct, CrossCheck::Turn(wave as usize))
+                .map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
             phases.plan += wave_phases.plan;
             phases.register += wave_phases.register;
             phases.batches += wave_phases.batches;
             phases.records += wave_phases.records;
             phases.execute += wave_phases.execute;
+            phases.observe += wave_phases.observe;
+            phases.teardown += wave_phases.teardown;
             failed += figures.failed;
             violations += figures.violations;
             cross_check.extend(figures.cross_check);
@@ -171,6 +219,7 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
             latencies_ms.extend(figures.latencies_ms);
             engine_seconds += figures.engine_seconds;
             oracle_seconds += figures.oracle_seconds;
+            cross_check_seconds += figures.cross_check_seconds;
             done += count;
             wave += 1;
             progress(&bar, done, tokens, &start);
@@ -183,15 +232,19 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     latencies_ms.sort_by(f64::total_cmp);
     outln!("requests: {requests}");
     outln!("input tokens: {input_tokens}");
-    outln!("seconds: {seconds:.3} (engines {engine_seconds:.3}, oracle {oracle_seconds:.3})");
+    outln!(
+        "seconds: {seconds:.3} (engines {engine_seconds:.3}, oracle {oracle_seconds:.3}, cross-check {cross_check_seconds:.3}: one decode rank a wave, in turn; waiting for the planning thread {planning_wait:.3})"
+    );
     if direct.is_some() {
         outln!(
-            "  engines: planning and lowering into entries {:.3} (a thread of its own, a wave ahead), registering (device allocations, source patterns, sentinels) {:.3}, building batches {:.3}, recording the writes for the oracle {:.3}, writes and completions {:.3}",
+            "  engines: planning and lowering into entries {:.3} (a thread of its own, a wave ahead), registering (device allocations, source patterns, sentinels) {:.3}, building batches {:.3}, recording the writes for the oracle {:.3}, writes and completions {:.3}, keeping decode memory for the oracle {:.3}, handing it back {:.3}",
             phases.plan,
             phases.register,
             phases.batches,
             phases.records,
-            phases.execute
+            phases.execute,
+            phases.observe,
+            phases.teardown
         );
     }
     outln!("input tokens/s: {:.0}", input_tokens as f64 / seconds.max(1e-12));
@@ -249,6 +302,7 @@ impl Device {
         scenario: &Scenario,
         descriptors: &[crate::plan::Descriptor],
         lowered: crate::engine::direct::Lowered,
+        which: CrossCheck,
     ) -> anyhow::Result<(Wave, Phases)> {
         use crate::engine::direct::Direct;
         use crate::fabric::seam::NodeId;
@@ -261,15 +315,19 @@ impl Device {
         let prepared = direct.prepared();
         let executed = direct.execute_parallel(Duration::from_secs(60)).map_err(anyhow::Error::msg)?;
         let bytes = direct.bytes();
+        let start = Instant::now();
         let observation = direct.observe()?;
+        let observe = start.elapsed().as_secs_f64();
         let engine_seconds = prepare + executed.total;
         let start = Instant::now();
         let ranks: Vec<_> =
             problem.decode.ranks.iter().map(|layout| (layout.rank, crate::verify::Verdicts::all_succeeded())).collect();
         let violations = harness::check_ranks(problem, &observation, &ranks).len();
         let oracle_seconds = start.elapsed().as_secs_f64();
-        let cross_check =
-            harness::cross_check_ranks(problem, &observation, &ranks).into_iter().map(|it| it.text).collect();
+        let (cross_check, cross_check_seconds) = cross_check(problem, &observation, &ranks, which);
+        let start = Instant::now();
+        drop(observation); // the decode memory goes back to the GPU's spares
+        let teardown = start.elapsed().as_secs_f64();
         let wave = Wave {
             failed: 0,
             violations,
@@ -278,12 +336,15 @@ impl Device {
             latencies_ms: vec![executed.total * 1e3; problem.requests.len()],
             engine_seconds,
             oracle_seconds,
+            cross_check_seconds,
         };
         let phases = Phases {
             register: prepared.register,
             batches: prepared.batches,
             records: prepared.records,
             execute: executed.total,
+            observe,
+            teardown,
             ..Phases::default()
         };
         Ok((wave, phases))
@@ -314,6 +375,7 @@ impl Device {
         _: &Scenario,
         _: &[crate::plan::Descriptor],
         _: crate::engine::direct::Lowered,
+        _: CrossCheck,
     ) -> anyhow::Result<(Wave, Phases)> {
         anyhow::bail!("--direct needs the cuda feature (fix: build with --features cuda)")
     }
