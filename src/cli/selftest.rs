@@ -291,8 +291,10 @@ fn print_table(rows: &[Row<'_>]) -> anyhow::Result<usize> {
     let kinds: Vec<String> = rows.iter().map(Row::kinds).collect();
     let width = kinds.iter().map(String::len).max().unwrap_or(0).max("kinds changed".len());
     let names = rows.iter().map(|row| row.mutant.len()).max().unwrap_or(0).max(28);
+    let section = |row: &Row<'_>| Mutant::from_name(row.mutant).map_or("?", Mutant::section);
+    let rules = rows.iter().map(|row| section(row).chars().count()).max().unwrap_or(0).max(5);
     outln!(
-        "{:<names$} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
+        "{:<names$} {:<rules$} {:<width$} {:>7} {:>6} {:>8} {:>4}",
         "mutant",
         "rule",
         "kinds changed",
@@ -307,11 +309,10 @@ fn print_table(rows: &[Row<'_>]) -> anyhow::Result<usize> {
         let caught = row.count(CaseRecord::caught);
         let survived = row.count(CaseRecord::survived);
         survivors += survived;
-        let section = Mutant::from_name(row.mutant).map_or("?", Mutant::section);
         outln!(
-            "{:<names$} {:<5} {:<width$} {:>7} {:>6} {:>8} {:>4}",
+            "{:<names$} {:<rules$} {:<width$} {:>7} {:>6} {:>8} {:>4}",
             row.mutant,
-            section,
+            section(row),
             kinds,
             row.cases.len() - not_applicable,
             caught,

@@ -16,6 +16,8 @@ use crate::plan::{self, PlanError, TransferKind};
 pub enum Path {
     /// Which prefill ranks each decode rank contacts.
     RankMapping,
+    /// DP attention: each request moves from its prefill DP group to its decode DP group.
+    DpRouting,
     /// KV entries paired across pipeline stages by global layer id.
     LayerIdPairing,
     /// KV entries paired by position (no layer ids from a peer).
@@ -49,6 +51,10 @@ impl Path {
             Path::RankMapping => {
                 ("rank mapping: which prefill ranks a decode rank contacts", "common/conn.py:1432-1530 _resolve_rank_mapping")
             }
+            Path::DpRouting => (
+                "DP attention: a request moves between its prefill and decode DP groups",
+                "decode.py:879-897 _resolve_prefill_dp_rank; common/conn.py:3089-3186 bootstrap table by DP group",
+            ),
             Path::LayerIdPairing => (
                 "KV and state entries paired by global layer id",
                 "utils.py:1067-1111 build_transfer_entry_pairs",
@@ -102,16 +108,27 @@ pub struct Explanation {
     pub notes: Vec<String>,
 }
 
+/// ` x DP<n>` after the attention-TP size of a side with DP attention.
+fn dp_groups(topology: &crate::model::Topology) -> String {
+    if topology.dp > 1 {
+        format!(" x DP{}", topology.dp)
+    } else {
+        String::new()
+    }
+}
+
 /// The SGLang paths `problem`'s transfers take, read off kvrelay's plan of it.
 pub fn explain(problem: &Problem) -> Explanation {
     let (prefill, decode) = (&problem.prefill.topology, &problem.decode.topology);
     let mut notes = vec![format!(
-        "pool {}, prefill TP{} PP{} DCP{} -> decode TP{} PP{} DCP{}, page size {}",
+        "pool {}, prefill TP{}{} PP{} DCP{} -> decode TP{}{} PP{} DCP{}, page size {}",
         problem.model.pool_kind(),
         prefill.tp,
+        dp_groups(prefill),
         prefill.pp,
         prefill.dcp,
         decode.tp,
+        dp_groups(decode),
         decode.pp,
         decode.dcp,
         prefill.page_size
@@ -179,8 +196,13 @@ pub fn explain(problem: &Problem) -> Explanation {
     }
     if !plan.groups.is_empty() {
         // The rank mapping's count is the prefill ranks decode rank 0 contacts, not a number of groups.
-        let contacted = plan::prefill_targets(prefill, decode, crate::model::RankId { pp: 0, tp: 0 }).len() as u64;
+        let contacted = plan::prefill_targets(prefill, decode, crate::model::RankId::new(0, 0), 0).len() as u64;
         paths.insert(Path::RankMapping, Use { groups: contacted, bytes: 0 });
+        if prefill.dp > 1 || decode.dp > 1 {
+            let pairs: std::collections::BTreeSet<(u32, u32)> =
+                problem.requests.iter().map(|request| (request.prefill_dp, request.decode_dp)).collect();
+            paths.insert(Path::DpRouting, Use { groups: pairs.len() as u64, bytes: 0 });
+        }
     }
     if problem.model.pool_kind() == PoolKind::HybridMla && decode.tp < prefill.tp {
         notes.push("hybrid-MLA with decode TP < prefill TP: only the first prefill rank of each group writes the latent (mooncake/conn.py:1873-1901 skip_kv)".to_owned());
@@ -203,6 +225,8 @@ pub fn render(name: &str, explanation: &Explanation) -> String {
         if *path == Path::RankMapping {
             let _ =
                 writeln!(res, "  {what}: decode rank 0 contacts {} prefill rank(s)\n      SGLang: {code}", used.groups);
+        } else if *path == Path::DpRouting {
+            let _ = writeln!(res, "  {what}: {} pair(s) of groups\n      SGLang: {code}", used.groups);
         } else if used.bytes == 0 {
             let _ = writeln!(res, "  {what}\n      SGLang: {code}");
         } else {

@@ -154,7 +154,7 @@ pub enum PlanForm {
 /// Streams the plan as one JSON document (schema in README.md): regions, then every descriptor or every copy, in
 /// canonical order.
 pub fn plan_json(problem: &Problem, plan: &Plan, form: PlanForm, out: &mut impl std::io::Write) -> std::io::Result<()> {
-    let rank = |side: Side, rank: RankId| serde_json::json!({"pp": rank.pp, "tp": rank.tp, "dcp": problem.side(side).topology.dcp_rank(rank.tp)});
+    let rank = |side: Side, rank: RankId| serde_json::json!({"dp": rank.dp, "pp": rank.pp, "tp": rank.tp, "dcp": problem.side(side).topology.dcp_rank(rank.tp)});
     let region = |side: Side, owner: RankId, index: u32| {
         let region = &problem.side(side).rank(owner).regions[index as usize];
         serde_json::json!({"index": index, "kind": region.kind.to_string(), "tensor": tensor_name(problem, region), "layer": region.layer})

@@ -87,10 +87,7 @@ fn tp_shrink_has_one_real_sender_per_decode_rank() {
     );
     let plan = outcome.plan.unwrap();
     let senders: Vec<(RankId, RankId)> = plan.groups.iter().map(|group| (group.source, group.target)).collect();
-    assert_eq!(
-        senders,
-        vec![(RankId { pp: 0, tp: 0 }, RankId { pp: 0, tp: 0 }), (RankId { pp: 0, tp: 4 }, RankId { pp: 0, tp: 1 })]
-    );
+    assert_eq!(senders, vec![(RankId::new(0, 0), RankId::new(0, 0)), (RankId::new(0, 4), RankId::new(0, 1))]);
 }
 
 /// domain.md §3.3: hybrid-MLA with decode TP < prefill TP still has one KV writer (the others send state only).
@@ -172,7 +169,7 @@ fn oracle_reports_a_corrupted_byte() {
     exec::stage(&problem, &mut fabric).unwrap();
     let writes = exec::execute(&plan, &mut fabric).unwrap();
     let mut observation = exec::observe(&problem, &mut fabric, writes).unwrap();
-    let key = RegionKey { side: Side::Decode, rank: RankId { pp: 0, tp: 1 }, region: 2 };
+    let key = RegionKey { side: Side::Decode, rank: RankId::new(0, 1), region: 2 };
     let copy = plan.copies().find(|copy| copy.target == key.rank && copy.target_region == 2).unwrap();
     observation.images.get_mut(&key).unwrap()[copy.target_offset as usize + 5] ^= 0xFF;
     let violations: Vec<String> = verify::check(&problem, &observation).iter().map(ToString::to_string).collect();
@@ -214,7 +211,7 @@ fn worked_example_c_lands_on_rows_192_and_576() {
         "model: {layers: 1, kv_lora_rank: 512, qk_rope_head_dim: 64, dtype_bytes: 1}\nprefill: {page_size: 64}\ndecode: {tp: 8, dcp: 8, page_size: 64}\nrequests:\n  - {tokens: 1000, prefill_pages: [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115], decode_pages: [3, 9]}\nexpect: ok\n",
     );
     let problem = scenario("model: {layers: 1, kv_lora_rank: 512, qk_rope_head_dim: 64, dtype_bytes: 1}\nprefill: {page_size: 64}\ndecode: {tp: 8, dcp: 8, page_size: 64}\nrequests:\n  - {tokens: 1000, prefill_pages: [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115], decode_pages: [3, 9]}\nexpect: ok\n").problem;
-    let layout = kvrelay::render::layout(&problem, &outcome.observation, Some(RankId { pp: 0, tp: 5 }));
+    let layout = kvrelay::render::layout(&problem, &outcome.observation, Some(RankId::new(0, 5)));
     assert!(layout.contains("rows 192..255 <- request 0 positions 5..509 step 8 from prefill pp0/tp0"), "{layout}");
     assert!(layout.contains("rows 576..636 <- request 0 positions 517..997 step 8 from prefill pp0/tp0"), "{layout}");
 }
@@ -293,7 +290,7 @@ fn replicated_state_without_dims_is_written_once_when_aggregating() {
         .filter(|group| matches!(group.kind, plan::TransferKind::State { .. }))
         .map(|group| group.source)
         .collect();
-    assert_eq!(state_sources, vec![RankId { pp: 0, tp: 0 }]);
+    assert_eq!(state_sources, vec![RankId::new(0, 0)]);
 }
 
 /// domain.md §2.7: under DCP relayout one-sided layer ids are an error even with prefill PP1 (found in review).

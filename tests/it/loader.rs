@@ -204,3 +204,50 @@ fn a_bad_slot_or_aux_index_names_the_field_and_the_fix(#[case] request: &str, #[
     ));
     assert!(res.contains(wanted), "{res}");
 }
+
+/// DP attention fields (`dp` on a side, `prefill_dp`/`decode_dp` on a request): SGLang's divisibility, the group
+/// range, and DCP inside the attention-TP group, each naming the field and the fix.
+#[rstest::rstest]
+#[case::dp_does_not_divide_tp(
+    "prefill: {tp: 4, dp: 3, page_size: 16}\ndecode: {page_size: 16}\nrequests: [{tokens: 20}]",
+    "prefill.dp: 3 does not divide tp 4 (each attention DP group holds tp / dp attention-TP ranks"
+)]
+#[case::prefill_group_out_of_range(
+    "prefill: {tp: 4, dp: 2, page_size: 16}\ndecode: {page_size: 16}\nrequests: [{tokens: 20, prefill_dp: 2}]",
+    "requests[0].prefill_dp: 2 is not a DP group of prefill dp 2 (fix: a group below 2, or leave it out)"
+)]
+#[case::decode_group_without_dp(
+    "prefill: {page_size: 16}\ndecode: {page_size: 16}\nrequests: [{tokens: 20, decode_dp: 1}]",
+    "requests[0].decode_dp: 1 is not a DP group of decode dp 1 (fix: a group below 1, or leave it out)"
+)]
+#[case::dcp_outside_the_group(
+    "prefill: {tp: 8, page_size: 16}\ndecode: {tp: 8, dp: 4, dcp: 4, page_size: 16}\nrequests: [{tokens: 20}]",
+    "decode.dcp: 4 does not divide the attention TP size tp / dp = 2"
+)]
+#[case::dp_zero(
+    "prefill: {tp: 4, dp: 0, page_size: 16}\ndecode: {page_size: 16}\nrequests: [{tokens: 20}]",
+    "prefill.dp: must be at least 1"
+)]
+fn a_bad_dp_field_names_the_field_and_the_fix(#[case] sides: &str, #[case] wanted: &str) {
+    let res = error(&format!("model: {{preset: deepseek-v2-lite, layers: 2}}\n{sides}\nexpect: ok\n"));
+    assert!(res.contains(wanted), "{res}");
+}
+
+/// A request is computed by prefill group `room % dp` and dispatched to decode group `room % dp` unless it names its
+/// groups (SGLang `decode.py:879-897`); the side's ranks are `dp` groups of `tp / dp` attention-TP ranks.
+#[test]
+fn dp_groups_default_to_the_room_and_split_the_tp_ranks() {
+    let scenario = scenario::parse(
+        "model: {preset: deepseek-v2-lite, layers: 2}\nprefill: {tp: 4, dp: 2, page_size: 16}\ndecode: {tp: 6, dp: 3, page_size: 16}\nrequests: [{tokens: 20}, {tokens: 20}, {tokens: 20}, {tokens: 20, prefill_dp: 0, decode_dp: 1}]\nexpect: ok\n",
+        "x.yaml",
+        "x",
+    )
+    .unwrap();
+    let problem = &scenario.problem;
+    let groups: Vec<(u32, u32)> = problem.requests.iter().map(|r| (r.prefill_dp, r.decode_dp)).collect();
+    assert_eq!(groups, [(0, 0), (1, 1), (0, 2), (0, 1)]);
+    assert_eq!((problem.prefill.topology.tp, problem.prefill.topology.dp), (2, 2));
+    assert_eq!((problem.decode.topology.tp, problem.decode.topology.dp), (2, 3));
+    let ranks: Vec<String> = problem.decode.ranks.iter().map(|layout| layout.rank.to_string()).collect();
+    assert_eq!(ranks, ["pp0/tp0", "pp0/tp1", "dp1/pp0/tp0", "dp1/pp0/tp1", "dp2/pp0/tp0", "dp2/pp0/tp1"]);
+}

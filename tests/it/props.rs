@@ -275,7 +275,7 @@ proptest! {
         let dcp = problem.decode.topology.dcp;
         let mut seen: BTreeMap<(u32, u32, RankId), Vec<u32>> = BTreeMap::new();
         for layout in &problem.decode.ranks {
-            let group = RankId { pp: layout.rank.pp, tp: layout.rank.tp / dcp };
+            let group = RankId { tp: layout.rank.tp / dcp, ..layout.rank };
             for (index, region) in layout.regions.iter().enumerate() {
                 let bytes = &outcome.observation.images[&RegionKey { side: Side::Decode, rank: layout.rank, region: index as u32 }];
                 let row_len = region.row_len();

@@ -37,7 +37,7 @@ fn failed_request_may_leave_bytes_only_in_its_own_items() {
     let outcome = check_run(TWO_REQUESTS);
     let problem = &scenario(TWO_REQUESTS).problem;
     let mut observation = outcome.observation.clone();
-    let rank = RankId { pp: 0, tp: 1 };
+    let rank = RankId::new(0, 1);
     // Request 0 failed part-way: whatever it left in its own pages is allowed, garbage included.
     let (key, own) = first_page_offset(problem, rank, 0);
     flip(&mut observation, key, own);
@@ -62,7 +62,7 @@ fn one_decode_rank_is_judged_from_its_own_memory_alone() {
     let outcome = check_run(TWO_REQUESTS);
     let problem = &scenario(TWO_REQUESTS).problem;
     let mut observation = outcome.observation.clone();
-    let broken = RankId { pp: 0, tp: 1 };
+    let broken = RankId::new(0, 1);
     let (key, offset) = first_page_offset(problem, broken, 1);
     flip(&mut observation, key, offset);
     for layout in &problem.decode.ranks {
@@ -252,7 +252,7 @@ mod lying_peers {
     fn exercise(problem: &Problem, lies: &[(usize, usize, usize)]) -> usize {
         let mut planned = 0;
         for decode in &problem.decode.ranks {
-            let source = plan::prefill_targets(&problem.prefill.topology, &problem.decode.topology, decode.rank)[0];
+            let source = plan::prefill_targets(&problem.prefill.topology, &problem.decode.topology, decode.rank, 0)[0];
             let local = Local {
                 model: &problem.model,
                 topology: &problem.prefill.topology,

@@ -501,7 +501,7 @@ fn size_and_rank(max: u32) -> impl Strategy<Value = (u32, u32)> {
 }
 
 fn prefill_info() -> impl Strategy<Value = PrefillInfo> {
-    let sizes = (size_and_rank(MAX_TP), size_and_rank(MAX_TP), size_and_rank(256));
+    let sizes = (size_and_rank(MAX_TP), size_and_rank(MAX_TP), size_and_rank(256), size_and_rank(MAX_TP));
     (text(), port(), sizes, 1..=65536_u32, text()).prop_map(|(ip, port, sizes, page_size, kv_cache_dtype)| {
         PrefillInfo {
             ip,
@@ -514,6 +514,8 @@ fn prefill_info() -> impl Strategy<Value = PrefillInfo> {
             pp_rank: sizes.2 .1,
             page_size,
             kv_cache_dtype,
+            attn_dp_size: sizes.3 .0,
+            attn_dp_rank: sizes.3 .1,
         }
     })
 }

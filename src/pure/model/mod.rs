@@ -29,15 +29,30 @@ impl fmt::Display for Side {
     }
 }
 
-/// One process of one side, addressed by pipeline stage and attention-TP rank.
+/// One process of one side, addressed by attention-DP group, pipeline stage and attention-TP rank (the rank inside
+/// its group: SGLang's `attn_tp_rank`, `runtime_context.py:79-91`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RankId {
+    /// Attention-DP group (`attn_dp_rank`); 0 without DP attention.
+    pub dp: u32,
     pub pp: u32,
     pub tp: u32,
 }
 
+impl RankId {
+    /// The rank of group 0 (a side without DP attention).
+    pub const fn new(pp: u32, tp: u32) -> RankId {
+        RankId { dp: 0, pp, tp }
+    }
+}
+
+/// `pp1/tp3`, or `dp2/pp1/tp3` for a rank of DP group 2: the group is named only when it is not 0, so every
+/// scenario without DP attention reads as before.
 impl fmt::Display for RankId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.dp > 0 {
+            write!(f, "dp{}/", self.dp)?;
+        }
         write!(f, "pp{}/tp{}", self.pp, self.tp)
     }
 }
@@ -45,8 +60,11 @@ impl fmt::Display for RankId {
 /// Parallel layout of one side (domain.md §2.2, §3.1, §4.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Topology {
-    /// Attention tensor-parallel size.
+    /// Attention tensor-parallel size: ranks per DP group (SGLang's `attn_tp_size = tp_size / attn_dp_size`).
     pub tp: u32,
+    /// Attention data-parallel groups (`--attn-dp-size`, or `--dp` with `--enable-dp-attention`), each `tp` ranks
+    /// by `pp` stages with its own KV pool; 1 without DP attention.
+    pub dp: u32,
     /// Pipeline-parallel size.
     pub pp: u32,
     /// Decode context-parallel size, carved out of the TP group (`tp % dcp == 0`).
@@ -66,14 +84,24 @@ impl Topology {
         self.page_size * self.dcp
     }
 
-    /// All ranks in canonical order (stage-major, then TP rank).
+    /// All ranks in canonical order (DP group, then stage, then TP rank).
     pub fn ranks(&self) -> impl Iterator<Item = RankId> + '_ {
-        (0..self.pp).flat_map(move |pp| (0..self.tp).map(move |tp| RankId { pp, tp }))
+        (0..self.dp).flat_map(move |dp| self.group(dp))
+    }
+
+    /// The ranks of DP group `dp` in canonical order (stage-major, then TP rank).
+    pub fn group(&self, dp: u32) -> impl Iterator<Item = RankId> + '_ {
+        (0..self.pp).flat_map(move |pp| (0..self.tp).map(move |tp| RankId { dp, pp, tp }))
     }
 
     /// Position of `rank` in [`Topology::ranks`].
     pub fn rank_index(&self, rank: RankId) -> usize {
-        (rank.pp * self.tp + rank.tp) as usize
+        ((rank.dp * self.pp + rank.pp) * self.tp + rank.tp) as usize
+    }
+
+    /// Ranks of one side, every group counted.
+    pub fn rank_count(&self) -> usize {
+        (self.dp * self.pp * self.tp) as usize
     }
 }
 
@@ -420,6 +448,10 @@ pub struct Request {
     /// Tokens of the prompt resident in prefill's device cache (a radix hit): with early send enabled, prefill sends
     /// the page-aligned cached part of the send range before computing the rest (domain.md §7).
     pub cached_prefix: u32,
+    /// The prefill DP group that computes the request (SGLang's `bootstrap_room % dp`, `decode.py:879-897`).
+    pub prefill_dp: u32,
+    /// The decode DP group the request is dispatched to; its pages are that group's.
+    pub decode_dp: u32,
 }
 
 impl Request {

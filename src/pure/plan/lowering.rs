@@ -223,7 +223,7 @@ mod tests {
     use crate::plan::TransferKind;
 
     fn strided(source_stride: u64, target_stride: u64, element_len: u64, count: u64) -> Descriptor {
-        let rank = RankId { pp: 0, tp: 0 };
+        let rank = RankId::new(0, 0);
         Descriptor {
             request: 0,
             chunk: 0,

@@ -20,7 +20,7 @@ pub use error::{PlanError, PlanErrorKind};
 pub use lowering::{lower, packed_work_request_count, Limits, Lowering, Shape, WorkRequest, WrRun};
 pub use rows::RowRun;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::model::{
@@ -212,7 +212,11 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
     // Registration-time work, once per connection (domain.md §6.3): mode, geometry and entry pairing.
     let mut links = Vec::new();
     let mut notes: BTreeMap<(RankId, String), Vec<RankId>> = BTreeMap::new();
-    for connection in ranks::connections(prefill, decode) {
+    // Only the DP group pairs some request takes connect (SGLang's decode registers with a prefill DP group when a
+    // request routed to it arrives).
+    let groups: BTreeSet<(u32, u32)> =
+        problem.requests.iter().map(|request| (request.prefill_dp, request.decode_dp)).collect();
+    for connection in groups.into_iter().flat_map(|pair| ranks::connections(prefill, decode, pair)) {
         // Every registered peer passes the DCP gate, whatever it sends (domain.md §6.3).
         let local =
             Local { model: &problem.model, topology: prefill, layout: problem.prefill.rank(connection.prefill) };
@@ -239,7 +243,7 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
         for (chunk_index, chunk) in
             chunks(request, prefill.virtual_page_size(), u64::from(prefill.page_size)).enumerate()
         {
-            for link in &links {
+            for link in links.iter().filter(|link| link.serves(request)) {
                 link.push_groups(request, chunk_index as u32, &chunk, &mut cache, &mut groups)?;
             }
         }
@@ -286,6 +290,12 @@ fn check_prefix(request: &Request, virtual_page: u32) -> Result<(), PlanError> {
 }
 
 impl Link {
+    /// Whether this connection carries `request`: its prefill rank is in the request's prefill DP group and its decode
+    /// rank in the request's decode DP group.
+    pub fn serves(&self, request: &Request) -> bool {
+        self.source.dp == request.prefill_dp && self.target.dp == request.decode_dp
+    }
+
     /// Whether the peer needs token relayout (`requires_dcp_relayout`, domain.md §2.5): early send is skipped then.
     pub fn requires_relayout(&self) -> bool {
         matches!(self.mode, Mode::Relayout { .. })
@@ -405,9 +415,11 @@ pub fn decode_gates(model: &ModelGeometry, prefill: &Topology, decode: &Topology
     model_state_gates(model, prefill, decode, pool)
 }
 
-/// The prefill ranks decode rank `rank` contacts, in order: the first is the group's primary (domain.md §3.1).
-pub fn prefill_targets(prefill: &Topology, decode: &Topology, rank: RankId) -> Vec<RankId> {
-    ranks::connections(prefill, decode).into_iter().filter(|it| it.decode == rank).map(|it| it.prefill).collect()
+/// The prefill ranks of DP group `prefill_dp` decode rank `rank` contacts for a request that group computes, in
+/// order: the first is the group's primary (domain.md §3.1).
+pub fn prefill_targets(prefill: &Topology, decode: &Topology, rank: RankId, prefill_dp: u32) -> Vec<RankId> {
+    let connections = ranks::connections(prefill, decode, (prefill_dp, rank.dp));
+    connections.into_iter().filter(|it| it.decode == rank).map(|it| it.prefill).collect()
 }
 
 /// How many decode ranks send a prefill rank metadata for one request (`required_dst_info_num`, domain.md §3.1).
@@ -515,7 +527,7 @@ impl<'a> Ends<'a> {
     /// Both ends, or why this prefill rank does not serve the peer (a registration naming a decode rank that the
     /// rank mapping of domain.md §3.1 does not send here).
     fn new(local: Local<'a>, peer: &'a Peer) -> Result<Ends<'a>, PlanError> {
-        let decode = Topology { tp: peer.tp, pp: 1, dcp: peer.dcp, page_size: local.topology.page_size };
+        let decode = Topology { tp: peer.tp, dp: 1, pp: 1, dcp: peer.dcp, page_size: local.topology.page_size };
         let (source, target) = (local.layout.rank, peer.rank);
         let prefill_tp = local.topology.tp;
         // Position among the k prefill ranks a decode rank contacts when decode TP < prefill TP.

@@ -411,7 +411,7 @@ mod tests {
 
     /// `count` elements of 8 bytes at the given logical offsets and strides, on one region pair.
     fn at(source: u64, target: u64, strides: (u64, u64), count: u64) -> PagedDescriptor {
-        let rank = RankId { pp: 0, tp: 0 };
+        let rank = RankId::new(0, 0);
         PagedDescriptor {
             request: 0,
             chunk: 0,

@@ -57,18 +57,29 @@ pub fn advertise(problem: &Problem, rank: RankId, descs: &[MemoryDesc]) -> Regis
     }
 }
 
-/// The engine key a decode rank registers under: `decode-pp<s>-tp<r>` (the prefill rank recovers the stage, which
-/// the Mori wire does not carry, from it).
+/// The engine key a decode rank registers under: `decode-pp<s>-tp<r>`, or `decode-dp<g>-pp<s>-tp<r>` in DP group
+/// `g > 0` (the prefill rank recovers the stage and the group, which the Mori wire does not carry, from it; SGLang's
+/// key is the decode engine's session, unique per rank).
 pub fn engine_key(rank: RankId) -> String {
-    format!("decode-pp{}-tp{}", rank.pp, rank.tp)
+    match rank.dp {
+        0 => format!("decode-pp{}-tp{}", rank.pp, rank.tp),
+        dp => format!("decode-dp{dp}-pp{}-tp{}", rank.pp, rank.tp),
+    }
 }
 
 /// The decode rank an engine key names.
 pub fn rank_of_key(key: &str) -> Option<RankId> {
-    let rest = key.strip_prefix("decode-pp")?;
-    let (pp, rest) = rest.split_once("-tp")?;
+    let rest = key.strip_prefix("decode-")?;
+    let (dp, rest) = match rest.strip_prefix("dp") {
+        Some(grouped) => {
+            let (dp, rest) = grouped.split_once('-')?;
+            (dp.parse().ok()?, rest)
+        }
+        None => (0, rest),
+    };
+    let (pp, rest) = rest.strip_prefix("pp")?.split_once("-tp")?;
     let tp = rest.split('-').next()?;
-    Some(RankId { pp: pp.parse().ok()?, tp: tp.parse().ok()? })
+    Some(RankId { dp, pp: pp.parse().ok()?, tp: tp.parse().ok()? })
 }
 
 /// What the prefill rank `local` knows of the peer that sent `registration`, and the memory desc of each of the

@@ -27,8 +27,8 @@ pub(crate) struct Connection {
 pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology, pool: PoolKind) -> Result<(), PlanError> {
     let unsupported = |reason: String| Err(PlanError::UnsupportedTopology { reason });
     for (side, topology) in [("prefill", prefill), ("decode", decode)] {
-        if topology.tp == 0 || topology.pp == 0 || topology.dcp == 0 || topology.page_size == 0 {
-            return unsupported(format!("{side} tp, pp, dcp and page_size must be at least 1"));
+        if topology.tp == 0 || topology.dp == 0 || topology.pp == 0 || topology.dcp == 0 || topology.page_size == 0 {
+            return unsupported(format!("{side} tp, dp, pp, dcp and page_size must be at least 1"));
         }
         if topology.tp % topology.dcp != 0 {
             return unsupported(format!("{side} tp {} is not a multiple of dcp {}", topology.tp, topology.dcp));
@@ -50,23 +50,22 @@ pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology, pool: Pool
     Ok(())
 }
 
-/// Every (prefill rank, decode rank) connection (domain.md §3.1).
-pub(crate) fn connections(prefill: &Topology, decode: &Topology) -> Vec<Connection> {
+/// Every (prefill rank, decode rank) connection between prefill DP group `groups.0` and decode DP group `groups.1`
+/// (domain.md §3.1 inside the groups: SGLang's `_resolve_rank_mapping` maps attention-TP ranks within one prefill DP
+/// group, `common/conn.py:1432-1530`).
+pub(crate) fn connections(prefill: &Topology, decode: &Topology, groups: (u32, u32)) -> Vec<Connection> {
     let mut res = Vec::new();
-    for target in decode.ranks() {
+    for target in decode.group(groups.1) {
         let stages = if decode.pp == prefill.pp { target.pp..target.pp + 1 } else { 0..prefill.pp };
-        for stage in stages {
+        for pp in stages {
             if decode.tp >= prefill.tp {
                 let ratio = decode.tp / prefill.tp;
-                res.push(Connection {
-                    prefill: RankId { pp: stage, tp: target.tp / ratio },
-                    decode: target,
-                    offset: 0,
-                });
+                let source = RankId { dp: groups.0, pp, tp: target.tp / ratio };
+                res.push(Connection { prefill: source, decode: target, offset: 0 });
             } else {
                 let ratio = prefill.tp / decode.tp;
                 for offset in 0..ratio {
-                    let source = RankId { pp: stage, tp: target.tp * ratio + offset };
+                    let source = RankId { dp: groups.0, pp, tp: target.tp * ratio + offset };
                     res.push(Connection { prefill: source, decode: target, offset });
                 }
             }
@@ -128,6 +127,13 @@ pub(crate) fn describe_mapping(prefill: &Topology, decode: &Topology, pool: Pool
         let _ = write!(res, "; decode stage s <- prefill stage s");
     } else {
         let _ = write!(res, "; each decode rank contacts all {} prefill stages", prefill.pp);
+    }
+    if prefill.dp > 1 || decode.dp > 1 {
+        let _ = write!(
+            res,
+            "; inside the DP groups of each request (prefill DP{}, decode DP{}): its prefill group's ranks write only its decode group's ranks",
+            prefill.dp, decode.dp
+        );
     }
     res
 }

@@ -925,6 +925,7 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
     let before = diagnostics.count();
     let bounds = [
         ("tp", raw.tp, MAX_TP),
+        ("dp", raw.dp, MAX_TP),
         ("pp", raw.pp, MAX_PP),
         ("dcp", raw.dcp, MAX_TP),
         ("page_size", raw.page_size, MAX_PAGE_SIZE),
@@ -939,12 +940,26 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
             );
         }
     }
-    if raw.tp > 0 && raw.dcp > 0 && raw.tp % raw.dcp != 0 {
+    // SGLang: `attn_tp_size = tp_size // attn_dp_size // attn_cp_size` (`runtime_context.py:73-76`).
+    if raw.tp > 0 && raw.dp > 0 && raw.tp % raw.dp != 0 {
+        diagnostics.push(
+            format!("{side}.dp"),
+            format!(
+                "{} does not divide tp {} (each attention DP group holds tp / dp attention-TP ranks, SGLang \
+                 runtime_context.py:73-76; fix: a divisor of tp)",
+                raw.dp, raw.tp
+            ),
+        );
+    }
+    let attn_tp = if raw.dp > 0 && raw.tp % raw.dp == 0 { raw.tp / raw.dp } else { raw.tp };
+    if attn_tp > 0 && raw.dcp > 0 && attn_tp % raw.dcp != 0 {
+        let group =
+            if raw.dp > 1 { format!("the attention TP size tp / dp = {attn_tp}") } else { format!("tp {attn_tp}") };
         diagnostics.push(
             format!("{side}.dcp"),
             format!(
-                "{} does not divide tp {} (DCP ranks are carved out of the TP group, domain.md §2.2; fix: a divisor of tp)",
-                raw.dcp, raw.tp
+                "{} does not divide {group} (DCP ranks are carved out of the TP group, domain.md §2.2; fix: a divisor of tp)",
+                raw.dcp
             ),
         );
     }
@@ -959,7 +974,7 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
         );
     }
     let ok = diagnostics.count() == before;
-    ok.then_some(Topology { tp: raw.tp, pp: raw.pp, dcp: raw.dcp, page_size: raw.page_size })
+    ok.then_some(Topology { tp: attn_tp, dp: raw.dp, pp: raw.pp, dcp: raw.dcp, page_size: raw.page_size })
 }
 
 fn lower_requests(
@@ -1012,9 +1027,26 @@ fn lower_requests(
             prefill_state: state(0),
             decode_state: state(1),
             cached_prefix: request.cached_prefix.min(request.tokens),
+            prefill_dp: dp_group(index, "prefill_dp", request.prefill_dp, prefill.dp, diagnostics),
+            decode_dp: dp_group(index, "decode_dp", request.decode_dp, decode.dp, diagnostics),
         });
     }
     requests
+}
+
+/// The DP group of request `index` on one side: the given one, else SGLang's `bootstrap_room % dp` with the request's
+/// index as its room (`decode.py:879-897`; [I] for decode, whose DP controller is a load balancer).
+fn dp_group(index: usize, field: &str, given: Option<u32>, dp: u32, diagnostics: &mut Diagnostics) -> u32 {
+    let Some(group) = given else { return index as u32 % dp };
+    if group >= dp {
+        let side = field.trim_end_matches("_dp");
+        diagnostics.push(
+            format!("requests[{index}].{field}"),
+            format!("{group} is not a DP group of {side} dp {dp} (fix: a group below {dp}, or leave it out)"),
+        );
+        return 0;
+    }
+    group
 }
 
 /// The tokens request `index` sends (after its decode prefix); `None` after a diagnostic when there are none.

@@ -16,7 +16,8 @@
 //! | `model.state[].tensors[]` | list | required | `name`, and either `dim` (full sliced axis), `unit_bytes`, `outer` (default 1), `groups` (full sub-block widths), or `item_len` (not sliceable) |
 //! | `model.aux` | [u64] | none | bytes per row of each aux buffer |
 //! | `model.draft` | `{entries, token_len}` | none | draft KV entries on the last stage |
-//! | `prefill.tp` / `decode.tp` | u32 | 1 | attention TP size |
+//! | `prefill.tp` / `decode.tp` | u32 | 1 | TP size (`--tp-size`); with `dp`, the attention TP size of each DP group is `tp / dp` |
+//! | `prefill.dp` / `decode.dp` | u32 | 1 | attention DP size (`--attn-dp-size`, or `--dp` with `--enable-dp-attention`): `dp` groups of `tp / dp` attention-TP ranks, each with its own KV pool (divides tp) |
 //! | `prefill.pp` / `decode.pp` | u32 | 1 | PP size (decode: 1 or the prefill PP) |
 //! | `prefill.dcp` / `decode.dcp` | u32 | 1 | DCP size (divides tp) |
 //! | `prefill.page_size` / `decode.page_size` | u32 | required | physical page size `P` |
@@ -41,6 +42,8 @@
 //! | `requests[].decode_pages` | [u32] | seeded allocator | allocator pages of the send range |
 //! | `requests[].decode_page_count` | u32 | enough | how many decode pages the allocator hands out |
 //! | `prefill.early_send` | bool | false | send each request's page-aligned cached prefix as an early chunk, unless a peer needs DCP relayout (domain.md §7) |
+//! | `requests[].prefill_dp` | u32 | id mod prefill dp | the prefill DP group that computes the request (SGLang's `bootstrap_room % dp`, the room being the request's index) |
+//! | `requests[].decode_dp` | u32 | id mod decode dp | the decode DP group the request is dispatched to; only its ranks receive it |
 //! | `requests[].cached_prefix` | u32 | 0 | tokens of the prompt cached on the prefill device (the early chunk ends at it, rounded down to the page) |
 //! | `requests[].state_pages[]` | list | window / all pages | `{component, prefill, decode}`: state page counts of a paged component |
 //! | `events` | bool | false | the golden file also records the engines' events: messages by kind, and how each request ended on each decode rank |
@@ -138,6 +141,9 @@ pub struct RawDraft {
 pub struct RawSide {
     #[serde(default = "one")]
     pub tp: u32,
+    /// Attention DP size: `dp` groups of `tp / dp` attention-TP ranks.
+    #[serde(default = "one")]
+    pub dp: u32,
     #[serde(default = "one")]
     pub pp: u32,
     #[serde(default = "one")]
@@ -240,6 +246,10 @@ pub struct RawRequest {
     pub slot: Option<RawSides>,
     /// The request's aux row (`metadata_buffer_index`) on each side, instead of the seeded allocator's.
     pub aux: Option<RawSides>,
+    /// The prefill DP group that computes the request (default: its index mod the prefill DP size).
+    pub prefill_dp: Option<u32>,
+    /// The decode DP group the request is dispatched to (default: its index mod the decode DP size).
+    pub decode_dp: Option<u32>,
 }
 
 /// One index per side; a side left out keeps the allocator's.

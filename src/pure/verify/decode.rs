@@ -13,13 +13,13 @@ pub struct Sources<'a> {
     regions: Vec<(RankId, u32)>,
     numbers: BTreeMap<(RankId, u32), u32>,
     /// Prefill KV allocator page → (request index, page ordinal in the request).
-    page_owner: BTreeMap<u32, (usize, u32)>,
+    page_owner: BTreeMap<(u32, u32), (usize, u32)>,
     /// Prefill Mamba slot → request index.
-    slot_owner: BTreeMap<u32, usize>,
+    slot_owner: BTreeMap<(u32, u32), usize>,
     /// Prefill aux row → request index.
-    aux_owner: BTreeMap<u32, usize>,
+    aux_owner: BTreeMap<(u32, u32), usize>,
     /// Per component: prefill state page → (request index, ordinal).
-    state_page_owner: Vec<BTreeMap<u32, (usize, u32)>>,
+    state_page_owner: Vec<BTreeMap<(u32, u32), (usize, u32)>>,
 }
 
 /// A maximal run of bytes with one origin.
@@ -161,15 +161,17 @@ impl<'a> Sources<'a> {
         let mut slot_owner = BTreeMap::new();
         let mut aux_owner = BTreeMap::new();
         let mut state_page_owner = vec![BTreeMap::new(); problem.model.state.len()];
+        // Keyed by (prefill DP group, index): each group has its own pools.
         for (request_index, request) in problem.requests.iter().enumerate() {
+            let group = request.prefill_dp;
             for (ordinal, page) in request.prefill_pages.iter().enumerate() {
-                page_owner.insert(*page, (request_index, ordinal as u32));
+                page_owner.insert((group, *page), (request_index, ordinal as u32));
             }
-            slot_owner.insert(request.prefill_state.slot, request_index);
-            aux_owner.insert(request.prefill_state.aux, request_index);
+            slot_owner.insert((group, request.prefill_state.slot), request_index);
+            aux_owner.insert((group, request.prefill_state.aux), request_index);
             for (component, pages) in request.prefill_state.pages.iter().enumerate() {
                 for (ordinal, page) in pages.iter().enumerate() {
-                    state_page_owner[component].insert(*page, (request_index, ordinal as u32));
+                    state_page_owner[component].insert((group, *page), (request_index, ordinal as u32));
                 }
             }
         }
@@ -230,8 +232,8 @@ impl<'a> Sources<'a> {
             RegionKind::State { component, tensor } => {
                 let kind = problem.model.state[component as usize].kind;
                 let request = match kind {
-                    StateKind::Mamba => self.slot_owner.get(&(item as u32)).copied(),
-                    _ => self.state_page_owner[component as usize].get(&(item as u32)).map(|owner| owner.0),
+                    StateKind::Mamba => self.slot_owner.get(&(source.dp, item as u32)).copied(),
+                    _ => self.state_page_owner[component as usize].get(&(source.dp, item as u32)).map(|owner| owner.0),
                 };
                 let within =
                     self.state_within(component, tensor, offset % region.item_len, length, region.item_len, source.tp);
@@ -239,7 +241,7 @@ impl<'a> Sources<'a> {
                 Origin::State { request: request.map(|index| problem.requests[index].id), noun, item, within }
             }
             RegionKind::Aux { .. } => Origin::Aux {
-                request: self.aux_owner.get(&(item as u32)).map(|index| problem.requests[*index].id),
+                request: self.aux_owner.get(&(source.dp, item as u32)).map(|index| problem.requests[*index].id),
                 row: item,
             },
         };
@@ -263,7 +265,7 @@ impl<'a> Sources<'a> {
         let rows = u64::from(region.rows_per_item);
         let page = (row / rows) as u32;
         let slot = (row % rows) as u32;
-        if let Some((request_index, ordinal)) = self.page_owner.get(&page) {
+        if let Some((request_index, ordinal)) = self.page_owner.get(&(source.dp, page)) {
             let request = &problem.requests[*request_index];
             // A physical page row maps to a position through the side's own DCP layout (domain.md §2.1).
             let position = ordinal * topology.virtual_page_size() + slot * topology.dcp + topology.dcp_rank(source.tp);

@@ -1,7 +1,7 @@
 //! The rules, restated from domain.md without the planner: where every decode byte must come from.
 
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 
 use super::decode::rank_heads;
@@ -112,7 +112,7 @@ impl RowCache {
         }
         let mut covered = Vec::new();
         let mut notes = Vec::new();
-        for request in &problem.requests {
+        for request in received(problem, target) {
             covered.extend(self.rows(problem, target, request, draft, &mut notes).0.iter().copied());
         }
         covered.sort_unstable_by_key(|run| run.target);
@@ -172,7 +172,14 @@ pub(crate) fn row_layout(
         return None;
     }
     let rows = region_len / row;
-    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+    // One source region: requests computed by several prefill DP groups come from several.
+    let groups = prefill_groups(problem, target);
+    if groups.len() > 1 {
+        return None;
+    }
+    let group = groups.first().copied().unwrap_or(0);
+    let held =
+        holder(problem, group, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
     let Some((source, source_region)) = held else {
         // Nothing is sent to this region (as `row_pieces`): all of it is sentinel.
         let gaps = if rows == 0 { Vec::new() } else { vec![Rows { target: 0, source: 0, count: rows, step: 0 }] };
@@ -184,7 +191,7 @@ pub(crate) fn row_layout(
     let gaps = cache.gaps(problem, target, draft, rows)?;
     let mut notes = Vec::new();
     let requests =
-        problem.requests.iter().map(|request| cache.rows(problem, target, request, draft, &mut notes).0.clone());
+        received(problem, target).map(|request| cache.rows(problem, target, request, draft, &mut notes).0.clone());
     Some(RowLayout { source: Some(((source, source_region), requests.collect())), gaps, row })
 }
 
@@ -235,30 +242,30 @@ fn row_pieces(
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
     let mut res = Vec::new();
-    let Some((source, source_region)) =
-        holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None)
-    else {
-        return res;
-    };
-    let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
-    let target_len = decode_region.row_len();
-    if source_len != target_len {
-        notes.push((0, ViolationKind::Geometry { source_len, target_len }));
-        return res;
-    }
-    for request in &problem.requests {
-        let draft = decode_region.kind == RegionKind::Draft;
-        for run in cache.rows(problem, target, request, draft, notes).0.iter() {
-            res.push(Piece {
-                request: request.id,
-                target_offset: run.target * target_len,
-                length: target_len,
-                source,
-                source_region,
-                source_offset: run.source * source_len,
-                count: run.count,
-                source_stride: run.step * source_len,
-            });
+    for group in prefill_groups(problem, target) {
+        let held =
+            holder(problem, group, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+        let Some((source, source_region)) = held else { continue };
+        let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
+        let target_len = decode_region.row_len();
+        if source_len != target_len {
+            notes.push((0, ViolationKind::Geometry { source_len, target_len }));
+            continue;
+        }
+        for request in received_from(problem, target, group) {
+            let draft = decode_region.kind == RegionKind::Draft;
+            for run in cache.rows(problem, target, request, draft, notes).0.iter() {
+                res.push(Piece {
+                    request: request.id,
+                    target_offset: run.target * target_len,
+                    length: target_len,
+                    source,
+                    source_region,
+                    source_offset: run.source * source_len,
+                    count: run.count,
+                    source_stride: run.step * source_len,
+                });
+            }
         }
     }
     res
@@ -280,11 +287,13 @@ fn head_pieces(
     let head_len = problem.model.head_len();
     let (first_head, head_count) = rank_heads(kv_heads, problem.decode.topology.tp, target.tp);
     let target_len = decode_region.row_len();
-    for local in 0..head_count {
+    for (group, local) in
+        prefill_groups(problem, target).into_iter().flat_map(|group| (0..head_count).map(move |local| (group, local)))
+    {
         let head = first_head + local;
         let holder_tp = head_holder_tp(problem, target, kv_heads, head);
         let Some((source, source_region)) =
-            holder(problem, holder_tp, target, RegionKind::Kv(part), decode_region.layer, None)
+            holder(problem, group, holder_tp, target, RegionKind::Kv(part), decode_region.layer, None)
         else {
             continue;
         };
@@ -299,7 +308,7 @@ fn head_pieces(
             notes.push((0, ViolationKind::Geometry { source_len, target_len }));
             continue;
         };
-        for request in &problem.requests {
+        for request in received_from(problem, target, group) {
             // Heads of one row interleave with other holders' heads: one piece per row.
             let rows = cache.rows(problem, target, request, false, notes);
             for (target_row, source_row) in rows.0.iter().flat_map(|run| run.each()) {
@@ -373,11 +382,15 @@ fn slot_pieces(
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
     let mut res = Vec::new();
-    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
-    if let Some((source, source_region)) =
-        held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
-    {
-        for request in &problem.requests {
+    for group in prefill_groups(problem, target) {
+        let held =
+            holder(problem, group, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+        let Some((source, source_region)) =
+            held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
+        else {
+            continue;
+        };
+        for request in received_from(problem, target, group) {
             res.push(Piece::single(
                 request.id,
                 u64::from(request.decode_state.slot) * item_len,
@@ -407,35 +420,38 @@ fn page_pieces(
             return res;
         }
     }
-    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
-    let Some((source, source_region)) =
-        held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
-    else {
-        return res;
-    };
-    for request in &problem.requests {
-        let (source_pages, target_pages) =
-            (&request.prefill_state.pages[component as usize], &request.decode_state.pages[component as usize]);
-        if source_pages.len() != target_pages.len() && !kind.is_paged() {
-            notes.push((
-                0,
-                ViolationKind::IndexLengths {
-                    request: request.id,
-                    prefill: source_pages.len(),
-                    decode: target_pages.len(),
-                },
-            ));
+    for group in prefill_groups(problem, target) {
+        let held =
+            holder(problem, group, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+        let Some((source, source_region)) =
+            held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
+        else {
             continue;
-        }
-        // Paged kinds pair the common prefix of both index lists (domain.md §8: truncate to m).
-        for (source_page, target_page) in source_pages.iter().zip(target_pages) {
-            res.push(Piece::single(
-                request.id,
-                u64::from(*target_page) * item_len,
-                item_len,
-                (source, source_region),
-                u64::from(*source_page) * item_len,
-            ));
+        };
+        for request in received_from(problem, target, group) {
+            let (source_pages, target_pages) =
+                (&request.prefill_state.pages[component as usize], &request.decode_state.pages[component as usize]);
+            if source_pages.len() != target_pages.len() && !kind.is_paged() {
+                notes.push((
+                    0,
+                    ViolationKind::IndexLengths {
+                        request: request.id,
+                        prefill: source_pages.len(),
+                        decode: target_pages.len(),
+                    },
+                ));
+                continue;
+            }
+            // Paged kinds pair the common prefix of both index lists (domain.md §8: truncate to m).
+            for (source_page, target_page) in source_pages.iter().zip(target_pages) {
+                res.push(Piece::single(
+                    request.id,
+                    u64::from(*target_page) * item_len,
+                    item_len,
+                    (source, source_region),
+                    u64::from(*source_page) * item_len,
+                ));
+            }
         }
     }
     res
@@ -458,11 +474,13 @@ fn swa_head_pieces(
     let (first_head, head_count) = rank_heads(kv_heads, problem.decode.topology.tp, target.tp);
     let target_item = decode_region.item_len;
     let head_len = target_item / (page_size * u64::from(head_count)).max(1);
-    for local in 0..head_count {
+    for (group, local) in
+        prefill_groups(problem, target).into_iter().flat_map(|group| (0..head_count).map(move |local| (group, local)))
+    {
         let head = first_head + local;
         let holder_tp = head_holder_tp(problem, target, kv_heads, head);
         let Some((source, source_region)) =
-            holder(problem, holder_tp, target, decode_region.kind, decode_region.layer, None)
+            holder(problem, group, holder_tp, target, decode_region.kind, decode_region.layer, None)
         else {
             continue;
         };
@@ -474,7 +492,7 @@ fn swa_head_pieces(
             return;
         }
         let holder_local = u64::from(head - holder_first);
-        for request in &problem.requests {
+        for request in received_from(problem, target, group) {
             let (source_pages, target_pages) =
                 (&request.prefill_state.pages[component as usize], &request.decode_state.pages[component as usize]);
             for (source_page, target_page) in source_pages.iter().zip(target_pages) {
@@ -504,20 +522,22 @@ fn aux_pieces(
     let mut res = Vec::new();
     let last = problem.prefill.topology.pp - 1;
     let item_len = decode_region.item_len;
-    let held = holder(problem, primary_tp(problem, target), target, decode_region.kind, 0, Some(last));
-    let Some((source, source_region)) =
-        held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
-    else {
-        return res;
-    };
-    for request in &problem.requests {
-        res.push(Piece::single(
-            request.id,
-            u64::from(request.decode_state.aux) * item_len,
-            item_len,
-            (source, source_region),
-            u64::from(request.prefill_state.aux) * item_len,
-        ));
+    for group in prefill_groups(problem, target) {
+        let held = holder(problem, group, primary_tp(problem, target), target, decode_region.kind, 0, Some(last));
+        let Some((source, source_region)) =
+            held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
+        else {
+            continue;
+        };
+        for request in received_from(problem, target, group) {
+            res.push(Piece::single(
+                request.id,
+                u64::from(request.decode_state.aux) * item_len,
+                item_len,
+                (source, source_region),
+                u64::from(request.prefill_state.aux) * item_len,
+            ));
+        }
     }
     res
 }
@@ -550,9 +570,28 @@ fn primary_tp(problem: &Problem, target: RankId) -> u32 {
     }
 }
 
-/// The prefill rank of TP rank `tp` that registers a region of `kind` for `layer`, on the stage paired with `target`.
+/// The prefill DP groups that compute a request `target` receives, in order. A request moves only from its prefill
+/// DP group to its decode DP group (SGLang's rank mapping runs inside one prefill DP group, `common/conn.py:1432-1530`;
+/// src/pure/plan/SGLANG.md).
+fn prefill_groups(problem: &Problem, target: RankId) -> BTreeSet<u32> {
+    received(problem, target).map(|request| request.prefill_dp).collect()
+}
+
+/// The requests `target` receives: those dispatched to its decode DP group.
+fn received(problem: &Problem, target: RankId) -> impl Iterator<Item = &Request> {
+    problem.requests.iter().filter(move |request| request.decode_dp == target.dp)
+}
+
+/// The requests `target` receives from prefill DP group `group`.
+fn received_from(problem: &Problem, target: RankId, group: u32) -> impl Iterator<Item = &Request> {
+    received(problem, target).filter(move |request| request.prefill_dp == group)
+}
+
+/// The prefill rank of DP group `group` and TP rank `tp` that registers a region of `kind` for `layer`, on the stage
+/// paired with `target`.
 fn holder(
     problem: &Problem,
+    group: u32,
     tp: u32,
     target: RankId,
     kind: RegionKind,
@@ -560,7 +599,8 @@ fn holder(
     stage: Option<u32>,
 ) -> Option<(RankId, u32)> {
     let same_stages = problem.decode.topology.pp == problem.prefill.topology.pp;
-    problem.prefill.ranks.iter().filter(|layout| layout.rank.tp == tp).find_map(|layout| {
+    let mut ranks = problem.prefill.ranks.iter().filter(|layout| layout.rank.dp == group && layout.rank.tp == tp);
+    ranks.find_map(|layout| {
         if (same_stages && layout.rank.pp != target.pp) || stage.is_some_and(|stage| stage != layout.rank.pp) {
             return None;
         }
@@ -704,44 +744,46 @@ fn mamba_pieces(
     let (target_item, source_item) = (target_row * outer, source_row * outer);
     // The holder depends only on the prefill TP rank: look each one up once; every holder's items must have the
     // model's length.
-    let holders: Vec<Option<(RankId, u32)>> = (0..prefill_tp)
-        .map(|tp| {
-            holder(problem, tp, target, decode_region.kind, decode_region.layer, None)
-                .filter(|held| same_items(problem, *held, decode_region, source_item, target_item, notes))
-        })
-        .collect();
-    for request in &problem.requests {
-        for row in 0..outer {
-            let (mut target_start, mut source_start) = (0u64, 0u64);
-            for group in &groups {
-                let (target_width, source_width) = (u64::from(group / decode_tp), u64::from(group / prefill_tp));
-                let mut index = 0;
-                while index < target_width {
-                    let channel = u64::from(target.tp) * target_width + index;
-                    let (holder_tp, within) = ((channel / source_width) as u32, channel % source_width);
-                    // The channels up to the end of this group's share or of the holder's share come from one
-                    // holder, consecutive on both sides: one piece for the run.
-                    let run = (target_width - index).min(source_width - within);
-                    if let Some((source, source_region)) = holders[holder_tp as usize] {
-                        push_merged(
-                            res,
-                            Piece::single(
-                                request.id,
-                                u64::from(request.decode_state.slot) * target_item
-                                    + row * target_row
-                                    + (target_start + index) * unit,
-                                run * unit,
-                                (source, source_region),
-                                u64::from(request.prefill_state.slot) * source_item
-                                    + row * source_row
-                                    + (source_start + within) * unit,
-                            ),
-                        );
+    for group in prefill_groups(problem, target) {
+        let holders: Vec<Option<(RankId, u32)>> = (0..prefill_tp)
+            .map(|tp| {
+                holder(problem, group, tp, target, decode_region.kind, decode_region.layer, None)
+                    .filter(|held| same_items(problem, *held, decode_region, source_item, target_item, notes))
+            })
+            .collect();
+        for request in received_from(problem, target, group) {
+            for row in 0..outer {
+                let (mut target_start, mut source_start) = (0u64, 0u64);
+                for group in &groups {
+                    let (target_width, source_width) = (u64::from(group / decode_tp), u64::from(group / prefill_tp));
+                    let mut index = 0;
+                    while index < target_width {
+                        let channel = u64::from(target.tp) * target_width + index;
+                        let (holder_tp, within) = ((channel / source_width) as u32, channel % source_width);
+                        // The channels up to the end of this group's share or of the holder's share come from one
+                        // holder, consecutive on both sides: one piece for the run.
+                        let run = (target_width - index).min(source_width - within);
+                        if let Some((source, source_region)) = holders[holder_tp as usize] {
+                            push_merged(
+                                res,
+                                Piece::single(
+                                    request.id,
+                                    u64::from(request.decode_state.slot) * target_item
+                                        + row * target_row
+                                        + (target_start + index) * unit,
+                                    run * unit,
+                                    (source, source_region),
+                                    u64::from(request.prefill_state.slot) * source_item
+                                        + row * source_row
+                                        + (source_start + within) * unit,
+                                ),
+                            );
+                        }
+                        index += run;
                     }
-                    index += run;
+                    target_start += target_width;
+                    source_start += source_width;
                 }
-                target_start += target_width;
-                source_start += source_width;
             }
         }
     }
@@ -767,6 +809,10 @@ fn push_merged(res: &mut Vec<Piece>, piece: Piece) {
 /// Byte ranges of decode region `region` on `target` that hold `request`'s destination items: its decode pages
 /// (KV, draft), its Mamba slot or state pages, its aux row. A failed request may leave bytes only here.
 pub(crate) fn territory(problem: &Problem, target: RankId, region: u32, request: &Request) -> Vec<(u64, u64)> {
+    if request.decode_dp != target.dp {
+        // Another decode DP group's request has no item here.
+        return Vec::new();
+    }
     let decode_region = &problem.decode.rank(target).regions[region as usize];
     let items: Vec<u32> = match decode_region.kind {
         RegionKind::Kv(_) | RegionKind::Draft => request.decode_pages.clone(),
@@ -834,6 +880,8 @@ mod tests {
                 prefill_state: StateIndices::default(),
                 decode_state: StateIndices::default(),
                 cached_prefix: 0,
+                prefill_dp: 0,
+                decode_dp: 0,
             };
             let mut notes = Vec::new();
             let runs = relaid_runs(&request, (dcp, rank), rows, page, &mut notes);

@@ -107,5 +107,7 @@ pub fn prefill_info() -> PrefillInfo {
         pp_rank: 2,
         page_size: 64,
         kv_cache_dtype: "auto".into(),
+        attn_dp_size: 1,
+        attn_dp_rank: 0,
     }
 }

@@ -23,9 +23,11 @@ const PP_SIZE: Field = field(8, "pp_size");
 const PP_RANK: Field = field(9, "pp_rank");
 const PAGE_SIZE: Field = field(10, "page_size");
 const KV_CACHE_DTYPE: Field = field(11, "kv_cache_dtype");
+const ATTN_DP_SIZE: Field = field(12, "attn_dp_size");
+const ATTN_DP_RANK: Field = field(13, "attn_dp_rank");
 
 /// Frames of a prefill info message, the guard included.
-pub const PREFILL_INFO_FRAMES: usize = 12;
+pub const PREFILL_INFO_FRAMES: usize = 14;
 
 /// One prefill rank's parallel layout and endpoint (domain.md §6.1 step 1). Decode validates page size, dtype and
 /// the DCP gates against it (§2.5) and maps ranks with it (§3.1).
@@ -51,10 +53,14 @@ pub struct PrefillInfo {
     pub page_size: u32,
     /// Frame 11: the KV cache dtype as the server argument spells it (text, e.g. `auto`, `fp8_e4m3`).
     pub kv_cache_dtype: String,
+    /// Frame 12: attention DP size (`attn_dp_size` of SGLang's `/route`, `common/conn.py:1562-1633`), 1..=`MAX_TP`.
+    pub attn_dp_size: u32,
+    /// Frame 13: attention DP rank (the rank's DP group), below `attn_dp_size`.
+    pub attn_dp_rank: u32,
 }
 
 impl PrefillInfo {
-    /// The 12 frames, guard first.
+    /// The 14 frames, guard first.
     pub fn encode(&self) -> Vec<Vec<u8>> {
         vec![
             GUARD.to_vec(),
@@ -69,10 +75,12 @@ impl PrefillInfo {
             ascii(self.pp_rank),
             ascii(self.page_size),
             self.kv_cache_dtype.as_bytes().to_vec(),
+            ascii(self.attn_dp_size),
+            ascii(self.attn_dp_rank),
         ]
     }
 
-    /// Parses exactly 12 frames; fields are checked in frame order and the first error is returned.
+    /// Parses exactly 14 frames; fields are checked in frame order and the first error is returned.
     pub fn decode(frames: &[Vec<u8>]) -> Result<Self, WireError> {
         let reader = Reader::new(MessageKind::PrefillInfo, frames, PREFILL_INFO_FRAMES)?;
         reader.read(TAG, |bytes| literal(bytes, PREFILL_INFO_TAG))?;
@@ -81,6 +89,9 @@ impl PrefillInfo {
         let (attn_tp_size, attn_tp_rank) = size_and_rank(&reader, ATTN_TP_SIZE, ATTN_TP_RANK, MAX_TP)?;
         let (dcp_size, dcp_rank) = size_and_rank(&reader, DCP_SIZE, DCP_RANK, MAX_TP)?;
         let (pp_size, pp_rank) = size_and_rank(&reader, PP_SIZE, PP_RANK, MAX_PP)?;
+        let page_size = reader.int(PAGE_SIZE, 1..=MAX_PAGE_SIZE.into())?;
+        let kv_cache_dtype = reader.read(KV_CACHE_DTYPE, text)?;
+        let (attn_dp_size, attn_dp_rank) = size_and_rank(&reader, ATTN_DP_SIZE, ATTN_DP_RANK, MAX_TP)?;
         Ok(Self {
             ip,
             port,
@@ -90,8 +101,10 @@ impl PrefillInfo {
             dcp_rank,
             pp_size,
             pp_rank,
-            page_size: reader.int(PAGE_SIZE, 1..=MAX_PAGE_SIZE.into())?,
-            kv_cache_dtype: reader.read(KV_CACHE_DTYPE, text)?,
+            page_size,
+            kv_cache_dtype,
+            attn_dp_size,
+            attn_dp_rank,
         })
     }
 }

@@ -95,7 +95,8 @@ pub struct DecodeEngine {
 
 impl DecodeEngine {
     /// `registration` is what this rank advertises (its regions as memory descs, `plan::peer::advertise`);
-    /// `requests` carry its pages, slot, state pages, aux row and prefix.
+    /// `requests` carry its pages, slot, state pages, aux row and prefix. Only the requests dispatched to this rank's
+    /// DP group are its own: the other groups' ranks never see the rest.
     pub fn new(
         rank: RankId,
         model: ModelGeometry,
@@ -103,6 +104,7 @@ impl DecodeEngine {
         registration: Registration,
         requests: &[Request],
     ) -> DecodeEngine {
+        let requests: Vec<Request> = requests.iter().filter(|request| request.decode_dp == rank.dp).cloned().collect();
         let rooms = requests.iter().map(|request| (u64::from(request.id), RoomState::new())).collect();
         DecodeEngine {
             rank,
@@ -110,7 +112,7 @@ impl DecodeEngine {
             topology,
             prefill: topology,
             registration,
-            requests: requests.to_vec(),
+            requests,
             targets: Vec::new(),
             rooms,
             expected: 1,
@@ -168,7 +170,12 @@ impl DecodeEngine {
         }
         self.expected = plan::expected_responses(&self.model, prefill, &self.topology);
         let ratio = (prefill.tp / self.topology.tp).max(1);
-        for rank in plan::prefill_targets(prefill, &self.topology, self.rank) {
+        // Every prefill DP group that computes one of this rank's requests (`room % dp` unless routed otherwise,
+        // SGLang `decode.py:879-897`); the rank mapping applies inside each.
+        let groups: BTreeSet<u32> = self.requests.iter().map(|request| request.prefill_dp).collect();
+        let targets =
+            groups.into_iter().flat_map(|group| plan::prefill_targets(prefill, &self.topology, self.rank, group));
+        for rank in targets.collect::<Vec<_>>() {
             let Some(node) = directory.get(&rank).copied() else {
                 return self.fail_all(now, &format!("prefill {rank} is not in the bootstrap directory"), out);
             };
@@ -235,7 +242,7 @@ impl DecodeEngine {
         let required = plan::required_dst_info_num(&self.prefill, &self.topology);
         for request in &self.requests {
             let room = u64::from(request.id);
-            for target in &self.targets {
+            for target in self.targets.iter().filter(|target| target.rank.dp == request.prefill_dp) {
                 let meta = self.metadata(request, required, target.dummy || withdrawn);
                 out.send(target.node, meta.encode());
             }
@@ -339,7 +346,10 @@ impl DecodeEngine {
         room.reason = Some(reason.to_owned());
         room.ended_ns = Some(now);
         if self.metadata_sent {
-            let writers = self.targets.iter().filter(|target| !target.dummy && matches!(target.linked, Some(Ok(()))));
+            // Only the room's own prefill DP group heard of it.
+            let group = self.requests.iter().find(|request| u64::from(request.id) == room_id).map(|r| r.prefill_dp);
+            let writers = self.targets.iter().filter(|target| Some(target.rank.dp) == group);
+            let writers = writers.filter(|target| !target.dummy && matches!(target.linked, Some(Ok(()))));
             room.aborting =
                 writers.map(|target| target.node).filter(|node| !room.succeeded_from.contains(node)).collect();
         }

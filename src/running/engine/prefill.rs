@@ -287,7 +287,7 @@ impl PrefillEngine {
         let end = nic.open().map_err(|error| format!("prefill {} cannot open a connection: {error}", self.rank));
         let registration = Registration::decode(frames).map_err(|error| error.to_string());
         let rank = registration.as_ref().ok().and_then(|registration| peer::rank_of_key(&registration.engine.key));
-        let rank = rank.unwrap_or(RankId { pp: u32::MAX, tp: u32::MAX });
+        let rank = rank.unwrap_or(RankId { dp: u32::MAX, pp: u32::MAX, tp: u32::MAX });
         let linked = end.clone().and_then(|(conn, _)| {
             let registration = registration?;
             if registration.engine.address.is_empty() {

@@ -597,6 +597,8 @@ pub fn prefill_info(problem: &Problem) -> PrefillInfo {
         pp_rank: 0,
         page_size: topology.page_size,
         kv_cache_dtype: format!("{}-byte", problem.model.dtype_bytes),
+        attn_dp_size: topology.dp,
+        attn_dp_rank: 0,
     }
 }
 
@@ -604,6 +606,7 @@ pub fn prefill_info(problem: &Problem) -> PrefillInfo {
 pub fn published_topology(frames: &[Vec<u8>]) -> Option<Topology> {
     PrefillInfo::decode(frames).ok().map(|info| Topology {
         tp: info.attn_tp_size,
+        dp: info.attn_dp_size,
         pp: info.pp_size,
         dcp: info.dcp_size,
         page_size: info.page_size,

@@ -80,7 +80,7 @@ mod tests {
     use crate::model::{RankId, Side};
 
     fn key(side: Side, region: u32) -> RegionKey {
-        RegionKey { side, rank: RankId { pp: 0, tp: 0 }, region }
+        RegionKey { side, rank: RankId::new(0, 0), region }
     }
 
     #[test]

@@ -117,7 +117,7 @@ fn head(kind: &str, id: u64, case: &str, query: &LinkQuery<'_>) -> Value {
         "type": kind,
         "id": id,
         "case": case,
-        "rank": { "pp": query.rank.pp, "tp": query.rank.tp },
+        "rank": { "dp": query.rank.dp, "pp": query.rank.pp, "tp": query.rank.tp },
         "local": local(query.local),
         "registration": registration(query.registration),
         "registration_frames": hex_frames(&query.registration.encode()),

@@ -11,6 +11,7 @@ use crate::engine::tasks;
 use crate::fabric::faults::FaultPlan;
 use crate::fabric::registry::{Fabric, RDMA_CAPS};
 use crate::fabric::transport::Transport;
+use crate::model::Problem;
 use crate::scenario::Scenario;
 
 use super::{check_budget, judge, Budget, Failure, FailureKind, Judge, Outcome, RunError};
@@ -18,6 +19,8 @@ use super::{check_budget, judge, Budget, Failure, FailureKind, Judge, Outcome, R
 /// One run of a scenario through the engines (module docs).
 pub struct Run<'a> {
     scenario: &'a Scenario,
+    /// What the engines run when it differs from the scenario's problem (a routing bug under self-test).
+    routed: Option<&'a Problem>,
     budget: Budget,
     fabric: Fabric,
     transport: Option<&'a mut dyn Transport>,
@@ -33,6 +36,7 @@ impl<'a> Run<'a> {
     pub fn new(scenario: &'a Scenario, budget: &Budget) -> Run<'a> {
         Run {
             scenario,
+            routed: None,
             budget: budget.clone(),
             fabric: Fabric::Sim,
             transport: None,
@@ -53,6 +57,13 @@ impl<'a> Run<'a> {
     /// On the engines of `transport` (a transport under certification), with the live driver.
     pub fn on_transport(mut self, transport: &'a mut dyn Transport) -> Run<'a> {
         self.transport = Some(transport);
+        self
+    }
+
+    /// The engines run `routed` (the scenario's problem with its requests dispatched otherwise: a routing bug the
+    /// self-test plants); the oracle still judges against the scenario's own problem.
+    pub fn routed(mut self, routed: &'a Problem) -> Run<'a> {
+        self.routed = Some(routed);
         self
     }
 
@@ -124,7 +135,7 @@ impl<'a> Run<'a> {
     }
 
     fn drive(&mut self) -> Result<SimRun, String> {
-        let problem = &self.scenario.problem;
+        let problem = self.routed.unwrap_or(&self.scenario.problem);
         let faults = self.fault_plan();
         let live = LiveOptions { planner: self.planner.clone().or(self.live.planner.clone()), ..self.live.clone() };
         if let Some(transport) = self.transport.as_deref_mut() {

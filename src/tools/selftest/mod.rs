@@ -118,8 +118,16 @@ pub fn run_case_on(
     }
     let planner = Rc::new(RefCell::new(MutantPlanner::new(mutant)));
     let seat = Some(SharedPlanner(planner.clone()));
-    let outcome = harness::Run::new(scenario, budget).on(fabric).planner(seat).execute()?;
-    let kinds = std::mem::take(&mut planner.borrow_mut().changed);
+    let routed = mutant.and_then(|mutant| mutant.route(&scenario.problem));
+    let mut run = harness::Run::new(scenario, budget).on(fabric).planner(seat);
+    if let Some(routed) = &routed {
+        run = run.routed(routed);
+    }
+    let outcome = run.execute()?;
+    let mut kinds = std::mem::take(&mut planner.borrow_mut().changed);
+    if routed.is_some_and(|routed| routed.requests != scenario.problem.requests) {
+        kinds.insert("dp-routing");
+    }
     let verdict = if outcome.passed() {
         Verdict::Survived { changed: !kinds.is_empty() }
     } else {

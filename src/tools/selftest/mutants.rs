@@ -43,10 +43,14 @@ pub enum Mutant {
     /// SWA pages head-sliced under a TP change (SGLang 0.5.23 `_send_swa_state_slice`) with two neighbouring ranks'
     /// head slices exchanged, token by token (§3.2 applied to SWA state, `src/pure/plan/SGLANG.md`).
     SwaSwappedHeadSlice,
+    /// DP attention: each request is dispatched to the next decode DP group, `(decode_dp + 1) mod dp`, so its KV lands
+    /// in another group's ranks (a DP rank offset off by one; `src/pure/plan/SGLANG.md`). A routing bug: it changes
+    /// which ranks see a request ([`Mutant::route`]), not the plan of a chunk.
+    DecodeDpOffByOne,
 }
 
 /// Every mutant, in table order.
-pub const ALL: [Mutant; 12] = [
+pub const ALL: [Mutant; 13] = [
     Mutant::LocalLayerOrdinal,
     Mutant::DecodePagesPerChunk,
     Mutant::FinalPageOffByOne,
@@ -59,6 +63,7 @@ pub const ALL: [Mutant; 12] = [
     Mutant::StateBlockWrongRank,
     Mutant::ReplicatedStateWrongWriter,
     Mutant::SwaSwappedHeadSlice,
+    Mutant::DecodeDpOffByOne,
 ];
 
 /// What one prefill rank knows while one chunk of one room is planned for one peer.
@@ -85,6 +90,7 @@ impl Mutant {
             Mutant::StateBlockWrongRank => "state-block-wrong-rank",
             Mutant::ReplicatedStateWrongWriter => "replicated-state-wrong-writer",
             Mutant::SwaSwappedHeadSlice => "swa-swapped-head-slice",
+            Mutant::DecodeDpOffByOne => "decode-dp-off-by-one",
         }
     }
 
@@ -104,6 +110,7 @@ impl Mutant {
             Mutant::DestinationBySourceIndex => "§8",
             Mutant::OddListLastEntry => "§4.5",
             Mutant::AuxFromWrongStage => "§1.6",
+            Mutant::DecodeDpOffByOne => "SGLANG.md DP",
         }
     }
 
@@ -161,6 +168,7 @@ impl Mutant {
                 require(swa && prefill.tp != decode.tp, "no SWA state head-sliced across TP")?;
                 require(prefill.tp.max(decode.tp) <= kv_heads, "neighbouring ranks are replicas of the same heads")
             }
+            Mutant::DecodeDpOffByOne => require(decode.dp > 1, "decode DP1: one group receives every request"),
             Mutant::ReplicatedStateWrongWriter => {
                 let replicated = problem.model.state.iter().any(|component| {
                     component.kind == StateKind::Mamba
@@ -188,7 +196,23 @@ impl Mutant {
             Mutant::AuxFromWrongStage => aux_from_wrong_stage(site, groups),
             Mutant::ReplicatedStateWrongWriter => replicated_state_wrong_writer(site, groups),
             Mutant::SwaSwappedHeadSlice => swa_swapped_head_slice(site, groups),
+            Mutant::DecodeDpOffByOne => groups,
         })
+    }
+
+    /// The problem the engines run under a routing bug (the oracle keeps the true one); `None` for a bug in the plan.
+    pub fn route(self, problem: &Problem) -> Option<Problem> {
+        match self {
+            Mutant::DecodeDpOffByOne => {
+                let dp = problem.decode.topology.dp;
+                let mut routed = problem.clone();
+                for request in &mut routed.requests {
+                    request.decode_dp = (request.decode_dp + 1) % dp;
+                }
+                Some(routed)
+            }
+            _ => None,
+        }
     }
 }
 
