@@ -18,6 +18,10 @@ pub enum Path {
     RankMapping,
     /// DP attention: each request moves from its prefill DP group to its decode DP group.
     DpRouting,
+    /// Prefill CP with all-CP transfer: each CP rank sends its contiguous block of a request's pages.
+    CpBlocks,
+    /// Prefill CP without it: CP rank 0 sends everything, the others are dummies.
+    CpRankZero,
     /// KV entries paired across pipeline stages by global layer id.
     LayerIdPairing,
     /// KV entries paired by position (no layer ids from a peer).
@@ -54,6 +58,14 @@ impl Path {
             Path::DpRouting => (
                 "DP attention: a request moves between its prefill and decode DP groups",
                 "decode.py:879-897 _resolve_prefill_dp_rank; common/conn.py:3089-3186 bootstrap table by DP group",
+            ),
+            Path::CpBlocks => (
+                "prefill CP: each CP rank sends its contiguous block of a request's pages, CP rank 0 the state",
+                "utils.py:803-857 filter_kv_indices_for_cp_rank; common/conn.py:2282-2291, 513-529",
+            ),
+            Path::CpRankZero => (
+                "prefill CP: CP rank 0 sends everything, the other CP ranks are dummies",
+                "common/conn.py:435-440 is_dummy_cp_rank, 1496-1513",
             ),
             Path::LayerIdPairing => (
                 "KV and state entries paired by global layer id",
@@ -121,10 +133,11 @@ fn dp_groups(topology: &crate::model::Topology) -> String {
 pub fn explain(problem: &Problem) -> Explanation {
     let (prefill, decode) = (&problem.prefill.topology, &problem.decode.topology);
     let mut notes = vec![format!(
-        "pool {}, prefill TP{}{} PP{} DCP{} -> decode TP{}{} PP{} DCP{}, page size {}",
+        "pool {}, prefill TP{}{}{} PP{} DCP{} -> decode TP{}{} PP{} DCP{}, page size {}",
         problem.model.pool_kind(),
         prefill.tp,
         dp_groups(prefill),
+        if prefill.cp > 1 { format!(" x CP{}", prefill.cp) } else { String::new() },
         prefill.pp,
         prefill.dcp,
         decode.tp,
@@ -202,6 +215,9 @@ pub fn explain(problem: &Problem) -> Explanation {
             let pairs: std::collections::BTreeSet<(u32, u32)> =
                 problem.requests.iter().map(|request| (request.prefill_dp, request.decode_dp)).collect();
             paths.insert(Path::DpRouting, Use { groups: pairs.len() as u64, bytes: 0 });
+        }
+        if prefill.cp > 1 {
+            paths.insert(if decode.all_cp { Path::CpBlocks } else { Path::CpRankZero }, Use::default());
         }
     }
     if problem.model.pool_kind() == PoolKind::HybridMla && decode.tp < prefill.tp {

@@ -21,6 +21,7 @@ use crate::support::scenario;
 #[case::prefill_only_draft("rejections/prefill-only-draft.yaml", PlanErrorKind::MissingLayer)]
 #[case::conv_groups_out_of_range("rejections/conv-groups-out-of-range.yaml", PlanErrorKind::StateMetadata)]
 #[case::dcp_2_to_8("rejections/dcp-2-to-8.yaml", PlanErrorKind::DcpUnsupported)]
+#[case::decode_dcp_with_prefill_cp("rejections/decode-dcp-with-prefill-cp.yaml", PlanErrorKind::DcpUnsupported)]
 #[case::dcp_kv_geometry_differs("rejections/dcp-kv-geometry-differs.yaml", PlanErrorKind::GeometryMismatch)]
 #[case::decode_missing_layer("rejections/decode-missing-layer.yaml", PlanErrorKind::MissingLayer)]
 #[case::draft_geometry_v1("rejections/draft-geometry-v1.yaml", PlanErrorKind::GeometryMismatch)]
@@ -57,7 +58,7 @@ fn every_scenario_expecting_a_rejection_is_listed() {
             expecting += 1;
         }
     }
-    assert_eq!(expecting, 24);
+    assert_eq!(expecting, 25);
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {

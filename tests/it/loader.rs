@@ -251,3 +251,44 @@ fn dp_groups_default_to_the_room_and_split_the_tp_ranks() {
     let ranks: Vec<String> = problem.decode.ranks.iter().map(|layout| layout.rank.to_string()).collect();
     assert_eq!(ranks, ["pp0/tp0", "pp0/tp1", "dp1/pp0/tp0", "dp1/pp0/tp1", "dp2/pp0/tp0", "dp2/pp0/tp1"]);
 }
+
+/// Prefill CP fields: SGLang's divisibility and its decode-side assertion, DCP inside a CP rank, and all-CP settings
+/// that disagree (neither side publishes its own, and SGLang then loses pages or waits forever), each naming the
+/// field and the fix.
+#[rstest::rstest]
+#[case::cp_does_not_divide(
+    "prefill: {tp: 4, cp: 3, page_size: 16}\ndecode: {page_size: 16}",
+    "prefill.cp: 3 does not divide tp / dp = 4"
+)]
+#[case::decode_cp(
+    "prefill: {tp: 2, page_size: 16}\ndecode: {tp: 2, cp: 2, page_size: 16}",
+    "decode.cp: Decode cp size (2) should be equal to 1"
+)]
+#[case::prefill_only_env(
+    "prefill: {tp: 2, cp: 2, page_size: 16, all_cp_ranks_transfer: true}\ndecode: {page_size: 16}",
+    "decode.all_cp_ranks_transfer: prefill CP2: every prefill CP rank sends its block of pages, but decode pulls from CP rank 0 only"
+)]
+#[case::decode_only_env(
+    "prefill: {tp: 2, cp: 2, page_size: 16}\ndecode: {page_size: 16, all_cp_ranks_transfer: true}",
+    "prefill.all_cp_ranks_transfer: prefill CP2: only prefill CP rank 0 sends pages, but decode pulls from every CP rank"
+)]
+fn a_bad_cp_field_names_the_field_and_the_fix(#[case] sides: &str, #[case] wanted: &str) {
+    let res = error(&format!(
+        "model: {{preset: deepseek-v2-lite, layers: 2}}\n{sides}\nrequests: [{{tokens: 20}}]\nexpect: ok\n"
+    ));
+    assert!(res.contains(wanted), "{res}");
+}
+
+/// A hybrid-MLA pool turns all-CP transfer on for both sides by itself (SGLang `common/conn.py:373-394`): CP ranks
+/// are their own ranks, laid out (dp, cp, pp, tp), and the decode waits for every CP rank's status.
+#[test]
+fn a_hybrid_mla_cp_prefill_sends_from_every_cp_rank() {
+    let scenario = scenario::load(std::path::Path::new("scenarios/cp/kimi-k3-cp4-to-tp4.yaml")).unwrap();
+    let problem = &scenario.problem;
+    let (prefill, decode) = (&problem.prefill.topology, &problem.decode.topology);
+    assert!(prefill.all_cp && decode.all_cp);
+    assert_eq!((prefill.tp, prefill.cp), (1, 4));
+    let ranks: Vec<String> = problem.prefill.ranks.iter().map(|layout| layout.rank.to_string()).collect();
+    assert_eq!(ranks, ["pp0/tp0", "cp1/pp0/tp0", "cp2/pp0/tp0", "cp3/pp0/tp0"]);
+    assert_eq!(kvrelay::plan::expected_responses(&problem.model, prefill, decode), 4);
+}

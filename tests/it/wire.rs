@@ -501,7 +501,13 @@ fn size_and_rank(max: u32) -> impl Strategy<Value = (u32, u32)> {
 }
 
 fn prefill_info() -> impl Strategy<Value = PrefillInfo> {
-    let sizes = (size_and_rank(MAX_TP), size_and_rank(MAX_TP), size_and_rank(256), size_and_rank(MAX_TP));
+    let sizes = (
+        size_and_rank(MAX_TP),
+        size_and_rank(MAX_TP),
+        size_and_rank(256),
+        size_and_rank(MAX_TP),
+        size_and_rank(MAX_TP),
+    );
     (text(), port(), sizes, 1..=65536_u32, text()).prop_map(|(ip, port, sizes, page_size, kv_cache_dtype)| {
         PrefillInfo {
             ip,
@@ -516,6 +522,8 @@ fn prefill_info() -> impl Strategy<Value = PrefillInfo> {
             kv_cache_dtype,
             attn_dp_size: sizes.3 .0,
             attn_dp_rank: sizes.3 .1,
+            attn_cp_size: sizes.4 .0,
+            attn_cp_rank: sizes.4 .1,
         }
     })
 }

@@ -29,29 +29,34 @@ impl fmt::Display for Side {
     }
 }
 
-/// One process of one side, addressed by attention-DP group, pipeline stage and attention-TP rank (the rank inside
-/// its group: SGLang's `attn_tp_rank`, `runtime_context.py:79-91`).
+/// One process of one side, addressed by attention-DP group, attention-CP rank, pipeline stage and attention-TP rank
+/// (the rank inside its group: SGLang's `attn_tp_rank`; layout (dp, cp, tp), `runtime_context.py:79-91`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RankId {
     /// Attention-DP group (`attn_dp_rank`); 0 without DP attention.
     pub dp: u32,
+    /// Attention-CP rank (`attn_cp_rank`, prefill only); 0 without context parallelism.
+    pub cp: u32,
     pub pp: u32,
     pub tp: u32,
 }
 
 impl RankId {
-    /// The rank of group 0 (a side without DP attention).
+    /// The rank of DP group 0 and CP rank 0 (a side without DP attention or CP).
     pub const fn new(pp: u32, tp: u32) -> RankId {
-        RankId { dp: 0, pp, tp }
+        RankId { dp: 0, cp: 0, pp, tp }
     }
 }
 
-/// `pp1/tp3`, or `dp2/pp1/tp3` for a rank of DP group 2: the group is named only when it is not 0, so every
-/// scenario without DP attention reads as before.
+/// `pp1/tp3`; `dp2/cp1/pp1/tp3` for CP rank 1 of DP group 2: a group or CP rank is named only when it is not 0, so
+/// every scenario without DP attention or CP reads as before.
 impl fmt::Display for RankId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.dp > 0 {
             write!(f, "dp{}/", self.dp)?;
+        }
+        if self.cp > 0 {
+            write!(f, "cp{}/", self.cp)?;
         }
         write!(f, "pp{}/tp{}", self.pp, self.tp)
     }
@@ -62,9 +67,15 @@ impl fmt::Display for RankId {
 pub struct Topology {
     /// Attention tensor-parallel size: ranks per DP group (SGLang's `attn_tp_size = tp_size / attn_dp_size`).
     pub tp: u32,
-    /// Attention data-parallel groups (`--attn-dp-size`, or `--dp` with `--enable-dp-attention`), each `tp` ranks
-    /// by `pp` stages with its own KV pool; 1 without DP attention.
+    /// Attention data-parallel groups (`--attn-dp-size`, or `--dp` with `--enable-dp-attention`), each `cp` by `tp`
+    /// ranks by `pp` stages with its own KV pool; 1 without DP attention.
     pub dp: u32,
+    /// Attention context-parallel size (`--attn-cp-size`, prefill only): every CP rank holds the whole KV.
+    pub cp: u32,
+    /// Every CP rank sends its block of each request's pages (`enable_all_cp_ranks_for_transfer`, SGLang
+    /// `common/conn.py:373-394`); otherwise only CP rank 0 sends (the others are dummies). Decode: it pulls from every
+    /// prefill CP rank.
+    pub all_cp: bool,
     /// Pipeline-parallel size.
     pub pp: u32,
     /// Decode context-parallel size, carved out of the TP group (`tp % dcp == 0`).
@@ -89,19 +100,29 @@ impl Topology {
         (0..self.dp).flat_map(move |dp| self.group(dp))
     }
 
-    /// The ranks of DP group `dp` in canonical order (stage-major, then TP rank).
+    /// The ranks of DP group `dp` in canonical order (CP rank, then stage, then TP rank).
     pub fn group(&self, dp: u32) -> impl Iterator<Item = RankId> + '_ {
-        (0..self.pp).flat_map(move |pp| (0..self.tp).map(move |tp| RankId { dp, pp, tp }))
+        (0..self.cp)
+            .flat_map(move |cp| (0..self.pp).flat_map(move |pp| (0..self.tp).map(move |tp| RankId { dp, cp, pp, tp })))
     }
 
     /// Position of `rank` in [`Topology::ranks`].
     pub fn rank_index(&self, rank: RankId) -> usize {
-        ((rank.dp * self.pp + rank.pp) * self.tp + rank.tp) as usize
+        (((rank.dp * self.cp + rank.cp) * self.pp + rank.pp) * self.tp + rank.tp) as usize
     }
 
-    /// Ranks of one side, every group counted.
+    /// Ranks of one side, every group and CP rank counted.
     pub fn rank_count(&self) -> usize {
-        (self.dp * self.pp * self.tp) as usize
+        (self.dp * self.cp * self.pp * self.tp) as usize
+    }
+
+    /// The CP ranks that send a request's KV, and how many: all of them with all-CP transfer, else CP rank 0 alone.
+    pub fn sending_cp_ranks(&self) -> u32 {
+        if self.all_cp {
+            self.cp
+        } else {
+            1
+        }
     }
 }
 

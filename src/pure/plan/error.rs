@@ -59,6 +59,10 @@ pub enum PlanError {
     /// domain.md §2.5 decode-side gate.
     #[error("PD decode DCP requires an MLA or hybrid-MLA KV pool.")]
     DcpNeedsMla,
+    /// SGLang 0.5.23 decode-side gate (`common/conn.py:1416-1420`): a DCP decode relays out tokens of one prefill
+    /// rank's whole KV, which prefill CP splits between its CP ranks.
+    #[error("PD decode DCP currently requires prefill attention CP=1, got {cp}.")]
+    DcpNeedsPrefillCp1 { cp: u32 },
     /// domain.md §3.4: non-MLA paged state other than SWA under a TP change (SGLang 0.5.23 `mooncake/conn.py:2089-2092`
     /// names the kind in upper case).
     #[error("PD Disaggregation does NOT support PD different TP sizes for non-MLA {} hybrid models yet.", kind.name().to_uppercase())]
@@ -153,6 +157,7 @@ impl PlanError {
             PlanError::UnsupportedTopology { .. } | PlanError::MismatchedDcpRanks { .. } => K::RankMapping,
             PlanError::UnsupportedDcpTopology { .. }
             | PlanError::DcpNeedsMla
+            | PlanError::DcpNeedsPrefillCp1 { .. }
             | PlanError::PagedStateUnderDcp { .. } => K::DcpUnsupported,
             PlanError::PageSizeMismatch { .. } => K::PageSizeMismatch,
             PlanError::UnalignedDecodePrefix { .. } => K::UnalignedPrefix,

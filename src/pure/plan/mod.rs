@@ -276,7 +276,8 @@ fn advertised_peer(problem: &Problem, local: Local<'_>, rank: RankId) -> Result<
 }
 
 /// Row runs computed once per (chunk, mode) and shared by every link (`None`: draft rows).
-type RunCache = BTreeMap<(u32, Option<Mode>), Arc<[RowRun]>>;
+/// Row runs by (chunk, mode or draft, CP rank): they depend on nothing else.
+type RunCache = BTreeMap<(u32, Option<Mode>, u32), Arc<[RowRun]>>;
 
 /// The decode prefix must be a whole number of decode allocator pages (domain.md §2.1, §2.3).
 fn check_prefix(request: &Request, virtual_page: u32) -> Result<(), PlanError> {
@@ -290,6 +291,12 @@ fn check_prefix(request: &Request, virtual_page: u32) -> Result<(), PlanError> {
 }
 
 impl Link {
+    /// This link as a prefill CP rank that ignores its block and sends whole chunks (a connector without
+    /// `filter_kv_indices_for_cp_rank`; the self-test's mutant).
+    pub fn without_cp_block(&self) -> Link {
+        Link { cp_block: None, ..self.clone() }
+    }
+
     /// Whether this connection carries `request`: its prefill rank is in the request's prefill DP group and its decode
     /// rank in the request's decode DP group.
     pub fn serves(&self, request: &Request) -> bool {
@@ -329,6 +336,15 @@ impl Link {
         groups: &mut Vec<TransferGroup>,
     ) -> Result<(), PlanError> {
         let virtual_page = u64::from(self.decode_virtual_page);
+        let clipped;
+        let (chunk, cp_rank) = match self.cp_block {
+            Some(size) => {
+                clipped =
+                    rows::cp_block(chunk, send_pages(request, self.prefill.virtual_page_size()), self.source.cp, size);
+                (&clipped, self.source.cp)
+            }
+            None => (chunk, 0),
+        };
         let mut push = |kind, entries: &Arc<[EntryPair]>, runs: Arc<[RowRun]>| {
             if !runs.is_empty() && !entries.is_empty() {
                 groups.push(TransferGroup {
@@ -343,7 +359,7 @@ impl Link {
             }
         };
         if let Some(entries) = &self.kv {
-            let runs = cached(cache, (chunk_index, Some(self.mode)), || match self.mode {
+            let runs = cached(cache, (chunk_index, Some(self.mode), cp_rank), || match self.mode {
                 Mode::PageCopy => rows::page_copy(chunk),
                 Mode::Relayout { dcp, dcp_rank } => rows::relayout(chunk, dcp, dcp_rank),
             })?;
@@ -351,14 +367,16 @@ impl Link {
         }
         if let Some(entries) = &self.draft {
             // Draft pools are paged by the allocator page V on both sides (domain.md §2.4 draft rows).
-            let runs = cached(cache, (chunk_index, None), || match self.mode {
+            let runs = cached(cache, (chunk_index, None, cp_rank), || match self.mode {
                 Mode::PageCopy => rows::page_copy(&ChunkView { page_size: virtual_page, ..*chunk }),
                 Mode::Relayout { .. } => rows::draft(chunk, virtual_page),
             })?;
             push(TransferKind::Draft, entries, runs);
         }
-        // State and aux travel with the last chunk only (domain.md §2.3, §1.6, §5.1).
-        if chunk_index as usize + 1 != request.chunks.len() {
+        // State and aux travel with the last chunk only (domain.md §2.3, §1.6, §5.1), from CP rank 0 only: state as
+        // SGLang skips it on the others (`_should_skip_cp_replicated_state_transfer`, `common/conn.py:513-529`); [I]
+        // aux too, which SGLang sends from every CP rank, the same bytes (src/pure/plan/SGLANG.md).
+        if chunk_index as usize + 1 != request.chunks.len() || self.source.cp != 0 {
             return Ok(());
         }
         for (component, kind, entries) in &self.state {
@@ -371,6 +389,11 @@ impl Link {
         }
         Ok(())
     }
+}
+
+/// Prefill pages of a request's send range (`num_kv_indices`): the chunks' pages together.
+fn send_pages(request: &Request, prefill_page: u32) -> u64 {
+    chunks(request, prefill_page, u64::from(prefill_page)).map(|chunk| chunk.source_pages.len() as u64).sum()
 }
 
 /// Splits a request's send range into the chunks prefill sends (domain.md §2.3).
@@ -396,7 +419,7 @@ fn chunks(request: &Request, prefill_page: u32, page_size: u64) -> impl Iterator
 
 fn cached(
     cache: &mut RunCache,
-    key: (u32, Option<Mode>),
+    key: (u32, Option<Mode>, u32),
     compute: impl FnOnce() -> Result<Vec<RowRun>, PlanError>,
 ) -> Result<Arc<[RowRun]>, PlanError> {
     if let Some(runs) = cache.get(&key) {
@@ -428,11 +451,14 @@ pub fn required_dst_info_num(prefill: &Topology, decode: &Topology) -> u32 {
 }
 
 /// How many Success statuses a decode rank waits for per request (domain.md §3.1): the TP factor (pure MLA with
-/// decode TP < prefill TP hears only from the primary) times the PP factor.
+/// decode TP < prefill TP hears only from the primary) times the PP factor, times the prefill CP size when the decode
+/// pulls from every CP rank.
 pub fn expected_responses(model: &ModelGeometry, prefill: &Topology, decode: &Topology) -> u32 {
     let tp = if decode.tp < prefill.tp && model.pool_kind() != PoolKind::Mla { prefill.tp / decode.tp } else { 1 };
     let pp = if decode.pp == prefill.pp { 1 } else { prefill.pp };
-    tp * pp
+    // `required_prefill_response_num *= cp` when pulling from every CP rank (`common/conn.py:1496-1513`).
+    let cp = if decode.all_cp { prefill.cp } else { 1 };
+    tp * pp * cp
 }
 
 /// Rejections that depend on the state components (domain.md §3.4, §8).
@@ -527,7 +553,8 @@ impl<'a> Ends<'a> {
     /// Both ends, or why this prefill rank does not serve the peer (a registration naming a decode rank that the
     /// rank mapping of domain.md §3.1 does not send here).
     fn new(local: Local<'a>, peer: &'a Peer) -> Result<Ends<'a>, PlanError> {
-        let decode = Topology { tp: peer.tp, dp: 1, pp: 1, dcp: peer.dcp, page_size: local.topology.page_size };
+        let page_size = local.topology.page_size;
+        let decode = Topology { tp: peer.tp, dp: 1, cp: 1, all_cp: false, pp: 1, dcp: peer.dcp, page_size };
         let (source, target) = (local.layout.rank, peer.rank);
         let prefill_tp = local.topology.tp;
         // Position among the k prefill ranks a decode rank contacts when decode TP < prefill TP.
@@ -572,6 +599,9 @@ pub struct Link {
     state: Vec<(usize, StateKind, Arc<[EntryPair]>)>,
     aux: Option<Arc<[EntryPair]>>,
     notes: Vec<String>,
+    /// The prefill CP size when every CP rank sends its block of each request's pages (this link's source is CP rank
+    /// `source.cp`); `None` when CP rank 0 sends everything.
+    cp_block: Option<u32>,
 }
 
 /// Registration-time work for one connection (domain.md §6.3): the transfer mode, then which kinds this prefill
@@ -605,6 +635,7 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
         state: Vec::new(),
         aux: None,
         notes: Vec::new(),
+        cp_block: (prefill.all_cp && prefill.cp > 1).then_some(prefill.cp),
     };
     if kv_writer || primary {
         let (targets, drafts) = kv_pairs(ends, mode)?;

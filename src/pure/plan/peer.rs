@@ -79,7 +79,7 @@ pub fn rank_of_key(key: &str) -> Option<RankId> {
     };
     let (pp, rest) = rest.strip_prefix("pp")?.split_once("-tp")?;
     let tp = rest.split('-').next()?;
-    Some(RankId { dp, pp: pp.parse().ok()?, tp: tp.parse().ok()? })
+    Some(RankId { dp, cp: 0, pp: pp.parse().ok()?, tp: tp.parse().ok()? })
 }
 
 /// What the prefill rank `local` knows of the peer that sent `registration`, and the memory desc of each of the

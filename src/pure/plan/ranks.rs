@@ -27,8 +27,9 @@ pub(crate) struct Connection {
 pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology, pool: PoolKind) -> Result<(), PlanError> {
     let unsupported = |reason: String| Err(PlanError::UnsupportedTopology { reason });
     for (side, topology) in [("prefill", prefill), ("decode", decode)] {
-        if topology.tp == 0 || topology.dp == 0 || topology.pp == 0 || topology.dcp == 0 || topology.page_size == 0 {
-            return unsupported(format!("{side} tp, dp, pp, dcp and page_size must be at least 1"));
+        let sizes = [topology.tp, topology.dp, topology.cp, topology.pp, topology.dcp, topology.page_size];
+        if sizes.contains(&0) {
+            return unsupported(format!("{side} tp, dp, cp, pp, dcp and page_size must be at least 1"));
         }
         if topology.tp % topology.dcp != 0 {
             return unsupported(format!("{side} tp {} is not a multiple of dcp {}", topology.tp, topology.dcp));
@@ -41,6 +42,12 @@ pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology, pool: Pool
     if decode.dcp > 1 && !pool.replicated_latent() {
         return Err(PlanError::DcpNeedsMla);
     }
+    if decode.dcp > 1 && prefill.cp != 1 {
+        return Err(PlanError::DcpNeedsPrefillCp1 { cp: prefill.cp });
+    }
+    if decode.cp != 1 {
+        return unsupported(format!("decode cp {} must be 1", decode.cp));
+    }
     if decode.pp != 1 && decode.pp != prefill.pp {
         return unsupported(format!("decode pp {} must be 1 or equal prefill pp {}", decode.pp, prefill.pp));
     }
@@ -52,20 +59,22 @@ pub(crate) fn check_topologies(prefill: &Topology, decode: &Topology, pool: Pool
 
 /// Every (prefill rank, decode rank) connection between prefill DP group `groups.0` and decode DP group `groups.1`
 /// (domain.md §3.1 inside the groups: SGLang's `_resolve_rank_mapping` maps attention-TP ranks within one prefill DP
-/// group, `common/conn.py:1432-1530`).
+/// group, `common/conn.py:1432-1530`), for every prefill CP rank the decode pulls from (all of them when it pulls
+/// from every CP rank, else CP rank 0, `1496-1513`).
 pub(crate) fn connections(prefill: &Topology, decode: &Topology, groups: (u32, u32)) -> Vec<Connection> {
     let mut res = Vec::new();
+    let cp_ranks = if decode.all_cp { prefill.cp } else { 1 };
     for target in decode.group(groups.1) {
         let stages = if decode.pp == prefill.pp { target.pp..target.pp + 1 } else { 0..prefill.pp };
-        for pp in stages {
+        for (cp, pp) in (0..cp_ranks).flat_map(|cp| stages.clone().map(move |pp| (cp, pp))) {
             if decode.tp >= prefill.tp {
                 let ratio = decode.tp / prefill.tp;
-                let source = RankId { dp: groups.0, pp, tp: target.tp / ratio };
+                let source = RankId { dp: groups.0, cp, pp, tp: target.tp / ratio };
                 res.push(Connection { prefill: source, decode: target, offset: 0 });
             } else {
                 let ratio = prefill.tp / decode.tp;
                 for offset in 0..ratio {
-                    let source = RankId { dp: groups.0, pp, tp: target.tp * ratio + offset };
+                    let source = RankId { dp: groups.0, cp, pp, tp: target.tp * ratio + offset };
                     res.push(Connection { prefill: source, decode: target, offset });
                 }
             }
@@ -127,6 +136,16 @@ pub(crate) fn describe_mapping(prefill: &Topology, decode: &Topology, pool: Pool
         let _ = write!(res, "; decode stage s <- prefill stage s");
     } else {
         let _ = write!(res, "; each decode rank contacts all {} prefill stages", prefill.pp);
+    }
+    if prefill.cp > 1 {
+        let _ = match decode.all_cp {
+            true => write!(
+                res,
+                "; prefill CP{}: every CP rank sends its contiguous block of each request's pages, CP rank 0 the state and aux",
+                prefill.cp
+            ),
+            false => write!(res, "; prefill CP{}: CP rank 0 sends everything, the other CP ranks are dummies", prefill.cp),
+        };
     }
     if prefill.dp > 1 || decode.dp > 1 {
         let _ = write!(

@@ -40,6 +40,28 @@ fn push(runs: &mut Vec<RowRun>, source_row: u64, target_row: u64, rows: u64) {
     runs.push(RowRun { source_row, target_row, rows });
 }
 
+/// The part of `chunk` prefill CP rank `rank` of `size` sends (`filter_kv_indices_for_cp_rank`, SGLang 0.5.23
+/// `disaggregation/utils.py:803-857`): over the send range's `total` pages, rank `r` owns the contiguous block
+/// starting at `r * (total / size) + min(r, total % size)`, one page longer for the first `total % size` ranks; the
+/// chunk is clipped to it (possibly to nothing).
+pub(crate) fn cp_block<'a>(chunk: &ChunkView<'a>, total: u64, rank: u32, size: u32) -> ChunkView<'a> {
+    let (rank, size) = (u64::from(rank), u64::from(size));
+    let (base, rem) = (total / size, total % size);
+    let start = rank * base + rank.min(rem);
+    let end = start + base + u64::from(rank < rem);
+    let chunk_start = chunk.source_page_offset;
+    let chunk_end = chunk_start + chunk.source_pages.len() as u64;
+    let first = start.max(chunk_start).min(chunk_end) - chunk_start;
+    let last = end.min(chunk_end).max(start.max(chunk_start).min(chunk_end)) - chunk_start;
+    let skipped = first * chunk.page_size;
+    ChunkView {
+        source_pages: &chunk.source_pages[first as usize..last as usize],
+        source_page_offset: chunk_start + first,
+        tokens: chunk.tokens.saturating_sub(skipped).min((last - first) * chunk.page_size),
+        ..*chunk
+    }
+}
+
 /// `build_dcp_token_transfer_plan`, target rows (domain.md §2.4): tokens at positions `p ≡ dcp_rank (mod dcp)`.
 pub(crate) fn relayout(chunk: &ChunkView<'_>, dcp: u32, dcp_rank: u32) -> Result<Vec<RowRun>, PlanError> {
     let page = chunk.page_size;

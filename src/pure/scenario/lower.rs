@@ -10,8 +10,9 @@ use crate::limits::{
     MAX_REQUESTS, MAX_TENSORS, MAX_TP, MAX_WIDTH,
 };
 use crate::model::{
-    build_side_layout, partition_layers, Advertise, Attention, DraftGeometry, MetadataOverride, ModelGeometry, Problem,
-    Request, Side, SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape, Topology,
+    build_side_layout, partition_layers, Advertise, Attention, DraftGeometry, MetadataOverride, ModelGeometry,
+    PoolKind, Problem, Request, Side, SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape,
+    Topology,
 };
 use crate::plan::PlanErrorKind;
 use crate::seed::Seed;
@@ -96,9 +97,10 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     if !check_request_count(&raw.requests, &mut diagnostics) {
         return Err(diagnostics.into_error());
     }
-    let (Some(model), Some(prefill), Some(decode)) = (model, prefill, decode) else {
+    let (Some(model), Some(mut prefill), Some(mut decode)) = (model, prefill, decode) else {
         return Err(diagnostics.into_error());
     };
+    all_cp_ranks_transfer(&model, &mut prefill, &mut decode, &mut diagnostics);
     check_missing_layers(&raw.prefill, &raw.decode, &model, &mut diagnostics);
     // The layer partition decides every stage's regions: nothing below is checked against a bad one.
     let before = diagnostics.count();
@@ -146,6 +148,42 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         early_send: raw.prefill.early_send,
     };
     Ok((problem, expect))
+}
+
+/// Whether every prefill CP rank sends its block of pages (SGLang `common/conn.py:373-394`): the env, or prefill CP > 1
+/// on a hybrid-MLA pool; the decode pulls from every CP rank with the env or a hybrid-MLA pool (`1496-1513`). [I] The
+/// two must agree when prefill CP > 1: neither side publishes its choice, and SGLang then either never asks CP ranks
+/// 1.. for their pages (the decode reports Success with those pages never written) or waits for statuses the dummy
+/// CP ranks never send (src/pure/plan/SGLANG.md).
+fn all_cp_ranks_transfer(
+    model: &ModelGeometry,
+    prefill: &mut Topology,
+    decode: &mut Topology,
+    diagnostics: &mut Diagnostics,
+) {
+    let hybrid_mla = model.pool_kind() == PoolKind::HybridMla;
+    prefill.all_cp = prefill.all_cp || (prefill.cp > 1 && hybrid_mla);
+    decode.all_cp = decode.all_cp || hybrid_mla;
+    if prefill.cp > 1 && prefill.all_cp != decode.all_cp {
+        let (sends, pulls) = (
+            if prefill.all_cp {
+                "every prefill CP rank sends its block of pages"
+            } else {
+                "only prefill CP rank 0 sends pages"
+            },
+            if decode.all_cp { "every CP rank" } else { "CP rank 0 only" },
+        );
+        let field = if prefill.all_cp { "decode" } else { "prefill" };
+        diagnostics.push(
+            format!("{field}.all_cp_ranks_transfer"),
+            format!(
+                "prefill CP{}: {sends}, but decode pulls from {pulls} (SGLang then \
+                 loses pages or waits forever, neither side publishes the setting; fix: the same \
+                 SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER on both sides)",
+                prefill.cp
+            ),
+        );
+    }
 }
 
 /// At least one request, and at most [`MAX_REQUESTS`]; `false` when there are too many to look at further.
@@ -926,6 +964,7 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
     let bounds = [
         ("tp", raw.tp, MAX_TP),
         ("dp", raw.dp, MAX_TP),
+        ("cp", raw.cp, MAX_TP),
         ("pp", raw.pp, MAX_PP),
         ("dcp", raw.dcp, MAX_TP),
         ("page_size", raw.page_size, MAX_PAGE_SIZE),
@@ -951,7 +990,31 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
             ),
         );
     }
-    let attn_tp = if raw.dp > 0 && raw.tp % raw.dp == 0 { raw.tp / raw.dp } else { raw.tp };
+    let dp_tp = if raw.dp > 0 && raw.tp % raw.dp == 0 { raw.tp / raw.dp } else { raw.tp };
+    if dp_tp > 0 && raw.cp > 0 && dp_tp % raw.cp != 0 {
+        diagnostics.push(
+            format!("{side}.cp"),
+            format!(
+                "{} does not divide tp / dp = {dp_tp} (SGLang: attn_tp_size = tp_size // attn_dp_size // attn_cp_size, \
+                 runtime_context.py:73-76; fix: a divisor of {dp_tp})",
+                raw.cp
+            ),
+        );
+    }
+    // SGLang asserts it on the decode side (`common/conn.py:1493-1495`).
+    if side == "decode" && raw.cp > 1 {
+        diagnostics.push(
+            format!("{side}.cp"),
+            format!("Decode cp size ({}) should be equal to 1 (SGLang common/conn.py:1493; fix: leave it out)", raw.cp),
+        );
+    }
+    if raw.cp > 1 && raw.dcp > 1 {
+        diagnostics.push(
+            format!("{side}.dcp"),
+            "[I] DCP inside a CP rank is not modelled (fix: dcp 1 with cp > 1)".to_owned(),
+        );
+    }
+    let attn_tp = if raw.cp > 0 && dp_tp % raw.cp == 0 { dp_tp / raw.cp } else { dp_tp };
     if attn_tp > 0 && raw.dcp > 0 && attn_tp % raw.dcp != 0 {
         let group =
             if raw.dp > 1 { format!("the attention TP size tp / dp = {attn_tp}") } else { format!("tp {attn_tp}") };
@@ -974,7 +1037,16 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
         );
     }
     let ok = diagnostics.count() == before;
-    ok.then_some(Topology { tp: attn_tp, dp: raw.dp, pp: raw.pp, dcp: raw.dcp, page_size: raw.page_size })
+    let topology = Topology {
+        tp: attn_tp,
+        dp: raw.dp,
+        cp: raw.cp,
+        all_cp: raw.all_cp_ranks_transfer,
+        pp: raw.pp,
+        dcp: raw.dcp,
+        page_size: raw.page_size,
+    };
+    ok.then_some(topology)
 }
 
 fn lower_requests(

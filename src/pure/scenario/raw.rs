@@ -18,6 +18,8 @@
 //! | `model.draft` | `{entries, token_len}` | none | draft KV entries on the last stage |
 //! | `prefill.tp` / `decode.tp` | u32 | 1 | TP size (`--tp-size`); with `dp`, the attention TP size of each DP group is `tp / dp` |
 //! | `prefill.dp` / `decode.dp` | u32 | 1 | attention DP size (`--attn-dp-size`, or `--dp` with `--enable-dp-attention`): `dp` groups of `tp / dp` attention-TP ranks, each with its own KV pool (divides tp) |
+//! | `prefill.cp` | u32 | 1 | attention CP size (`--attn-cp-size`): each DP group holds `cp` CP ranks of `tp / dp / cp` attention-TP ranks, every CP rank the whole KV (decode: 1 only) |
+//! | `prefill.all_cp_ranks_transfer` / `decode.all_cp_ranks_transfer` | bool | false | `SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`: every prefill CP rank sends its contiguous block of each request's pages (always on for hybrid-MLA with CP, and for a hybrid-MLA decode); otherwise CP rank 0 sends everything; both sides must agree |
 //! | `prefill.pp` / `decode.pp` | u32 | 1 | PP size (decode: 1 or the prefill PP) |
 //! | `prefill.dcp` / `decode.dcp` | u32 | 1 | DCP size (divides tp) |
 //! | `prefill.page_size` / `decode.page_size` | u32 | required | physical page size `P` |
@@ -144,6 +146,13 @@ pub struct RawSide {
     /// Attention DP size: `dp` groups of `tp / dp` attention-TP ranks.
     #[serde(default = "one")]
     pub dp: u32,
+    /// Attention CP size (prefill): `cp` ranks of `tp / dp / cp` attention-TP ranks each, every one holding the whole
+    /// KV.
+    #[serde(default = "one")]
+    pub cp: u32,
+    /// `SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER` on this side.
+    #[serde(default)]
+    pub all_cp_ranks_transfer: bool,
     #[serde(default = "one")]
     pub pp: u32,
     #[serde(default = "one")]

@@ -172,14 +172,16 @@ pub(crate) fn row_layout(
         return None;
     }
     let rows = region_len / row;
-    // One source region: requests computed by several prefill DP groups come from several.
+    // One source region: requests computed by several prefill DP groups, or sent by several CP ranks, come from
+    // several.
     let groups = prefill_groups(problem, target);
-    if groups.len() > 1 {
+    let topology = &problem.prefill.topology;
+    if groups.len() > 1 || (topology.cp > 1 && topology.all_cp) {
         return None;
     }
     let group = groups.first().copied().unwrap_or(0);
     let held =
-        holder(problem, group, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+        holder(problem, (group, 0, primary_tp(problem, target)), target, decode_region.kind, decode_region.layer, None);
     let Some((source, source_region)) = held else {
         // Nothing is sent to this region (as `row_pieces`): all of it is sentinel.
         let gaps = if rows == 0 { Vec::new() } else { vec![Rows { target: 0, source: 0, count: rows, step: 0 }] };
@@ -243,8 +245,14 @@ fn row_pieces(
 ) -> Vec<Piece> {
     let mut res = Vec::new();
     for group in prefill_groups(problem, target) {
-        let held =
-            holder(problem, group, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+        let held = holder(
+            problem,
+            (group, 0, primary_tp(problem, target)),
+            target,
+            decode_region.kind,
+            decode_region.layer,
+            None,
+        );
         let Some((source, source_region)) = held else { continue };
         let source_len = problem.prefill.rank(source).regions[source_region as usize].row_len();
         let target_len = decode_region.row_len();
@@ -252,20 +260,79 @@ fn row_pieces(
             notes.push((0, ViolationKind::Geometry { source_len, target_len }));
             continue;
         }
+        // The same region on each other CP rank that sends (its block of every request's pages).
+        let senders = cp_senders(problem, source);
         for request in received_from(problem, target, group) {
             let draft = decode_region.kind == RegionKind::Draft;
+            let owners = cp_owners(problem, request);
             for run in cache.rows(problem, target, request, draft, notes).0.iter() {
-                res.push(Piece {
-                    request: request.id,
-                    target_offset: run.target * target_len,
-                    length: target_len,
-                    source,
-                    source_region,
-                    source_offset: run.source * source_len,
-                    count: run.count,
-                    source_stride: run.step * source_len,
-                });
+                let rows_per_page = problem.prefill.rank(source).regions[source_region as usize].rows_per_item;
+                for (run, cp) in by_cp(run, u64::from(rows_per_page), owners.as_ref()) {
+                    res.push(Piece {
+                        request: request.id,
+                        target_offset: run.target * target_len,
+                        length: target_len,
+                        source: senders[cp as usize],
+                        source_region,
+                        source_offset: run.source * source_len,
+                        count: run.count,
+                        source_stride: run.step * source_len,
+                    });
+                }
             }
+        }
+    }
+    res
+}
+
+/// `source` and the ranks that differ from it only by CP rank, by CP rank: every prefill CP rank holds the whole KV
+/// in the same regions.
+fn cp_senders(problem: &Problem, source: RankId) -> Vec<RankId> {
+    (0..problem.prefill.topology.cp).map(|cp| RankId { cp, ..source }).collect()
+}
+
+/// The prefill CP rank that sends each page of `request`'s send range, by prefill page: SGLang 0.5.23
+/// `filter_kv_indices_for_cp_rank` (`disaggregation/utils.py:803-857`), restated: of the send range's
+/// `T = ceil(send tokens / P)` pages, CP rank `r` sends positions `[r*(T div cp) + min(r, T mod cp), +T div cp + [r <
+/// T mod cp])`. `None` when CP rank 0 sends every page (no CP, or CP without all-CP transfer).
+fn cp_owners(problem: &Problem, request: &Request) -> Option<BTreeMap<u32, u32>> {
+    let topology = &problem.prefill.topology;
+    if topology.cp <= 1 || !topology.all_cp {
+        return None;
+    }
+    let page = topology.virtual_page_size();
+    let (cp, first) = (topology.cp, (request.decode_prefix / page) as usize);
+    let total = request.send_len().div_ceil(page);
+    let (base, rem) = (total / cp, total % cp);
+    let mut owners = BTreeMap::new();
+    for rank in 0..cp {
+        let start = rank * base + rank.min(rem);
+        for position in start..start + base + u32::from(rank < rem) {
+            if let Some(page) = request.prefill_pages.get(first + position as usize) {
+                owners.insert(*page, rank);
+            }
+        }
+    }
+    Some(owners)
+}
+
+/// `run` cut where the CP rank owning its source rows changes (pages of `rows_per_page` rows; every row's page owner in
+/// `owners`, CP rank 0 without them).
+fn by_cp(run: &Rows, rows_per_page: u64, owners: Option<&BTreeMap<u32, u32>>) -> Vec<(Rows, u32)> {
+    let Some(owners) = owners else { return vec![(*run, 0)] };
+    let owner = |k: u64| {
+        let page = (run.source + k * run.step) / rows_per_page.max(1);
+        u32::try_from(page).ok().and_then(|page| owners.get(&page)).copied().unwrap_or(0)
+    };
+    let mut res: Vec<(Rows, u32)> = Vec::new();
+    for k in 0..run.count {
+        let cp = owner(k);
+        match res.last_mut() {
+            Some((last, last_cp)) if *last_cp == cp => last.count += 1,
+            _ => res.push((
+                Rows { target: run.target + k, source: run.source + k * run.step, count: 1, step: run.step },
+                cp,
+            )),
         }
     }
     res
@@ -293,7 +360,7 @@ fn head_pieces(
         let head = first_head + local;
         let holder_tp = head_holder_tp(problem, target, kv_heads, head);
         let Some((source, source_region)) =
-            holder(problem, group, holder_tp, target, RegionKind::Kv(part), decode_region.layer, None)
+            holder(problem, (group, 0, holder_tp), target, RegionKind::Kv(part), decode_region.layer, None)
         else {
             continue;
         };
@@ -308,17 +375,22 @@ fn head_pieces(
             notes.push((0, ViolationKind::Geometry { source_len, target_len }));
             continue;
         };
+        let senders = cp_senders(problem, source);
+        let rows_per_page = u64::from(problem.prefill.rank(source).regions[source_region as usize].rows_per_item);
         for request in received_from(problem, target, group) {
             // Heads of one row interleave with other holders' heads: one piece per row.
             let rows = cache.rows(problem, target, request, false, notes);
-            for (target_row, source_row) in rows.0.iter().flat_map(|run| run.each()) {
-                res.push(Piece::single(
-                    request.id,
-                    target_row * target_len + u64::from(local) * head_len,
-                    head_len,
-                    (source, source_region),
-                    source_row * source_len + u64::from(holder_local) * head_len,
-                ));
+            let owners = cp_owners(problem, request);
+            for (run, cp) in rows.0.iter().flat_map(|run| by_cp(run, rows_per_page, owners.as_ref())) {
+                for (target_row, source_row) in run.each() {
+                    res.push(Piece::single(
+                        request.id,
+                        target_row * target_len + u64::from(local) * head_len,
+                        head_len,
+                        (senders[cp as usize], source_region),
+                        source_row * source_len + u64::from(holder_local) * head_len,
+                    ));
+                }
             }
         }
     }
@@ -383,8 +455,14 @@ fn slot_pieces(
 ) -> Vec<Piece> {
     let mut res = Vec::new();
     for group in prefill_groups(problem, target) {
-        let held =
-            holder(problem, group, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+        let held = holder(
+            problem,
+            (group, 0, primary_tp(problem, target)),
+            target,
+            decode_region.kind,
+            decode_region.layer,
+            None,
+        );
         let Some((source, source_region)) =
             held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
         else {
@@ -421,8 +499,14 @@ fn page_pieces(
         }
     }
     for group in prefill_groups(problem, target) {
-        let held =
-            holder(problem, group, primary_tp(problem, target), target, decode_region.kind, decode_region.layer, None);
+        let held = holder(
+            problem,
+            (group, 0, primary_tp(problem, target)),
+            target,
+            decode_region.kind,
+            decode_region.layer,
+            None,
+        );
         let Some((source, source_region)) =
             held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
         else {
@@ -480,7 +564,7 @@ fn swa_head_pieces(
         let head = first_head + local;
         let holder_tp = head_holder_tp(problem, target, kv_heads, head);
         let Some((source, source_region)) =
-            holder(problem, group, holder_tp, target, decode_region.kind, decode_region.layer, None)
+            holder(problem, (group, 0, holder_tp), target, decode_region.kind, decode_region.layer, None)
         else {
             continue;
         };
@@ -523,7 +607,7 @@ fn aux_pieces(
     let last = problem.prefill.topology.pp - 1;
     let item_len = decode_region.item_len;
     for group in prefill_groups(problem, target) {
-        let held = holder(problem, group, primary_tp(problem, target), target, decode_region.kind, 0, Some(last));
+        let held = holder(problem, (group, 0, primary_tp(problem, target)), target, decode_region.kind, 0, Some(last));
         let Some((source, source_region)) =
             held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
         else {
@@ -587,19 +671,21 @@ fn received_from(problem: &Problem, target: RankId, group: u32) -> impl Iterator
     received(problem, target).filter(move |request| request.prefill_dp == group)
 }
 
-/// The prefill rank of DP group `group` and TP rank `tp` that registers a region of `kind` for `layer`, on the stage
+/// The prefill rank of DP group `group`, CP rank `cp` and TP rank `tp` that registers a region of `kind` for `layer`, on the stage
 /// paired with `target`.
 fn holder(
     problem: &Problem,
-    group: u32,
-    tp: u32,
+    (group, cp, tp): (u32, u32, u32),
     target: RankId,
     kind: RegionKind,
     layer: LayerId,
     stage: Option<u32>,
 ) -> Option<(RankId, u32)> {
     let same_stages = problem.decode.topology.pp == problem.prefill.topology.pp;
-    let mut ranks = problem.prefill.ranks.iter().filter(|layout| layout.rank.dp == group && layout.rank.tp == tp);
+    let mut ranks = problem.prefill.ranks.iter().filter(|layout| {
+        let rank = layout.rank;
+        rank.dp == group && rank.cp == cp && rank.tp == tp
+    });
     ranks.find_map(|layout| {
         if (same_stages && layout.rank.pp != target.pp) || stage.is_some_and(|stage| stage != layout.rank.pp) {
             return None;
@@ -747,7 +833,7 @@ fn mamba_pieces(
     for group in prefill_groups(problem, target) {
         let holders: Vec<Option<(RankId, u32)>> = (0..prefill_tp)
             .map(|tp| {
-                holder(problem, group, tp, target, decode_region.kind, decode_region.layer, None)
+                holder(problem, (group, 0, tp), target, decode_region.kind, decode_region.layer, None)
                     .filter(|held| same_items(problem, *held, decode_region, source_item, target_item, notes))
             })
             .collect();

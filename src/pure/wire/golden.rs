@@ -109,5 +109,7 @@ pub fn prefill_info() -> PrefillInfo {
         kv_cache_dtype: "auto".into(),
         attn_dp_size: 1,
         attn_dp_rank: 0,
+        attn_cp_size: 1,
+        attn_cp_rank: 0,
     }
 }

@@ -25,9 +25,11 @@ const PAGE_SIZE: Field = field(10, "page_size");
 const KV_CACHE_DTYPE: Field = field(11, "kv_cache_dtype");
 const ATTN_DP_SIZE: Field = field(12, "attn_dp_size");
 const ATTN_DP_RANK: Field = field(13, "attn_dp_rank");
+const ATTN_CP_SIZE: Field = field(14, "attn_cp_size");
+const ATTN_CP_RANK: Field = field(15, "attn_cp_rank");
 
 /// Frames of a prefill info message, the guard included.
-pub const PREFILL_INFO_FRAMES: usize = 14;
+pub const PREFILL_INFO_FRAMES: usize = 16;
 
 /// One prefill rank's parallel layout and endpoint (domain.md §6.1 step 1). Decode validates page size, dtype and
 /// the DCP gates against it (§2.5) and maps ranks with it (§3.1).
@@ -57,10 +59,14 @@ pub struct PrefillInfo {
     pub attn_dp_size: u32,
     /// Frame 13: attention DP rank (the rank's DP group), below `attn_dp_size`.
     pub attn_dp_rank: u32,
+    /// Frame 14: attention CP size (`attn_cp_size` of `/route`), 1..=`MAX_TP`.
+    pub attn_cp_size: u32,
+    /// Frame 15: attention CP rank, below `attn_cp_size`.
+    pub attn_cp_rank: u32,
 }
 
 impl PrefillInfo {
-    /// The 14 frames, guard first.
+    /// The 16 frames, guard first.
     pub fn encode(&self) -> Vec<Vec<u8>> {
         vec![
             GUARD.to_vec(),
@@ -77,10 +83,12 @@ impl PrefillInfo {
             self.kv_cache_dtype.as_bytes().to_vec(),
             ascii(self.attn_dp_size),
             ascii(self.attn_dp_rank),
+            ascii(self.attn_cp_size),
+            ascii(self.attn_cp_rank),
         ]
     }
 
-    /// Parses exactly 14 frames; fields are checked in frame order and the first error is returned.
+    /// Parses exactly 16 frames; fields are checked in frame order and the first error is returned.
     pub fn decode(frames: &[Vec<u8>]) -> Result<Self, WireError> {
         let reader = Reader::new(MessageKind::PrefillInfo, frames, PREFILL_INFO_FRAMES)?;
         reader.read(TAG, |bytes| literal(bytes, PREFILL_INFO_TAG))?;
@@ -92,6 +100,7 @@ impl PrefillInfo {
         let page_size = reader.int(PAGE_SIZE, 1..=MAX_PAGE_SIZE.into())?;
         let kv_cache_dtype = reader.read(KV_CACHE_DTYPE, text)?;
         let (attn_dp_size, attn_dp_rank) = size_and_rank(&reader, ATTN_DP_SIZE, ATTN_DP_RANK, MAX_TP)?;
+        let (attn_cp_size, attn_cp_rank) = size_and_rank(&reader, ATTN_CP_SIZE, ATTN_CP_RANK, MAX_TP)?;
         Ok(Self {
             ip,
             port,
@@ -105,6 +114,8 @@ impl PrefillInfo {
             kv_cache_dtype,
             attn_dp_size,
             attn_dp_rank,
+            attn_cp_size,
+            attn_cp_rank,
         })
     }
 }

@@ -252,9 +252,11 @@ impl PrefillEngine {
         self.cancelling.clear();
     }
 
-    /// `prefill_unique_rank` of domain.md §6.1 (CP 1).
+    /// `prefill_unique_rank` of domain.md §6.1 with SGLang 0.5.23's CP term (`common/conn.py:1024-1030`):
+    /// `attn_tp_rank * (pp * cp) + pp_rank * cp + cp_rank`.
     fn unique_rank(&self) -> u32 {
-        self.rank.tp * self.topology.pp + self.rank.pp
+        let (pp, cp) = (self.topology.pp, self.topology.cp);
+        self.rank.tp * (pp * cp) + self.rank.pp * cp + self.rank.cp
     }
 
     fn local(&self) -> Local<'_> {
@@ -287,7 +289,7 @@ impl PrefillEngine {
         let end = nic.open().map_err(|error| format!("prefill {} cannot open a connection: {error}", self.rank));
         let registration = Registration::decode(frames).map_err(|error| error.to_string());
         let rank = registration.as_ref().ok().and_then(|registration| peer::rank_of_key(&registration.engine.key));
-        let rank = rank.unwrap_or(RankId { dp: u32::MAX, pp: u32::MAX, tp: u32::MAX });
+        let rank = rank.unwrap_or(RankId { dp: u32::MAX, cp: u32::MAX, pp: u32::MAX, tp: u32::MAX });
         let linked = end.clone().and_then(|(conn, _)| {
             let registration = registration?;
             if registration.engine.address.is_empty() {

@@ -599,6 +599,8 @@ pub fn prefill_info(problem: &Problem) -> PrefillInfo {
         kv_cache_dtype: format!("{}-byte", problem.model.dtype_bytes),
         attn_dp_size: topology.dp,
         attn_dp_rank: 0,
+        attn_cp_size: topology.cp,
+        attn_cp_rank: 0,
     }
 }
 
@@ -607,6 +609,9 @@ pub fn published_topology(frames: &[Vec<u8>]) -> Option<Topology> {
     PrefillInfo::decode(frames).ok().map(|info| Topology {
         tp: info.attn_tp_size,
         dp: info.attn_dp_size,
+        cp: info.attn_cp_size,
+        // Not published (as in SGLang): the decode side pulls per its own setting.
+        all_cp: false,
         pp: info.pp_size,
         dcp: info.dcp_size,
         page_size: info.page_size,

@@ -117,7 +117,7 @@ fn head(kind: &str, id: u64, case: &str, query: &LinkQuery<'_>) -> Value {
         "type": kind,
         "id": id,
         "case": case,
-        "rank": { "dp": query.rank.dp, "pp": query.rank.pp, "tp": query.rank.tp },
+        "rank": { "dp": query.rank.dp, "cp": query.rank.cp, "pp": query.rank.pp, "tp": query.rank.tp },
         "local": local(query.local),
         "registration": registration(query.registration),
         "registration_frames": hex_frames(&query.registration.encode()),
@@ -128,7 +128,15 @@ fn local(local: Local<'_>) -> Value {
     let model = local.model;
     let topology = local.topology;
     json!({
-        "topology": { "tp": topology.tp, "pp": topology.pp, "dcp": topology.dcp, "page_size": topology.page_size },
+        "topology": {
+            "tp": topology.tp,
+            "dp": topology.dp,
+            "cp": topology.cp,
+            "all_cp_ranks_transfer": topology.all_cp,
+            "pp": topology.pp,
+            "dcp": topology.dcp,
+            "page_size": topology.page_size,
+        },
         "model": {
             "name": model.name,
             "layers": model.layer_count,

@@ -93,6 +93,7 @@ fn answer(query: &Value, scenarios: &mut BTreeMap<String, Scenario>) -> Result<A
     let problem = &scenarios[case].problem;
     let rank = RankId {
         dp: query["rank"]["dp"].as_u64().unwrap_or(0) as u32,
+        cp: query["rank"]["cp"].as_u64().unwrap_or(0) as u32,
         pp: query["rank"]["pp"].as_u64().unwrap_or(u64::MAX) as u32,
         tp: query["rank"]["tp"].as_u64().unwrap_or(u64::MAX) as u32,
     };

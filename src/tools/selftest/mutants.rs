@@ -47,10 +47,13 @@ pub enum Mutant {
     /// in another group's ranks (a DP rank offset off by one; `src/pure/plan/SGLANG.md`). A routing bug: it changes
     /// which ranks see a request ([`Mutant::route`]), not the plan of a chunk.
     DecodeDpOffByOne,
+    /// Prefill CP with all-CP transfer: every CP rank sends the whole chunk instead of its contiguous block of the
+    /// request's pages (`filter_kv_indices_for_cp_rank` left out; `src/pure/plan/SGLANG.md`).
+    CpWholeChunk,
 }
 
 /// Every mutant, in table order.
-pub const ALL: [Mutant; 13] = [
+pub const ALL: [Mutant; 14] = [
     Mutant::LocalLayerOrdinal,
     Mutant::DecodePagesPerChunk,
     Mutant::FinalPageOffByOne,
@@ -64,6 +67,7 @@ pub const ALL: [Mutant; 13] = [
     Mutant::ReplicatedStateWrongWriter,
     Mutant::SwaSwappedHeadSlice,
     Mutant::DecodeDpOffByOne,
+    Mutant::CpWholeChunk,
 ];
 
 /// What one prefill rank knows while one chunk of one room is planned for one peer.
@@ -91,6 +95,7 @@ impl Mutant {
             Mutant::ReplicatedStateWrongWriter => "replicated-state-wrong-writer",
             Mutant::SwaSwappedHeadSlice => "swa-swapped-head-slice",
             Mutant::DecodeDpOffByOne => "decode-dp-off-by-one",
+            Mutant::CpWholeChunk => "cp-whole-chunk",
         }
     }
 
@@ -111,6 +116,7 @@ impl Mutant {
             Mutant::OddListLastEntry => "§4.5",
             Mutant::AuxFromWrongStage => "§1.6",
             Mutant::DecodeDpOffByOne => "SGLANG.md DP",
+            Mutant::CpWholeChunk => "SGLANG.md CP",
         }
     }
 
@@ -169,6 +175,7 @@ impl Mutant {
                 require(prefill.tp.max(decode.tp) <= kv_heads, "neighbouring ranks are replicas of the same heads")
             }
             Mutant::DecodeDpOffByOne => require(decode.dp > 1, "decode DP1: one group receives every request"),
+            Mutant::CpWholeChunk => require(prefill.cp > 1 && prefill.all_cp, "CP rank 0 sends every page"),
             Mutant::ReplicatedStateWrongWriter => {
                 let replicated = problem.model.state.iter().any(|component| {
                     component.kind == StateKind::Mamba
@@ -197,6 +204,7 @@ impl Mutant {
             Mutant::ReplicatedStateWrongWriter => replicated_state_wrong_writer(site, groups),
             Mutant::SwaSwappedHeadSlice => swa_swapped_head_slice(site, groups),
             Mutant::DecodeDpOffByOne => groups,
+            Mutant::CpWholeChunk => site.link.without_cp_block().chunk_groups(site.query.request, site.chunk)?,
         })
     }
 

@@ -87,6 +87,10 @@ class Local:
         topo, model = q["local"]["topology"], q["local"]["model"]
         self.tp, self.pp, self.dcp, self.page_size = topo["tp"], topo["pp"], topo["dcp"], topo["page_size"]
         self.tp_rank, self.pp_rank = q["rank"]["tp"], q["rank"]["pp"]
+        # Attention CP (prefill): this rank's CP rank and whether every CP rank sends its block of pages
+        # (enable_all_cp_ranks_for_transfer, common/conn.py:373-394, as kvrelay's topology says).
+        self.cp, self.cp_rank = topo.get("cp", 1), q["rank"].get("cp", 0)
+        self.all_cp = bool(topo.get("all_cp_ranks_transfer", False)) and self.cp > 1
         self.dcp_rank = self.tp_rank % self.dcp
         attention = model["attention"]
         self.state_types = [STATE_KINDS.get(c["kind"], c["kind"].lower()) for c in model["state"]]
@@ -268,6 +272,9 @@ class Adapter:
         # start, index_slice counted in prefill pages from decode_prefix_len (common/conn.py:2270).
         first_page = decode_prefix // P
         curr = 0
+        # num_kv_indices: the send range's pages (common/conn.py:2270-2301 counts chunks against it).
+        num_kv_indices = sum(-(-t // P) for t in chunks)
+        cp_view = types.SimpleNamespace(attn_cp_rank=local.cp_rank, attn_cp_size=local.cp)
         # No SGLang helper: _get_dsa_cache_transfer_skip_flags (mooncake/conn.py:1873-1901), inlined: a method whose
         # only input beyond the ranks is CP state; hybrid-MLA KV is written by sub-rank 0 of an aggregation group.
         skip_kv = (local.is_hybrid_mla and local.tp > peer.tp
@@ -278,6 +285,10 @@ class Adapter:
             index_slice = slice(curr, curr + npages)
             curr += npages
             last = ci + 1 == len(chunks)
+            if local.all_cp:
+                # _prepare_send_indices (common/conn.py:2282-2291): this CP rank's block of the chunk.
+                src, index_slice = self.H.filter_kv_indices_for_cp_rank(
+                    cp_view, src, index_slice, total_pages=num_kv_indices)
             if relayout:
                 chunk_dst = dst_kv_indices
             else:
@@ -300,6 +311,9 @@ class Adapter:
                 self.send_kvcache_slice(out, ci, local, peer, mgr, src, chunk_dst)
             if last:
                 state_indices = self.prefill_state_indices(local, request)
+                # _should_skip_cp_replicated_state_transfer (common/conn.py:513-529): state from CP rank 0 only.
+                if local.cp > 1 and local.cp_rank != 0:
+                    state_indices = None
                 if state_indices:
                     self.maybe_send_extra(out, ci, local, peer, mgr, state_indices, meta["state_indices"])
                 self.send_aux(out, ci, local, peer, request["prefill_state"]["aux"], meta["aux_index"])

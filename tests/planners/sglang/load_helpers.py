@@ -303,6 +303,7 @@ class Helpers:
     should_send_replicated_state: Callable
     is_elided_entry: Callable
     filter_kv_indices_for_shard_rank: Callable
+    filter_kv_indices_for_cp_rank: Callable
     # common/staging_buffer.py (extracted) -- the head-slice rule
     compute_head_slice_params: Callable
     resolve_total_kv_heads: Callable
@@ -320,6 +321,7 @@ _UTILS_FUNCS = [
     "build_transfer_entry_pairs",
     "resolve_dcp_dst_entry_indices",
     "_get_cp_rank_page_bounds",
+    "filter_kv_indices_for_cp_rank",
     "filter_kv_indices_for_shard_rank",
 ]
 _STAGING_FUNCS = ["compute_head_slice_params", "compute_staging_layout", "resolve_total_kv_heads"]
@@ -392,6 +394,7 @@ def load(wheel: str = DEFAULT_WHEEL, verify: bool = True) -> Helpers:
         should_send_replicated_state=ns_utils["should_send_replicated_state"],
         is_elided_entry=ns_utils["is_elided_entry"],
         filter_kv_indices_for_shard_rank=ns_utils.get("filter_kv_indices_for_shard_rank"),
+        filter_kv_indices_for_cp_rank=ns_utils["filter_kv_indices_for_cp_rank"],
         compute_head_slice_params=ns_stag["compute_head_slice_params"],
         resolve_total_kv_heads=ns_stag["resolve_total_kv_heads"],
         compute_staging_layout=ns_stag["compute_staging_layout"],
