@@ -36,10 +36,13 @@ pub struct Side {
     /// `--speculative-algorithm NEXTN|EAGLE`: this side registers the draft KV of the checkpoint's own
     /// multi-token-prediction layers.
     pub speculative: bool,
-    /// `--dp` (data-parallel replicas or, with `--enable-dp-attention`, attention DP groups) and whether attention
-    /// is data parallel; `tp` is then the attention TP size of one group (`tp_size / dp_size`).
+    /// `--dp` (data-parallel replicas or, with `--enable-dp-attention`, attention DP groups; `--attn-dp-size` the
+    /// latter) and whether attention is data parallel; `tp` is then the attention TP size of one group
+    /// (`tp_size / dp_size / attn_cp_size`).
     pub dp: u32,
     pub dp_attention: bool,
+    /// `--attn-cp-size`: attention context-parallel ranks of each group.
+    pub cp: u32,
 }
 
 /// `--tp 8 --dcp-size 8 --page-size 64 ...` of side `side` (`prefill` or `decode`): SGLang's spellings (`--tp-size`,
@@ -56,6 +59,7 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
         speculative: false,
         dp: 1,
         dp_attention: false,
+        cp: 1,
     };
     let mut words = text.split_whitespace().flat_map(|word| match word.split_once('=') {
         Some((flag, value)) if flag.starts_with("--") => vec![flag.to_owned(), value.to_owned()],
@@ -79,6 +83,12 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
             "--kv-cache-dtype" => parsed.kv_cache_dtype = value()?,
             "--enable-dp-attention" => parsed.dp_attention = true,
             "--dp" | "--dp-size" | "--data-parallel-size" => parsed.dp = count(value()?)?,
+            // 0.5.23's spelling of attention DP (`arg_groups/fields/parallel.py:73-89`).
+            "--attn-dp-size" => {
+                parsed.dp = count(value()?)?;
+                parsed.dp_attention = true;
+            }
+            "--attn-cp-size" => parsed.cp = count(value()?)?,
             "--speculative-algorithm" => {
                 let algorithm = value()?.to_ascii_uppercase();
                 // NEXTN (which SGLang runs as EAGLE) and EAGLE draft with the checkpoint's own MTP layers; EAGLE3 and
@@ -113,7 +123,8 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
                 return Err(error(
                     &field,
                     "not a flag that shapes the KV layout (known: --tp, --pp-size, --dcp-size, --page-size, \
-                     --kv-cache-dtype, --speculative-algorithm)",
+                     --kv-cache-dtype, --speculative-algorithm, --dp with --enable-dp-attention, --attn-dp-size, \
+                     --attn-cp-size)",
                 ))
             }
         }
@@ -131,6 +142,16 @@ pub fn parse_flags(side: &str, text: &str) -> Result<Side, ImportError> {
         }
         parsed.tp /= parsed.dp;
     }
+    if parsed.tp % parsed.cp != 0 {
+        return Err(error(
+            format!("--{side} --attn-cp-size"),
+            format!(
+                "{} does not divide the attention TP {} (attn_tp_size = tp_size // dp // cp)",
+                parsed.cp, parsed.tp
+            ),
+        ));
+    }
+    parsed.tp /= parsed.cp;
     if parsed.tp % parsed.dcp != 0 {
         return Err(error(
             format!("--{side} --dcp-size"),
@@ -224,10 +245,9 @@ pub fn import(
         if side.dp_attention && side.dp > 1 {
             let _ = writeln!(
                 out,
-                "#   {name}: DP attention, {} groups of attention TP {} (attn_tp_size = tp_size / dp_size): this \
-                 scenario is the group a request is routed to; which group serves it and the bootstrap's DP rank \
-                 offsets are not modelled (src/pure/plan/SGLANG.md).",
-                side.dp, side.tp
+                "#   {name}: DP attention, {} groups of attention TP {} (attn_tp_size = tp_size / dp_size): a request \
+                 goes to group `room mod {}` (requests[].{name}_dp names another; src/pure/plan/SGLANG.md).",
+                side.dp, side.tp, side.dp
             );
         } else if side.dp > 1 {
             let _ = writeln!(
@@ -254,10 +274,21 @@ pub fn import(
         // A side started without --speculative-algorithm registers no draft entries (`draft: false`).
         let draft = if speculative && !side.speculative { ", draft: false" } else { "" };
         let extra = if name == "decode" { decode_extra.as_str() } else { "" };
+        // `tp` is SGLang's whole TP size; `dp` and `cp` split it into attention-TP groups.
+        let dp = if side.dp_attention { side.dp } else { 1 };
+        let groups = match (dp, side.cp) {
+            (1, 1) => String::new(),
+            (dp, 1) => format!(", dp: {dp}"),
+            (1, cp) => format!(", cp: {cp}"),
+            (dp, cp) => format!(", dp: {dp}, cp: {cp}"),
+        };
         let _ = writeln!(
             out,
-            "{name}: {{tp: {}, pp: {}, dcp: {}, page_size: {}{draft}{extra}}}",
-            side.tp, side.pp, side.dcp, side.page_size
+            "{name}: {{tp: {}{groups}, pp: {}, dcp: {}, page_size: {}{draft}{extra}}}",
+            side.tp * dp * side.cp,
+            side.pp,
+            side.dcp,
+            side.page_size
         );
     }
     let _ = writeln!(out, "requests:\n  - tokens: {tokens}\nexpect: ok");

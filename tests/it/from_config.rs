@@ -162,13 +162,17 @@ fn speculative_flags_import_the_checkpoints_mtp_layers_as_draft_kv(
     assert!(outcome.passed(), "{}\n{text}", outcome.failure_text("; "));
 }
 
-/// DeepSeek-V3 as SGLang's DP-attention decode (`--tp 8 --dp 8 --enable-dp-attention`: eight groups of attention
-/// TP 1) fed by a TP2 prefill: the scenario is one group, TP2 -> TP1, said in its header, and it runs byte-exact.
+/// DeepSeek-V3 as SGLang's DP-attention decode (`--tp 8 --dp 8 --enable-dp-attention`, or 0.5.23's
+/// `--attn-dp-size 8`: eight groups of attention TP 1) fed by a TP2 prefill: the scenario keeps the eight groups
+/// (`dp: 8`), says so in its header, and runs byte-exact; `--attn-cp-size` becomes the prefill's `cp`.
 #[test]
-fn dp_attention_imports_one_group_of_attention_tp() {
+fn dp_attention_imports_the_groups_of_attention_tp() {
     let text = imported("deepseek-v3.json", "--tp 2", "--tp 8 --dp 8 --enable-dp-attention --dcp-size 1");
-    assert!(text.contains("decode: {tp: 1, pp: 1, dcp: 1"), "{text}");
+    assert!(text.contains("decode: {tp: 8, dp: 8, pp: 1, dcp: 1"), "{text}");
     assert!(text.contains("decode: DP attention, 8 groups of attention TP 1"), "{text}");
+    let new_flags = imported("deepseek-v3.json", "--tp 4 --attn-cp-size 2", "--tp 8 --attn-dp-size 8");
+    assert!(new_flags.contains("prefill: {tp: 4, cp: 2, pp: 1,"), "{new_flags}");
+    assert!(new_flags.contains("decode: {tp: 8, dp: 8, pp: 1,"), "{new_flags}");
     let plain = imported("deepseek-v3.json", "--tp 2", "--tp 4 --dp 2");
     assert!(plain.contains("decode: {tp: 4,") && plain.contains("2 independent replicas of TP 4"), "{plain}");
     let scenario = scenario::parse(&text, "deepseek-v3.json", "imported").unwrap();

@@ -209,7 +209,7 @@ class Seat:
         mgr.req_to_decode_prefix_len[room] = meta.decode_prefix_len or 0
         queue = self.sgl.common_utils.FastQueue()
         mgr.transfer_queues = [queue]
-        for chunk in shared.chunk_requests(self.sgl.np, local, request, meta.decode_prefix_len):
+        for chunk in shared.chunk_requests(self.sgl.np, local, request, meta.decode_prefix_len, self.sgl.utils):
             mgr.add_transfer_request(room, chunk["kv_indices"], chunk["index_slice"], chunk["is_last_chunk"],
                                      aux_index=chunk["aux_index"], state_indices=chunk["state_indices"],
                                      num_kv_tokens=chunk["num_kv_tokens"])

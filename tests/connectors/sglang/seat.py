@@ -104,20 +104,28 @@ def kv_args(sgl, q, regions):
     return local, args
 
 
-def chunk_requests(np, local, request, decode_prefix_len):
+def chunk_requests(np, local, request, decode_prefix_len, utils=None):
     """The scheduler's chunks of the request (prefill.py:1731-1779): each chunk's pages after the decode's prefix, its
-    index_slice counted from there (common/conn.py:2270); the last carries the aux index and the state indices."""
+    index_slice counted from there (common/conn.py:2270); the last carries the aux index and the state indices. With
+    all-CP transfer, each chunk as the sender's _prepare_send_indices (common/conn.py:2282-2291) hands it to the
+    worker: this CP rank's block, through `utils` (the wheel's disaggregation/utils.py)."""
     P = local.page_size
     pages = request["prefill_pages"]
     first = (decode_prefix_len or 0) // P
     done = 0
     chunks = request["chunks"]
+    total = sum(-(-tokens // P) for tokens in chunks)
+    cp_view = types.SimpleNamespace(attn_cp_rank=local.cp_rank, attn_cp_size=local.cp)
     for index, tokens in enumerate(chunks):
         count = -(-tokens // P)
         kv_indices = np.asarray(pages[first + done: first + done + count], dtype=np.int32)
         last = index + 1 == len(chunks)
+        index_slice = slice(done, done + count)
+        if local.all_cp:
+            kv_indices, index_slice = utils.filter_kv_indices_for_cp_rank(cp_view, kv_indices, index_slice,
+                                                                          total_pages=total)
         state = (adapter.Adapter.prefill_state_indices(None, local, request) or None) if last else None
-        yield dict(kv_indices=kv_indices, index_slice=slice(done, done + count), is_last_chunk=last,
+        yield dict(kv_indices=kv_indices, index_slice=index_slice, is_last_chunk=last,
                    aux_index=request["prefill_state"]["aux"] if last else None, state_indices=state,
                    num_kv_tokens=tokens)
         done += count
@@ -139,8 +147,8 @@ class DummyRule:
 
 
 def common_manager_state(sgl, mgr, local):
-    """The attributes CommonKVManager.__init__ (common/conn.py:323-475) sets for a prefill rank with no CP, no KV
-    sharding, no deferred bootstrap."""
+    """The attributes CommonKVManager.__init__ (common/conn.py:323-475) sets for a prefill rank with no KV sharding and
+    no deferred bootstrap (CP as kvrelay's topology says, without CP-TP group sharing)."""
     mgr.is_mla_backend = local.is_mla
     mgr.is_hybrid_mla_backend = local.is_hybrid_mla
     mgr.disaggregation_mode = sgl.utils.DisaggregationMode.PREFILL
@@ -150,13 +158,13 @@ def common_manager_state(sgl, mgr, local):
     mgr._dcp_pack_buffers = None
     mgr.bootstrap_port = 0  # only named in a dying transfer thread's message
     mgr.attn_tp_size, mgr.attn_tp_rank = local.tp, local.tp_rank
-    mgr.attn_cp_size, mgr.attn_cp_rank = 1, 0
+    mgr.attn_cp_size, mgr.attn_cp_rank = local.cp, local.cp_rank
     mgr.state_tp_size = local.tp  # linear_attn_tp_size() without CP/TP group sharing
     mgr.dcp_size, mgr.dcp_rank = local.dcp, local.dcp_rank
     mgr.attn_dp_size, mgr.attn_dp_rank = 1, 0
     mgr.pp_size, mgr.pp_rank = local.pp, local.pp_rank
-    mgr.enable_all_cp_ranks_for_transfer = False
-    mgr.is_dummy_cp_rank = False
+    mgr.enable_all_cp_ranks_for_transfer = local.all_cp
+    mgr.is_dummy_cp_rank = not local.all_cp and local.cp > 1 and local.cp_rank != 0
     # A PP>1 prefill keeps request_status in a PPConsensusStore (common/conn.py:459) that agrees across stages over
     # torch.distributed; one stage's own view of its room is what its transfer worker reads.
     mgr.request_status = {}
