@@ -453,28 +453,28 @@ fn slot_pieces(
     item_len: u64,
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
+    one_item_pieces(problem, target, decode_region, (item_len, None), |indices| indices.slot, notes)
+}
+
+/// One item per request, of `item_len` bytes, from the prefill side's `index` item to the decode side's (from `stage`
+/// when given).
+fn one_item_pieces(
+    problem: &Problem,
+    target: RankId,
+    decode_region: &Region,
+    (item_len, stage): (u64, Option<u32>),
+    index: fn(&crate::model::StateIndices) -> u32,
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<Piece> {
     let mut res = Vec::new();
-    for group in prefill_groups(problem, target) {
-        let held = holder(
-            problem,
-            (group, 0, primary_tp(problem, target)),
-            target,
-            decode_region.kind,
-            decode_region.layer,
-            None,
-        );
-        let Some((source, source_region)) =
-            held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
-        else {
-            continue;
-        };
-        for request in received_from(problem, target, group) {
+    for (source, requests) in whole_item_sources(problem, target, decode_region, (item_len, stage), notes) {
+        for request in requests {
             res.push(Piece::single(
                 request.id,
-                u64::from(request.decode_state.slot) * item_len,
+                u64::from(index(&request.decode_state)) * item_len,
                 item_len,
-                (source, source_region),
-                u64::from(request.prefill_state.slot) * item_len,
+                source,
+                u64::from(index(&request.prefill_state)) * item_len,
             ));
         }
     }
@@ -498,21 +498,8 @@ fn page_pieces(
             return res;
         }
     }
-    for group in prefill_groups(problem, target) {
-        let held = holder(
-            problem,
-            (group, 0, primary_tp(problem, target)),
-            target,
-            decode_region.kind,
-            decode_region.layer,
-            None,
-        );
-        let Some((source, source_region)) =
-            held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
-        else {
-            continue;
-        };
-        for request in received_from(problem, target, group) {
+    for (source, requests) in whole_item_sources(problem, target, decode_region, (item_len, None), notes) {
+        for request in requests {
             let (source_pages, target_pages) =
                 (&request.prefill_state.pages[component as usize], &request.decode_state.pages[component as usize]);
             if source_pages.len() != target_pages.len() && !kind.is_paged() {
@@ -532,7 +519,7 @@ fn page_pieces(
                     request.id,
                     u64::from(*target_page) * item_len,
                     item_len,
-                    (source, source_region),
+                    source,
                     u64::from(*source_page) * item_len,
                 ));
             }
@@ -603,24 +590,28 @@ fn aux_pieces(
     decode_region: &Region,
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
-    let mut res = Vec::new();
     let last = problem.prefill.topology.pp - 1;
     let item_len = decode_region.item_len;
+    one_item_pieces(problem, target, decode_region, (item_len, Some(last)), |indices| indices.aux, notes)
+}
+
+/// The requests `target` receives by prefill DP group, each group's with the region that sends whole items of
+/// `decode_region` to `target` (replicated state, paged state, aux: the primary TP rank, CP rank 0, on `stage` when
+/// given, domain.md §3.1), where items have `item_len` bytes on both sides; a group whose region is missing or of
+/// another length is left out (with a note for the length).
+fn whole_item_sources<'a>(
+    problem: &'a Problem,
+    target: RankId,
+    decode_region: &Region,
+    (item_len, stage): (u64, Option<u32>),
+    notes: &mut Vec<(u64, ViolationKind)>,
+) -> Vec<((RankId, u32), Vec<&'a Request>)> {
+    let layer = if stage.is_some() { 0 } else { decode_region.layer };
+    let mut res = Vec::new();
     for group in prefill_groups(problem, target) {
-        let held = holder(problem, (group, 0, primary_tp(problem, target)), target, decode_region.kind, 0, Some(last));
-        let Some((source, source_region)) =
-            held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes))
-        else {
-            continue;
-        };
-        for request in received_from(problem, target, group) {
-            res.push(Piece::single(
-                request.id,
-                u64::from(request.decode_state.aux) * item_len,
-                item_len,
-                (source, source_region),
-                u64::from(request.prefill_state.aux) * item_len,
-            ));
+        let held = holder(problem, (group, 0, primary_tp(problem, target)), target, decode_region.kind, layer, stage);
+        if let Some(source) = held.filter(|held| same_items(problem, *held, decode_region, item_len, item_len, notes)) {
+            res.push((source, received_from(problem, target, group).collect()));
         }
     }
     res
