@@ -318,3 +318,21 @@ fn early_send_follows_the_peers_layout(#[case] decode: &str, #[case] note: &str)
     let trace = trace.join("\n");
     assert!(trace.contains(note), "{trace}");
 }
+
+/// A decode DP group that no request is dispatched to is written nothing, and the run still ends: its ranks have
+/// no rooms and contact no prefill rank (DP attention, src/pure/plan/SGLANG.md). The other group's ranks receive the
+/// one request.
+#[test]
+fn a_decode_dp_group_without_requests_is_written_nothing() {
+    let yaml = "model: {preset: deepseek-v2-lite, layers: 2}\nprefill: {tp: 2, dp: 2, page_size: 16}\n\
+                decode: {tp: 4, dp: 2, page_size: 16}\nrequests:\n  - tokens: 40\nexpect: ok\n";
+    let loaded = kvrelay::scenario::parse(yaml, "x.yaml", "x").unwrap();
+    let outcome = kvrelay::harness::run(&loaded).unwrap();
+    assert!(outcome.passed(), "{}", outcome.failure_text("; "));
+    let written: std::collections::BTreeSet<u32> =
+        outcome.observation.writes.iter().map(|write| write.target.rank.dp).collect();
+    assert_eq!(written, [0].into());
+    let rooms = &outcome.engine.as_ref().expect("engines ran").rooms;
+    assert!(rooms.iter().filter(|(rank, _)| rank.dp == 1).all(|(_, rooms)| rooms.is_empty()), "{rooms:?}");
+    assert!(rooms.iter().filter(|(rank, _)| rank.dp == 0).all(|(_, rooms)| rooms.len() == 1), "{rooms:?}");
+}
