@@ -294,7 +294,13 @@ impl Link {
     /// This link as a prefill CP rank that ignores its block and sends whole chunks (a connector without
     /// `filter_kv_indices_for_cp_rank`; the self-test's mutant).
     pub fn without_cp_block(&self) -> Link {
-        Link { cp_block: None, ..self.clone() }
+        Link { prefill: Topology { all_cp: false, ..self.prefill }, ..self.clone() }
+    }
+
+    /// The prefill CP size when every CP rank sends its block of each request's pages (this link's source is CP rank
+    /// `source.cp`); `None` when CP rank 0 sends everything.
+    fn cp_block(&self) -> Option<u32> {
+        (self.prefill.all_cp && self.prefill.cp > 1).then_some(self.prefill.cp)
     }
 
     /// Whether this connection carries `request`: its prefill rank is in the request's prefill DP group and its decode
@@ -337,7 +343,7 @@ impl Link {
     ) -> Result<(), PlanError> {
         let virtual_page = u64::from(self.decode_virtual_page);
         let clipped;
-        let (chunk, cp_rank) = match self.cp_block {
+        let (chunk, cp_rank) = match self.cp_block() {
             Some(size) => {
                 clipped =
                     rows::cp_block(chunk, send_pages(request, self.prefill.virtual_page_size()), self.source.cp, size);
@@ -599,9 +605,6 @@ pub struct Link {
     state: Vec<(usize, StateKind, Arc<[EntryPair]>)>,
     aux: Option<Arc<[EntryPair]>>,
     notes: Vec<String>,
-    /// The prefill CP size when every CP rank sends its block of each request's pages (this link's source is CP rank
-    /// `source.cp`); `None` when CP rank 0 sends everything.
-    cp_block: Option<u32>,
 }
 
 /// Registration-time work for one connection (domain.md §6.3): the transfer mode, then which kinds this prefill
@@ -635,7 +638,6 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
         state: Vec::new(),
         aux: None,
         notes: Vec::new(),
-        cp_block: (prefill.all_cp && prefill.cp > 1).then_some(prefill.cp),
     };
     if kv_writer || primary {
         let (targets, drafts) = kv_pairs(ends, mode)?;

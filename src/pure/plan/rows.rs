@@ -51,8 +51,9 @@ pub(crate) fn cp_block<'a>(chunk: &ChunkView<'a>, total: u64, rank: u32, size: u
     let end = start + base + u64::from(rank < rem);
     let chunk_start = chunk.source_page_offset;
     let chunk_end = chunk_start + chunk.source_pages.len() as u64;
-    let first = start.max(chunk_start).min(chunk_end) - chunk_start;
-    let last = end.min(chunk_end).max(start.max(chunk_start).min(chunk_end)) - chunk_start;
+    // The block's ends as page offsets inside the chunk (an empty range when they miss it).
+    let inside = |page: u64| page.clamp(chunk_start, chunk_end) - chunk_start;
+    let (first, last) = (inside(start), inside(end));
     let skipped = first * chunk.page_size;
     ChunkView {
         source_pages: &chunk.source_pages[first as usize..last as usize],
@@ -153,6 +154,29 @@ pub(crate) fn page_copy(chunk: &ChunkView<'_>) -> Result<Vec<RowRun>, PlanError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SGLang's CP blocks (`_get_cp_rank_page_bounds`): 11 pages over CP4 are 3, 3, 3 and 2 pages; a chunk of pages
+    /// 4..8 goes to CP rank 1 for pages 4..6 and CP rank 2 for 6..8, and CP rank 3 (pages 9..11) sends none of it.
+    #[test]
+    fn cp_blocks_give_the_first_ranks_the_remainder_and_clip_each_chunk() {
+        let pages = [10, 11, 12, 13];
+        let chunk = ChunkView {
+            source_pages: &pages,
+            target_pages: &[],
+            source_page_offset: 4,
+            decode_prefix: 0,
+            tokens: 64,
+            page_size: 16,
+        };
+        let block = |rank| {
+            let view = cp_block(&chunk, 11, rank, 4);
+            (view.source_pages.to_vec(), view.source_page_offset, view.tokens)
+        };
+        assert_eq!(block(0), (vec![], 4, 0));
+        assert_eq!(block(1), (vec![10, 11], 4, 32));
+        assert_eq!(block(2), (vec![12, 13], 6, 32));
+        assert_eq!(block(3), (vec![], 8, 0));
+    }
 
     /// domain.md §2.4 worked example A's chunk: P=2, src=[5,2,11,4], dst=[7], n=8.
     fn example_a() -> ChunkView<'static> {
