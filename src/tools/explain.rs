@@ -38,6 +38,9 @@ pub enum Path {
     MambaSlot,
     /// Mamba/KDA/GDN state under a TP change: channel slices.
     MambaSlice,
+    /// Mamba state the decode holds in another element order (`[taps, dim]` against `[dim, taps]`): every (channel,
+    /// tap) element moved to the decode's order.
+    MambaTransposed,
     /// A replicated (dim 0) Mamba tensor under a TP change: the whole slot from one elected writer.
     ReplicatedState,
     /// Paged state (SWA window, DSA index keys) and position rings.
@@ -89,6 +92,10 @@ impl Path {
             Path::MambaSlice => (
                 "Mamba state channel slices under a TP change",
                 "mooncake/conn.py:2326 _send_mamba_state_slice; utils.py:979-1042 compute_mamba_state_slice_byte_blocks",
+            ),
+            Path::MambaTransposed => (
+                "Mamba state held transposed on one side: every (channel, tap) element moved to the decode's order (kvrelay's frame 19)",
+                "no such path: 0.5.23 publishes no outer count and slices with the prefill's on both sides (utils.py:979-1042; Mooncake/NIXL registrations, mooncake/conn.py:154-177): the elements land scrambled",
             ),
             Path::ReplicatedState => (
                 "replicated state tensor under a TP change, one writer",
@@ -188,9 +195,18 @@ pub fn explain(problem: &Problem) -> Explanation {
                 let target = problem.decode.rank(group.target);
                 let mut by_path: BTreeMap<Path, u64> = BTreeMap::new();
                 for entry in group.entries.iter() {
-                    let replicated =
-                        problem.model.is_replicated_mamba(target.regions[entry.target_region as usize].kind);
+                    let kind = target.regions[entry.target_region as usize].kind;
+                    let replicated = problem.model.is_replicated_mamba(kind);
+                    let transposed = match kind {
+                        crate::model::RegionKind::State { component, tensor } => {
+                            let held =
+                                |side: &crate::model::SideLayout| side.sliced_layout(&problem.model, component, tensor);
+                            held(&problem.prefill).map(|it| it.0) != held(&problem.decode).map(|it| it.0)
+                        }
+                        _ => false,
+                    };
                     let path = match state.kind {
+                        StateKind::Mamba if transposed => Path::MambaTransposed,
                         StateKind::Mamba if prefill.tp == decode.tp => Path::MambaSlot,
                         StateKind::Mamba if replicated => Path::ReplicatedState,
                         StateKind::Mamba => Path::MambaSlice,

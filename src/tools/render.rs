@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::harness::Outcome;
-use crate::model::{Problem, RankId, Side};
+use crate::model::{Problem, RankId, Region, RegionKind, Side, TensorShape};
 use crate::plan::paged::PagedDescriptor;
 use crate::plan::{Plan, TransferKind};
 use crate::scenario::{Expectation, Scenario};
@@ -335,20 +335,16 @@ pub fn layout(problem: &Problem, observation: &Observation, only: Option<RankId>
                 continue;
             };
             // The run-length encoded lines, independent of the region's own layer id (so layers can share a block).
-            let spans = region_spans(
-                &sources,
-                region.layer,
-                &tensor_name(problem, region),
-                region.row_len(),
-                item_noun(problem, region),
-                bytes,
-            );
+            let (tensor, reordered) = viewed(problem, region, bytes);
+            let bytes = reordered.as_deref().unwrap_or(bytes);
+            let name = tensor_name(problem, region);
+            let spans =
+                region_spans(&sources, region.layer, &name, region.row_len(), item_noun(problem, region), bytes);
             let lines: Vec<String> = spans.into_iter().map(|span| span.line).collect();
             if lines.is_empty() {
                 untouched += 1;
                 continue;
             }
-            let tensor = tensor_name(problem, region);
             match blocks.last_mut() {
                 Some((last_tensor, layers, last_lines)) if *last_tensor == tensor && *last_lines == lines => {
                     layers.push(region.layer)
@@ -369,6 +365,49 @@ pub fn layout(problem: &Problem, observation: &Observation, only: Option<RankId>
         }
     }
     out
+}
+
+/// A decode region's name in a layout and the bytes to decode: a state tensor the decode holds in another element
+/// order than the prefill's (`state_layouts`) is permuted into the prefill's order first, item by item, so that its
+/// source words (8 bytes, `verify/pattern.rs`) come back whole instead of as 2-byte elements of many words; its name
+/// says so.
+pub fn viewed(problem: &Problem, region: &Region, bytes: &[u8]) -> (String, Option<Vec<u8>>) {
+    let name = tensor_name(problem, region);
+    let RegionKind::State { component, tensor } = region.kind else { return (name, None) };
+    let model = &problem.model;
+    let (Some((prefill_outer, _)), Some((decode_outer, _))) = (
+        problem.prefill.sliced_layout(model, component, tensor),
+        problem.decode.sliced_layout(model, component, tensor),
+    ) else {
+        return (name, None);
+    };
+    let shape = &model.state[component as usize].tensors[tensor as usize].shape;
+    let TensorShape::Sliced { full_dim, unit_bytes, outer_count, .. } = shape else { return (name, None) };
+    let (channel, dim) = (u64::from(*outer_count) * unit_bytes, u64::from(full_dim / problem.decode.topology.tp));
+    let rows = u64::from(prefill_outer.max(decode_outer));
+    if prefill_outer == decode_outer || dim * channel != region.item_len || channel % rows != 0 || region.item_len == 0
+    {
+        return (name, None);
+    }
+    let element = (channel / rows) as usize;
+    let at = |outer: u32, channel: u64, row: u64| -> usize {
+        (if u64::from(outer) == rows { row * dim + channel } else { channel * rows + row }) as usize * element
+    };
+    let mut out = bytes.to_vec();
+    for start in (0..bytes.len()).step_by(region.item_len as usize) {
+        for channel in 0..dim {
+            for row in 0..rows {
+                let (from, to) = (start + at(decode_outer, channel, row), start + at(prefill_outer, channel, row));
+                if let (Some(piece), Some(place)) = (bytes.get(from..from + element), out.get_mut(to..to + element)) {
+                    place.copy_from_slice(piece);
+                }
+            }
+        }
+    }
+    (
+        format!("{name}, held transposed (outer {decode_outer}): shown in the prefill's order (outer {prefill_outer})"),
+        Some(out),
+    )
 }
 
 /// One row-aligned piece of a decode region and where its bytes came from.

@@ -292,3 +292,48 @@ fn a_hybrid_mla_cp_prefill_sends_from_every_cp_rank() {
     assert_eq!(ranks, ["pp0/tp0", "cp1/pp0/tp0", "cp2/pp0/tp0", "cp3/pp0/tp0"]);
     assert_eq!(kvrelay::plan::expected_responses(&problem.model, prefill, decode), 4);
 }
+
+/// `state_layouts`: a transposition of a sliced Mamba tensor, named once per side; anything else names the field and
+/// the fix (an outer that does not split a channel's bytes, two windows that are not one layout transposed, a tensor
+/// without a channel axis, a component that is not Mamba).
+#[rstest::rstest]
+#[case::outer_does_not_split_a_channel(
+    "decode: {tp: 2, page_size: 16, state_layouts: [{component: 0, tensor: 0, outer: 4}]}",
+    "decode.state_layouts[0].outer: outer 4 does not split the 6 B each channel holds"
+)]
+#[case::two_windows(
+    "decode: {tp: 2, page_size: 16, state_layouts: [{component: 0, tensor: 0, outer: 6}]}\nprefill: {page_size: 16, state_layouts: [{component: 0, tensor: 0, outer: 3}]}",
+    "outer 6 and 3 (prefill.state_layouts[0].outer) are not one layout transposed"
+)]
+#[case::named_twice(
+    "decode: {tp: 2, page_size: 16, state_layouts: [{component: 0, tensor: 0, outer: 3}, {component: 0, tensor: 0, outer: 1}]}",
+    "decode.state_layouts[1]: component 0 tensor 0 is named twice on the decode side"
+)]
+#[case::no_such_tensor(
+    "decode: {tp: 2, page_size: 16, state_layouts: [{component: 0, tensor: 5, outer: 3}]}",
+    "decode.state_layouts[0].tensor: tensor 5 does not exist"
+)]
+#[case::no_such_component(
+    "decode: {tp: 2, page_size: 16, state_layouts: [{component: 3, tensor: 0, outer: 3}]}",
+    "decode.state_layouts[0].component: component 3 does not exist"
+)]
+fn a_bad_state_layout_names_the_field_and_the_fix(#[case] sides: &str, #[case] wanted: &str) {
+    let sides =
+        if sides.contains("prefill:") { sides.to_owned() } else { format!("prefill: {{page_size: 16}}\n{sides}") };
+    let res = error(&format!("model: {{preset: qwen3-next}}\n{sides}\nrequests: [{{tokens: 20}}]\nexpect: ok\n"));
+    assert!(res.contains(wanted), "{res}");
+}
+
+/// A decode holding the conv tensor transposed advertises its rows (frame 19) and keeps the model's item length.
+#[test]
+fn a_transposed_decode_advertises_its_rows_with_the_same_item_length() {
+    let path = std::path::Path::new("scenarios/state/gdn-conv-transposed-decode-tp1-to-tp4.yaml");
+    let problem = scenario::load(path).unwrap().problem;
+    assert_eq!(problem.decode.sliced_layout(&problem.model, 0, 0), Some((3, 2)));
+    assert_eq!(problem.prefill.sliced_layout(&problem.model, 0, 0), Some((1, 6)));
+    let (prefill, decode) = (&problem.prefill.ranks[0].state, &problem.decode.ranks[1].state);
+    assert!(decode.outer_counts[0][..36].iter().all(|outer| *outer == 3));
+    assert!(prefill.outer_counts[0][..36].iter().all(|outer| *outer == 1));
+    let conv = |layout: &kvrelay::model::RankLayout| layout.regions[layout.state.regions[0][0] as usize].item_len;
+    assert_eq!(conv(&problem.prefill.ranks[0]), 4 * conv(&problem.decode.ranks[1]));
+}

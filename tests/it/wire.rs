@@ -42,7 +42,7 @@ fn spec() -> &'static str {
 /// A value of any message type, so one test body covers all four.
 #[derive(Debug, Clone, PartialEq)]
 enum Message {
-    Registration(Registration),
+    Registration(Box<Registration>),
     RequestMeta(RequestMeta),
     Status(Status),
     PrefillInfo(PrefillInfo),
@@ -60,7 +60,7 @@ impl Message {
 
     fn decode(kind: MessageKind, frames: &[Vec<u8>]) -> Result<Self, WireError> {
         Ok(match kind {
-            MessageKind::Registration => Self::Registration(Registration::decode(frames)?),
+            MessageKind::Registration => Self::Registration(Box::new(Registration::decode(frames)?)),
             MessageKind::RequestMeta => Self::RequestMeta(RequestMeta::decode(frames)?),
             MessageKind::Status => Self::Status(Status::decode(frames)?),
             MessageKind::PrefillInfo => Self::PrefillInfo(PrefillInfo::decode(frames)?),
@@ -133,8 +133,8 @@ fn descriptor_layouts_are_pinned() {
 
 fn goldens() -> Vec<(&'static str, Message)> {
     vec![
-        ("registration", Message::Registration(golden::registration())),
-        ("legacy registration", Message::Registration(golden::legacy_registration())),
+        ("registration", Message::Registration(Box::new(golden::registration()))),
+        ("legacy registration", Message::Registration(Box::new(golden::legacy_registration()))),
         ("request metadata", Message::RequestMeta(golden::request_meta())),
         ("dummy request metadata", Message::RequestMeta(golden::dummy_request_meta())),
         ("success status", Message::Status(golden::success_status())),
@@ -300,7 +300,7 @@ use WireReason::*;
 #[case::bad_guard(Reg, with(reg(), 0, b"MoriMsgGuarD"), 0, "guard", BadGuard)]
 #[case::missing_frame(Reg, cut(reg(), 10), 10, "tp_rank", Missing { frames: 10 })]
 #[case::missing_prefix_frame(Meta, cut(meta(), 9), 9, "decode_prefix_len", Missing { frames: 9 })]
-#[case::too_many_registration_frames(Reg, plus(plus(reg(), b""), b""), 19, "after the last field", TooManyFrames { frames: 20, max: 19 })]
+#[case::too_many_registration_frames(Reg, plus(plus(plus(reg(), b""), b""), b""), 20, "after the last field", TooManyFrames { frames: 21, max: 20 })]
 #[case::too_many_status_frames(Stat, plus(stat(), b"x"), 5, "after the last field", TooManyFrames { frames: 6, max: 5 })]
 #[case::registration_room_not_none(Reg, with(reg(), 1, b"42"), 1, "room", Unexpected { expected: "None" })]
 #[case::request_room_none(Meta, with(meta(), 1, b"None"), 1, "room", NotInteger { text: "None".into() })]
@@ -452,9 +452,10 @@ fn registration() -> impl Strategy<Value = Registration> {
     );
     let numbers = (0..=1023_u32, 1..=MAX_TP, 0..MAX_RANKS, 0..=1_u64 << 32);
     let item_lens = prop::collection::vec(0..=1_u64 << 32, 0..4);
-    let tail = (lists(any::<u32>()), lists(any::<u32>()), prop::option::of(dcp_fields()), item_lens);
+    let tail =
+        (lists(any::<u32>()), lists(any::<u32>()), prop::option::of(dcp_fields()), item_lens, lists(any::<u32>()));
     (text(), port(), descs, numbers, tail).prop_map(
-        |(ip, port, descs, numbers, (state_item_lens, state_dims, dcp, item_lens))| Registration {
+        |(ip, port, descs, numbers, (state_item_lens, state_dims, dcp, item_lens, outers))| Registration {
             ip,
             port,
             engine: descs.0,
@@ -469,6 +470,7 @@ fn registration() -> impl Strategy<Value = Registration> {
             state_dims,
             // kvrelay's per-entry lengths ride after PR #37358's frames, so only with them.
             kv_item_lens: if dcp.is_some() { item_lens } else { Vec::new() },
+            state_outer_counts: if dcp.is_some() { outers } else { Vec::new() },
             dcp,
         },
     )
@@ -530,7 +532,7 @@ fn prefill_info() -> impl Strategy<Value = PrefillInfo> {
 
 fn any_message() -> impl Strategy<Value = Message> {
     prop_oneof![
-        registration().prop_map(Message::Registration),
+        registration().prop_map(|it| Message::Registration(Box::new(it))),
         request_meta().prop_map(Message::RequestMeta),
         any_status().prop_map(Message::Status),
         prefill_info().prop_map(Message::PrefillInfo),

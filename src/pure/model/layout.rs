@@ -65,6 +65,8 @@ pub struct SideOptions {
     pub layer_partition: Option<Vec<u32>>,
     /// Register the model's draft KV entries; `false` for a side deployed without speculative decoding.
     pub register_draft: bool,
+    /// `(component, tensor, outer)`: Mamba tensors held transposed (see [`SideLayout::state_outers`]).
+    pub state_outers: Vec<(u32, u32, u32)>,
 }
 
 /// Builds the regions and metadata of every rank of one side.
@@ -73,7 +75,7 @@ pub struct SideOptions {
 /// (last stage only), state entries (per component, tensor-kind-major then layer, domain.md §1.7), aux buffers.
 pub fn build_side_layout(side: Side, topology: Topology, model: &ModelGeometry, options: &SideOptions) -> SideLayout {
     let ranks = topology.ranks().map(|rank| build_rank(&topology, rank, model, options)).collect();
-    SideLayout { side, topology, ranks }
+    SideLayout { side, topology, ranks, state_outers: options.state_outers.clone() }
 }
 
 fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options: &SideOptions) -> RankLayout {
@@ -187,7 +189,11 @@ fn push_component(
             match &tensor.shape {
                 TensorShape::Sliced { outer_count, groups: tensor_groups, .. } => {
                     groups.push(tensor_groups.clone());
-                    outers.push(*outer_count);
+                    let held = options
+                        .state_outers
+                        .iter()
+                        .find(|(c, t, _)| (*c as usize, *t as usize) == (component_index, tensor_index));
+                    outers.push(held.map_or(*outer_count, |(_, _, outer)| *outer));
                 }
                 TensorShape::Replicated { .. } => {
                     groups.push(None);

@@ -431,11 +431,29 @@ pub struct SideLayout {
     pub topology: Topology,
     /// Indexed by [`Topology::rank_index`].
     pub ranks: Vec<RankLayout>,
+    /// `(component, tensor, outer)`: Mamba tensors this side holds transposed, `outer` rows before the channel axis
+    /// (scenario `state_layouts`); every other tensor as the model gives it.
+    pub state_outers: Vec<(u32, u32, u32)>,
 }
 
 impl SideLayout {
     pub fn rank(&self, rank: RankId) -> &RankLayout {
         &self.ranks[self.topology.rank_index(rank)]
+    }
+
+    /// How this side holds sliced tensor `tensor` of component `component`: `(outer rows, bytes per unit)`, the
+    /// model's shape or its transposition (the same bytes per channel, `outer x unit`); `None` for a tensor that is
+    /// not sliced.
+    pub fn sliced_layout(&self, model: &ModelGeometry, component: u32, tensor: u32) -> Option<(u32, u64)> {
+        let shape = &model.state.get(component as usize)?.tensors.get(tensor as usize)?.shape;
+        let TensorShape::Sliced { unit_bytes, outer_count, .. } = shape else { return None };
+        let channel = u64::from(*outer_count) * unit_bytes;
+        let outer = self
+            .state_outers
+            .iter()
+            .find(|(c, t, _)| (*c, *t) == (component, tensor))
+            .map_or(*outer_count, |(_, _, outer)| *outer);
+        Some((outer, channel / u64::from(outer.max(1))))
     }
 }
 

@@ -2,8 +2,9 @@
 //! rank reconstructs from the decoded message. The planner's links see nothing else of the decode side.
 //!
 //! [I] What the wire does not carry, the prefill rank takes from its own model: entry kinds (latent, K then V,
-//! trailing draft entries), conv sub-block widths and outer counts of each state tensor, aux row lengths and the
-//! page size (both sides checked it at bootstrap).
+//! trailing draft entries), conv sub-block widths of each state tensor, its outer counts where the peer sent none
+//! (frame 19 is kvrelay's; SGLang sends none), aux row lengths and the page size (both sides checked it at
+//! bootstrap).
 
 use super::{Local, Peer, PlanError};
 use crate::model::{
@@ -54,6 +55,8 @@ pub fn advertise(problem: &Problem, rank: RankId, descs: &[MemoryDesc]) -> Regis
         state_dims: layout.state.dims.clone(),
         dcp,
         kv_item_lens,
+        // Frame 19 rides after frame 18, so only where the per-entry lengths do.
+        state_outer_counts: if per_entry { layout.state.outer_counts.clone() } else { Vec::new() },
     }
 }
 
@@ -177,13 +180,27 @@ fn kv_regions(
     Ok(())
 }
 
+/// The outer count this rank holds tensor `tensor` of component `component` with: what a prefill assumes of a peer
+/// that sent none (SGLang's prefill slices with its own `state_slice_outer_counts` for both sides).
+fn own_outer(local: Local<'_>, component: usize, tensor: usize) -> u32 {
+    let state = &local.layout.state;
+    let tensors = local.model.state.get(component).map_or(1, |it| it.tensors.len().max(1));
+    let outers = state.outer_counts.get(component);
+    let per_tensor = outers.map_or(0, |outers| outers.len() / tensors);
+    let held = outers.and_then(|outers| outers.get(tensor * per_tensor)).copied().filter(|_| per_tensor > 0);
+    held.unwrap_or_else(|| match local.model.state.get(component).and_then(|it| it.tensors.get(tensor)) {
+        Some(crate::model::StateTensor { shape: TensorShape::Sliced { outer_count, .. }, .. }) => *outer_count,
+        _ => 1,
+    })
+}
+
 /// Without ids, the layer of entry `i` is only a label: the local entry at the same position, if any.
 fn guess_layer(local: Local<'_>, entry: usize) -> u32 {
     local.layout.kv_entries.get(entry).map_or(0, |index| local.layout.regions[*index as usize].layer)
 }
 
-/// State entries per component: item lengths, dims and layer ids as advertised; kinds, conv groups and outer counts
-/// from the local model (the Mori wire carries none of them).
+/// State entries per component: item lengths, dims, layer ids and (frame 19) outer counts as advertised; kinds, conv
+/// groups, and outer counts the peer did not send, from the local model (the Mori wire carries none of them).
 fn state_regions(
     local: Local<'_>,
     registration: &Registration,
@@ -202,6 +219,8 @@ fn state_regions(
             });
         };
         let lens = registration.state_item_lens.get(component);
+        let advertised_outers =
+            registration.state_outer_counts.get(component).filter(|outers| outers.len() == list.len());
         let ids = registration.state_layer_ids().get(component).filter(|ids| ids.len() == list.len());
         let per_tensor = list.len().div_ceil(model_component.tensors.len().max(1)).max(1);
         let mut regions = Vec::new();
@@ -215,12 +234,13 @@ fn state_regions(
             regions.push(layout.regions.len() as u32);
             layout.regions.push(region(kind, layer, item_len, 1, desc));
             descs.push(*desc);
-            let (group, outer) = match &tensor.shape {
-                TensorShape::Sliced { groups, outer_count, .. } => (groups.clone(), *outer_count),
-                TensorShape::Replicated { .. } => (None, 1),
+            let group = match &tensor.shape {
+                TensorShape::Sliced { groups, .. } => groups.clone(),
+                TensorShape::Replicated { .. } => None,
             };
             groups.push(group);
-            outers.push(outer);
+            let own = || own_outer(local, component, tensor_index);
+            outers.push(advertised_outers.map_or_else(own, |outers| outers[entry]));
         }
         state.kinds.push(model_component.kind);
         state.regions.push(regions);

@@ -42,6 +42,9 @@ pub(crate) fn mamba_blocks(
     shard: Shard,
 ) -> Result<Vec<Block>, PlanError> {
     let invalid = |reason: String| PlanError::StateMetadata { component, entry, reason };
+    if source.outer_count != target.outer_count {
+        return transposed_blocks(component, entry, source, target, shard);
+    }
     if shard.prefill_tp == shard.decode_tp {
         // Same TP: whole item, and the slot sizes must agree (Mooncake's check; Mori WIP skipped it).
         if source.item_len != target.item_len {
@@ -93,20 +96,7 @@ pub(crate) fn mamba_blocks(
         )));
     }
     let unit = source_row / source_dim;
-    let full = source_dim * prefill_tp;
-    if let Some(groups) = &source.groups {
-        let total: u64 = groups.iter().map(|group| u64::from(*group)).sum();
-        if total != full {
-            return Err(invalid(format!("conv shard groups {groups:?} sum to {total}, not the full dim {full}")));
-        }
-        if let Some(group) =
-            groups.iter().find(|group| u64::from(**group) % prefill_tp != 0 || u64::from(**group) % decode_tp != 0)
-        {
-            return Err(invalid(format!(
-                "conv shard group {group} does not split over tp {prefill_tp} and {decode_tp}"
-            )));
-        }
-    }
+    check_groups(source.groups.as_deref(), source_dim, shard).map_err(invalid)?;
     let units = dim_blocks(source_dim, source.groups.as_deref(), shard);
     let mut res = Vec::with_capacity(units.len() * outer as usize);
     for row in 0..outer {
@@ -116,6 +106,99 @@ pub(crate) fn mamba_blocks(
                 target: row * target_row + target_unit * unit,
                 length: count * unit,
             });
+        }
+    }
+    Ok(res)
+}
+
+/// The conv sub-blocks must cover the full dim and split over both sides' TP.
+fn check_groups(groups: Option<&[u32]>, source_dim: u64, shard: Shard) -> Result<(), String> {
+    let (prefill_tp, decode_tp) = (u64::from(shard.prefill_tp), u64::from(shard.decode_tp));
+    let full = source_dim * prefill_tp;
+    let Some(groups) = groups else { return Ok(()) };
+    let total: u64 = groups.iter().map(|group| u64::from(*group)).sum();
+    if total != full {
+        return Err(format!("conv shard groups {groups:?} sum to {total}, not the full dim {full}"));
+    }
+    if let Some(group) =
+        groups.iter().find(|group| u64::from(**group) % prefill_tp != 0 || u64::from(**group) % decode_tp != 0)
+    {
+        return Err(format!("conv shard group {group} does not split over tp {prefill_tp} and {decode_tp}"));
+    }
+    Ok(())
+}
+
+/// A tensor the two sides hold in different element orders (kvrelay's frame 19 told the prefill the decode's outer
+/// count; `src/pure/plan/SGLANG.md`, "Per-side conv layout"): channel-major `[dim, taps]` (outer 1) on one side,
+/// window-major `[taps, dim]` (outer `taps`) on the other, the same bytes per channel. Every (channel, tap) element
+/// moves on its own, to the place the target's order gives it; the channels each decode rank takes are
+/// [`dim_blocks`]' as for any slice. SGLang 0.5.23 cannot express it: it slices with the prefill's outer count on
+/// both sides (`compute_mamba_state_slice_byte_blocks`, `disaggregation/utils.py:979-1042`).
+fn transposed_blocks(
+    component: usize,
+    entry: usize,
+    source: &TensorMeta,
+    target: &TensorMeta,
+    shard: Shard,
+) -> Result<Vec<Block>, PlanError> {
+    let invalid = |reason: String| PlanError::StateMetadata { component, entry, reason };
+    let (source_outer, target_outer) = (u64::from(source.outer_count), u64::from(target.outer_count));
+    let (Some(source_dim), Some(target_dim)) = (source.dim.filter(|dim| *dim > 0), target.dim.filter(|dim| *dim > 0))
+    else {
+        return Err(invalid(format!(
+            "outer counts differ (prefill {source_outer}, decode {target_outer}) on a tensor without sliced dims: no channel axis to transpose"
+        )));
+    };
+    let (source_dim, target_dim) = (u64::from(source_dim), u64::from(target_dim));
+    let (prefill_tp, decode_tp) = (u64::from(shard.prefill_tp), u64::from(shard.decode_tp));
+    if source_dim * prefill_tp != target_dim * decode_tp {
+        return Err(invalid(format!(
+            "dims disagree: prefill {source_dim} x tp {prefill_tp} != decode {target_dim} x tp {decode_tp}"
+        )));
+    }
+    let taps = source_outer.max(target_outer);
+    if source_outer.min(target_outer) != 1 {
+        return Err(invalid(format!(
+            "outer counts {source_outer} (prefill) and {target_outer} (decode) are not one layout transposed: one side must be channel-major (outer 1)"
+        )));
+    }
+    let channel = source.item_len / source_dim;
+    if source.item_len % source_dim != 0
+        || target.item_len % target_dim != 0
+        || target.item_len / target_dim != channel
+        || channel % taps != 0
+    {
+        return Err(invalid(format!(
+            "items of {} B / dim {source_dim} and {} B / dim {target_dim} do not hold {taps} equal taps per channel on both sides",
+            source.item_len, target.item_len
+        )));
+    }
+    check_groups(source.groups.as_deref(), source_dim, shard).map_err(invalid)?;
+    let element = channel / taps;
+    // Byte offset of (channel, tap) in one side's item.
+    let place = |outer: u64, dim: u64, channel: u64, tap: u64| match outer {
+        1 => (channel * taps + tap) * element,
+        _ => (tap * dim + channel) * element,
+    };
+    let units = dim_blocks(source_dim, source.groups.as_deref(), shard);
+    let mut res: Vec<Block> = Vec::new();
+    for tap in 0..taps {
+        for (source_unit, target_unit, count) in &units {
+            for index in 0..*count {
+                let block = Block {
+                    source: place(source_outer, source_dim, source_unit + index, tap),
+                    target: place(target_outer, target_dim, target_unit + index, tap),
+                    length: element,
+                };
+                match res.last_mut() {
+                    Some(last)
+                        if last.source + last.length == block.source && last.target + last.length == block.target =>
+                    {
+                        last.length += element;
+                    }
+                    _ => res.push(block),
+                }
+            }
         }
     }
     Ok(res)
@@ -205,6 +288,31 @@ mod tests {
         let blocks =
             mamba_blocks(0, 0, &meta(8 * 65536, 8, None, 1), &meta(16 * 65536, 16, None, 1), shard(4, 2, 3, 1));
         assert_eq!(triples(&blocks.unwrap()), vec![(0, 524_288, 524_288)]);
+    }
+
+    /// A channel-major conv `[4, 3]` of 2-byte taps on prefill TP1, window-major `[3, 2]` on decode TP2 rank 1:
+    /// channels 2 and 3, every tap its own 2-byte element, in the decode's tap-major order.
+    #[test]
+    fn a_transposed_decode_takes_each_channel_tap_to_its_own_order() {
+        let blocks = mamba_blocks(0, 0, &meta(24, 4, None, 1), &meta(12, 2, None, 3), shard(1, 2, 0, 1)).unwrap();
+        assert_eq!(triples(&blocks), vec![(12, 0, 2), (18, 2, 2), (14, 4, 2), (20, 6, 2), (16, 8, 2), (22, 10, 2)]);
+        // And back: window-major on prefill TP2 rank 1 into a channel-major decode TP1 (aggregation, channels 2, 3).
+        let blocks = mamba_blocks(0, 0, &meta(12, 2, None, 3), &meta(24, 4, None, 1), shard(2, 1, 1, 0)).unwrap();
+        assert_eq!(triples(&blocks), vec![(0, 12, 2), (2, 18, 2), (4, 14, 2), (6, 20, 2), (8, 16, 2), (10, 22, 2)]);
+    }
+
+    /// Equal TP, different orders: no whole-item copy (the bytes would land scrambled), every element transposed.
+    #[test]
+    fn equal_tp_with_another_order_is_transposed_not_copied_whole() {
+        let blocks = mamba_blocks(0, 0, &meta(12, 2, None, 1), &meta(12, 2, None, 3), shard(2, 2, 1, 1)).unwrap();
+        assert_eq!(triples(&blocks), vec![(0, 0, 2), (6, 2, 2), (2, 4, 2), (8, 6, 2), (4, 8, 2), (10, 10, 2)]);
+    }
+
+    #[test]
+    fn outer_counts_that_are_not_one_layout_transposed_are_a_clear_error() {
+        let error = mamba_blocks(0, 2, &meta(36, 2, None, 3), &meta(36, 2, None, 6), shard(1, 1, 0, 0)).unwrap_err();
+        assert_eq!(error.kind(), crate::plan::PlanErrorKind::StateMetadata);
+        assert!(error.to_string().contains("outer counts 3 (prefill) and 6 (decode) are not one layout transposed"));
     }
 
     #[test]

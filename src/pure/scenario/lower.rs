@@ -1,6 +1,6 @@
 //! DTO → model: validation with field paths, presets, and the seeded page allocator.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::raw::{RawComponent, RawExpect, RawModel, RawRequest, RawScenario, RawSide};
 use super::{Diagnostic, Expectation, ExpectedError, ScenarioErrorKind};
@@ -120,6 +120,7 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     for (side, raw_side) in [("prefill", &raw.prefill), ("decode", &raw.decode)] {
         check_side_references(side, raw_side, &model, &mut diagnostics);
     }
+    check_state_layouts(&raw.prefill, &raw.decode, &model, &mut diagnostics);
     let mut requests = lower_requests(&raw.requests, &model, &prefill, &decode, &mut diagnostics);
     if !diagnostics.is_empty() {
         return Err(diagnostics.into_error());
@@ -279,6 +280,80 @@ fn check_side_references(side: &str, raw_side: &RawSide, model: &ModelGeometry, 
     }
 }
 
+/// `state_layouts` (both sides): each names a sliced Mamba tensor once per side, with an `outer` that transposes
+/// the model's layout: the same bytes per channel (`outer x unit_bytes`), split into `outer` rows. [I] Only a
+/// transposition is a layout kvrelay can judge element by element: across the model and both sides, the outer counts
+/// above 1 must be one window (`[dim, taps]` with outer 1 against `[taps, dim]` with outer `taps`); a longer window
+/// on one side changes the item length, which the planner refuses as differing unit sizes.
+fn check_state_layouts(prefill: &RawSide, decode: &RawSide, model: &ModelGeometry, diagnostics: &mut Diagnostics) {
+    let mut windows: BTreeMap<(u32, u32), Vec<(String, u32)>> = BTreeMap::new();
+    for (side, raw_side) in [("prefill", prefill), ("decode", decode)] {
+        for (index, item) in raw_side.state_layouts.iter().enumerate() {
+            let path = format!("{side}.state_layouts[{index}]");
+            let Some(component) = state_component(model, item.component, &path, diagnostics) else { continue };
+            let Some(tensor) = component.tensors.get(item.tensor as usize) else {
+                diagnostics.push(
+                    format!("{path}.tensor"),
+                    format!(
+                        "tensor {} does not exist: component {} has {} tensors",
+                        item.tensor,
+                        item.component,
+                        component.tensors.len()
+                    ),
+                );
+                continue;
+            };
+            let TensorShape::Sliced { unit_bytes, outer_count, .. } = &tensor.shape else {
+                diagnostics.push(
+                    format!("{path}.tensor"),
+                    format!("tensor `{}` is not sliced (`item_len` alone): it has no channel axis to hold transposed (fix: name a tensor given with `dim` and `unit_bytes`)", tensor.name),
+                );
+                continue;
+            };
+            if component.kind != StateKind::Mamba {
+                diagnostics.push(
+                    format!("{path}.component"),
+                    format!("component {} is {} state: only Mamba tensors have a conv layout to transpose (fix: a mamba component)", item.component, component.kind),
+                );
+                continue;
+            }
+            let channel = u64::from(*outer_count) * unit_bytes;
+            if item.outer == 0 || item.outer > MAX_WIDTH || channel % u64::from(item.outer) != 0 {
+                diagnostics.push(
+                    format!("{path}.outer"),
+                    format!("outer {} does not split the {channel} B each channel holds ({outer_count} x {unit_bytes} B) into equal rows (fix: 1 for channel-major, or the tap count for window-major)", item.outer),
+                );
+                continue;
+            }
+            let seen = windows.entry((item.component, item.tensor)).or_default();
+            if seen.iter().any(|(other, _)| other.starts_with(side)) {
+                diagnostics.push(
+                    path.clone(),
+                    format!(
+                        "component {} tensor {} is named twice on the {side} side (fix: one entry per tensor)",
+                        item.component, item.tensor
+                    ),
+                );
+                continue;
+            }
+            if *outer_count > 1 && seen.is_empty() {
+                seen.push(("model.state".to_owned(), *outer_count));
+            }
+            seen.push((format!("{path}.outer"), item.outer));
+        }
+    }
+    for list in windows.values() {
+        let mut windows = list.iter().filter(|(_, outer)| *outer > 1);
+        let Some((first_path, first)) = windows.next() else { continue };
+        if let Some((path, outer)) = windows.find(|(_, outer)| outer != first) {
+            diagnostics.push(
+                path.clone(),
+                format!("outer {outer} and {first} ({first_path}) are not one layout transposed: a transposed tensor has rows of one window, or none (fix: 1 for channel-major, or {first})"),
+            );
+        }
+    }
+}
+
 /// One side's layout options: runs its page, slot and state page allocators over `requests`, and carries the
 /// file's advertising and override fields.
 fn side_options(
@@ -318,6 +393,7 @@ fn side_options(
             .map(|item| (item.component, item.tensor, item.item_len))
             .collect(),
         draft_paged_physically: raw_side.draft_paged_physically,
+        state_outers: raw_side.state_layouts.iter().map(|item| (item.component, item.tensor, item.outer)).collect(),
         kv_token_len: raw_side.kv_token_len,
         layer_partition: raw_side.pp_layer_partition.clone(),
         register_draft: raw_side.draft,

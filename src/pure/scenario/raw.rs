@@ -30,6 +30,7 @@
 //! | `*.metadata_components` | usize | all | an older peer: per-component state metadata lists cover only this many components |
 //! | `*.metadata_overrides[]` | list | [] | `{component, entry, groups?, dim?}`: advertise other conv groups or dim for one state entry |
 //! | `*.state_item_lens[]` | list | [] | `{component, tensor, item_len}`: register a state tensor with another item length |
+//! | `*.state_layouts[]` | list | [] | `{component, tensor, outer}`: this side holds a Mamba tensor transposed, `outer` rows before the channel axis and the same bytes per channel (`outer: 1` channel-major `[dim, taps]`, as GDN's conv; `outer: taps` window-major `[taps, dim]`, as KDA's); the decode advertises its outers (frame 19) |
 //! | `*.draft_paged_physically` | bool | false | register the draft pool paged by `P` rather than `V` (version-1 layout) |
 //! | `*.kv_token_len` | u64 | model | register KV token rows of this many bytes (a peer with another KV layout) |
 //! | `decode.registration` | `legacy` or a mapping | faithful | what decode ranks advertise; the word `legacy` is `{legacy: true}` |
@@ -169,6 +170,9 @@ pub struct RawSide {
     pub metadata_overrides: Vec<RawOverride>,
     #[serde(default)]
     pub state_item_lens: Vec<RawItemLen>,
+    /// Mamba tensors this side holds transposed (another conv element order than the model's).
+    #[serde(default)]
+    pub state_layouts: Vec<RawStateLayout>,
     #[serde(default)]
     pub draft_paged_physically: bool,
     pub kv_token_len: Option<u64>,
@@ -226,6 +230,16 @@ pub struct RawItemLen {
     pub component: u32,
     pub tensor: u32,
     pub item_len: u64,
+}
+
+/// One Mamba tensor held with `outer` rows before its channel axis on this side (the same bytes per channel as the
+/// model's layout, in another element order).
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, expecting = "a mapping {component: C, tensor: T, outer: N}")]
+pub struct RawStateLayout {
+    pub component: u32,
+    pub tensor: u32,
+    pub outer: u32,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]

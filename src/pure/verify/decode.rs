@@ -279,6 +279,7 @@ impl<'a> Sources<'a> {
     /// Where `[within, within + length)` of a state item sits: row, sub-block and global channels or heads.
     #[allow(clippy::too_many_arguments, reason = "a coordinate needs all of them")]
     fn state_within(&self, component: u32, tensor: u32, within: u64, length: u64, item_len: u64, rank: u32) -> String {
+        let tensor_index = tensor;
         let tensor = &self.problem.model.state[component as usize].tensors[tensor as usize];
         let TensorShape::Sliced { full_dim, unit_bytes, outer_count, groups } = &tensor.shape else {
             return if within == 0 && length == item_len {
@@ -288,7 +289,11 @@ impl<'a> Sources<'a> {
             };
         };
         let tp = self.problem.prefill.topology.tp;
-        let row_len = item_len / u64::from(*outer_count);
+        // The prefill's own order (scenario `state_layouts` may transpose the model's rows).
+        let held = self.problem.prefill.state_outers.iter().find(|(c, t, _)| (*c, *t) == (component, tensor_index));
+        let outer = held.map_or(*outer_count, |(_, _, outer)| *outer).max(1);
+        let unit_bytes = u64::from(*outer_count) * unit_bytes / u64::from(outer);
+        let row_len = item_len / u64::from(outer);
         let (row, unit) = (within / row_len, (within % row_len) / unit_bytes);
         // A part of one unit (a damaged byte) still names the unit it lies in.
         let count = (length / unit_bytes).max(1);
@@ -307,6 +312,12 @@ impl<'a> Sources<'a> {
             if unit >= start && unit + count <= start + width {
                 // Global index = the rank's first unit of this sub-block + the offset inside it.
                 let first = u64::from(rank) * width + unit - start;
+                // Less than a unit (one tap of a channel-major conv channel, a damaged byte) names its bytes in it.
+                let (skip, partial) = (within % unit_bytes, length < unit_bytes);
+                if count == 1 && (skip > 0 || partial) {
+                    let end = (skip + length).min(unit_bytes);
+                    return format!("row {row} {} {first} bytes {skip}..{end} of {unit_bytes}", names[index]);
+                }
                 return format!("row {row} {} {first}..{}", names[index], first + count - 1);
             }
             start += width;

@@ -428,10 +428,21 @@ fn state_pieces(
     let shape = &state.tensors[tensor as usize].shape;
     match (state.kind, shape) {
         (crate::model::StateKind::Mamba, TensorShape::Sliced { full_dim, unit_bytes, outer_count, groups }) => {
+            // How each side holds it: the model's rows, or a transposition (`state_layouts`).
+            let channel = u64::from(*outer_count) * unit_bytes;
+            let held = |side: &crate::model::SideLayout| {
+                let outer = side
+                    .state_outers
+                    .iter()
+                    .find(|(c, t, _)| (*c, *t) == (component, tensor))
+                    .map_or(*outer_count, |(_, _, outer)| *outer);
+                Order { outer: u64::from(outer), unit: channel / u64::from(outer.max(1)) }
+            };
             let sliced = Sliced {
                 full_dim: *full_dim,
-                unit_bytes: *unit_bytes,
-                outer_count: *outer_count,
+                channel,
+                prefill: held(&problem.prefill),
+                decode: held(&problem.decode),
                 groups: groups.as_deref(),
             };
             let mut res = Vec::new();
@@ -797,9 +808,31 @@ fn relaid_runs(
 
 struct Sliced<'a> {
     full_dim: u32,
-    unit_bytes: u64,
-    outer_count: u32,
+    /// Bytes each channel holds, over all its rows.
+    channel: u64,
+    prefill: Order,
+    decode: Order,
     groups: Option<&'a [u32]>,
+}
+
+/// How one side holds a sliced tensor (domain.md §5.2): `outer` rows of its local channels, `unit` bytes each; a side
+/// may hold the model's `[dim, taps]` as `[taps, dim]` or back (scenario `state_layouts`).
+#[derive(Clone, Copy)]
+struct Order {
+    outer: u64,
+    unit: u64,
+}
+
+impl Order {
+    /// Byte offset of local channel `channel`'s part `row` of `rows` (`rows`: the larger outer of the two sides):
+    /// row `row` of a side holding `rows` rows, or the `row`-th slice of the channel's unit of a side holding one.
+    fn at(self, dim: u64, rows: u64, channel: u64, row: u64) -> u64 {
+        if self.outer == rows {
+            row * dim * self.unit + channel * self.unit
+        } else {
+            channel * self.unit + row * (self.unit / rows)
+        }
+    }
 }
 
 /// Mamba state by global channel (domain.md §5.2): decode rank `d` holds channels `[d*g/Td, (d+1)*g/Td)` of every
@@ -814,11 +847,13 @@ fn mamba_pieces(
 ) {
     let (prefill_tp, decode_tp) = (problem.prefill.topology.tp, problem.decode.topology.tp);
     let groups: Vec<u32> = tensor.groups.map_or_else(|| vec![tensor.full_dim], <[u32]>::to_vec);
-    let unit = tensor.unit_bytes;
-    let outer = u64::from(tensor.outer_count);
-    let target_row = u64::from(tensor.full_dim / decode_tp) * unit;
-    let source_row = u64::from(tensor.full_dim / prefill_tp) * unit;
-    let (target_item, source_item) = (target_row * outer, source_row * outer);
+    // Both sides' rows (one side transposed: the taps) and each channel's part of one row.
+    let rows = tensor.prefill.outer.max(tensor.decode.outer);
+    let element = tensor.channel / rows.max(1);
+    // Runs of channels stay contiguous on both sides only where both hold the same order.
+    let same_order = tensor.prefill.outer == tensor.decode.outer;
+    let (target_dim, source_dim) = (u64::from(tensor.full_dim / decode_tp), u64::from(tensor.full_dim / prefill_tp));
+    let (target_item, source_item) = (target_dim * tensor.channel, source_dim * tensor.channel);
     // The holder depends only on the prefill TP rank: look each one up once; every holder's items must have the
     // model's length.
     for group in prefill_groups(problem, target) {
@@ -829,7 +864,7 @@ fn mamba_pieces(
             })
             .collect();
         for request in received_from(problem, target, group) {
-            for row in 0..outer {
+            for row in 0..rows {
                 let (mut target_start, mut source_start) = (0u64, 0u64);
                 for group in &groups {
                     let (target_width, source_width) = (u64::from(group / decode_tp), u64::from(group / prefill_tp));
@@ -838,21 +873,20 @@ fn mamba_pieces(
                         let channel = u64::from(target.tp) * target_width + index;
                         let (holder_tp, within) = ((channel / source_width) as u32, channel % source_width);
                         // The channels up to the end of this group's share or of the holder's share come from one
-                        // holder, consecutive on both sides: one piece for the run.
+                        // holder, consecutive on both sides when both hold one order: one piece for the run.
                         let run = (target_width - index).min(source_width - within);
+                        let run = if same_order { run } else { 1 };
                         if let Some((source, source_region)) = holders[holder_tp as usize] {
+                            let at_target = tensor.decode.at(target_dim, rows, target_start + index, row);
+                            let at_source = tensor.prefill.at(source_dim, rows, source_start + within, row);
                             push_merged(
                                 res,
                                 Piece::single(
                                     request.id,
-                                    u64::from(request.decode_state.slot) * target_item
-                                        + row * target_row
-                                        + (target_start + index) * unit,
-                                    run * unit,
+                                    u64::from(request.decode_state.slot) * target_item + at_target,
+                                    run * element,
                                     (source, source_region),
-                                    u64::from(request.prefill_state.slot) * source_item
-                                        + row * source_row
-                                        + (source_start + within) * unit,
+                                    u64::from(request.prefill_state.slot) * source_item + at_source,
                                 ),
                             );
                         }

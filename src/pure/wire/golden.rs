@@ -28,6 +28,7 @@ pub fn registration() -> Registration {
         state_item_lens: vec![vec![1024]],
         state_dims: vec![vec![16]],
         kv_item_lens: Vec::new(),
+        state_outer_counts: Vec::new(),
         dcp: Some(DcpFields { dcp_size: 8, dcp_rank: 3, state_layer_ids: vec![vec![19]], kv_layer_ids: vec![17, 23] }),
     }
 }
@@ -55,6 +56,7 @@ pub fn legacy_registration() -> Registration {
         state_item_lens: Vec::new(),
         state_dims: Vec::new(),
         kv_item_lens: Vec::new(),
+        state_outer_counts: Vec::new(),
         dcp: None,
     }
 }

@@ -25,7 +25,7 @@ pub use error::{MessageKind, WireError, WireErrorKind, WireReason};
 pub use prefill::{PrefillInfo, PREFILL_INFO_FRAMES, PREFILL_INFO_TAG};
 pub use registration::{
     DcpFields, Registration, LEGACY_REGISTRATION_FRAMES, REGISTRATION_FRAMES, REGISTRATION_FRAMES_WITH_ITEM_LENS,
-    REGISTRATION_ROOM,
+    REGISTRATION_FRAMES_WITH_OUTER_COUNTS, REGISTRATION_ROOM,
 };
 pub use request::{RequestMeta, REQUEST_META_FRAMES};
 pub use status::{KvPoll, Status, STATUS_FRAMES};

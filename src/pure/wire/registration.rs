@@ -32,6 +32,7 @@ const DCP_RANK: Field = field(15, "dcp_rank");
 const STATE_LAYER_IDS: Field = field(16, "state_layer_ids");
 const KV_LAYER_IDS: Field = field(17, "kv_layer_ids");
 const KV_ITEM_LENS: Field = field(18, "kv_item_lens");
+const STATE_OUTER_COUNTS: Field = field(19, "state_outer_counts");
 
 /// Frames of a legacy (pre-PR #37358) registration: the guard and 13 fields.
 pub const LEGACY_REGISTRATION_FRAMES: usize = 14;
@@ -39,6 +40,8 @@ pub const LEGACY_REGISTRATION_FRAMES: usize = 14;
 pub const REGISTRATION_FRAMES: usize = 18;
 /// Frames with kvrelay's optional per-entry KV item lengths (frame 18, after PR #37358's fields).
 pub const REGISTRATION_FRAMES_WITH_ITEM_LENS: usize = 19;
+/// Frames with kvrelay's optional state outer counts too (frame 19, after frame 18).
+pub const REGISTRATION_FRAMES_WITH_OUTER_COUNTS: usize = 20;
 
 /// A decode rank's registration with one prefill rank (domain.md §6.2, PR #37358 layout).
 ///
@@ -74,6 +77,11 @@ pub struct Registration {
     /// Frame 18 (kvrelay's extension, like the later Mori layout's per-entry list, §6.2): the item length of every
     /// KV entry (`u64le` concatenated); absent or empty = only `kv_item_len` is known. Sent only with frames 14-17.
     pub kv_item_lens: Vec<u64>,
+    /// Frame 19 (kvrelay's extension; SGLang 0.5.23 publishes no such list): per state component, the rows before
+    /// the sliced axis of each tensor (`state_slice_outer_counts`, `pack_int_lists` "I"), so that a prefill can tell
+    /// a transposed conv layout from its own. Absent or empty = unknown: the prefill assumes its own layout, as
+    /// SGLang does. Sent only with frame 18 (which may then be empty).
+    pub state_outer_counts: Vec<Vec<u32>>,
 }
 
 /// The four fields PR #37358 appended to the registration (§6.2 idx 13-16).
@@ -125,7 +133,7 @@ impl Registration {
         self.dcp.as_ref().map_or(&[], |dcp| dcp.state_layer_ids.as_slice())
     }
 
-    /// The frames, guard first: 18, or 14 for a legacy registration.
+    /// The frames, guard first: 18 to 20, or 14 for a legacy registration.
     pub fn encode(&self) -> Vec<Vec<u8>> {
         let mut frames = vec![
             GUARD.to_vec(),
@@ -148,16 +156,19 @@ impl Registration {
             frames.push(ascii(dcp.dcp_rank));
             frames.push(pack_int_lists(&dcp.state_layer_ids));
             frames.push(pack_int_list(&dcp.kv_layer_ids));
-            if !self.kv_item_lens.is_empty() {
+            if !self.kv_item_lens.is_empty() || !self.state_outer_counts.is_empty() {
                 frames.push(pack_int_list(&self.kv_item_lens));
+            }
+            if !self.state_outer_counts.is_empty() {
+                frames.push(pack_int_lists(&self.state_outer_counts));
             }
         }
         frames
     }
 
-    /// Parses 14 to 18 frames; fields are checked in frame order and the first error is returned.
+    /// Parses 14 to 20 frames; fields are checked in frame order and the first error is returned.
     pub fn decode(frames: &[Vec<u8>]) -> Result<Self, WireError> {
-        let reader = Reader::new(MessageKind::Registration, frames, REGISTRATION_FRAMES_WITH_ITEM_LENS)?;
+        let reader = Reader::new(MessageKind::Registration, frames, REGISTRATION_FRAMES_WITH_OUTER_COUNTS)?;
         reader.read(ROOM, |bytes| literal(bytes, REGISTRATION_ROOM))?;
         Ok(Self {
             ip: reader.read(IP, text)?,
@@ -174,6 +185,7 @@ impl Registration {
             state_dims: reader.read(STATE_DIMS, unpack_int_lists)?,
             dcp: decode_dcp(&reader)?,
             kv_item_lens: reader.read_or(KV_ITEM_LENS, Vec::new(), unpack_int_list)?,
+            state_outer_counts: reader.read_or(STATE_OUTER_COUNTS, Vec::new(), unpack_int_lists)?,
         })
     }
 }

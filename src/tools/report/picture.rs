@@ -62,7 +62,9 @@ pub fn rank_picture(problem: &Problem, observation: &Observation, violations: &[
             }
             continue;
         };
-        let (row_len, tensor) = (region.row_len().max(1), tensor_name(problem, region));
+        let (tensor, reordered) = crate::render::viewed(problem, region, bytes);
+        let bytes = reordered.as_deref().unwrap_or(bytes);
+        let row_len = region.row_len().max(1);
         let rows = (bytes.len() as u64 / row_len).max(1);
         let scale = PLOT_WIDTH / rows as f64;
         let noun = item_noun(problem, region);
@@ -75,7 +77,7 @@ pub fn rank_picture(problem: &Problem, observation: &Observation, violations: &[
             ty = y + BAND - 3.0,
             label = escape(&label),
         );
-        for span in region_spans(&sources, region.layer, &tensor, row_len, noun, bytes) {
+        for span in region_spans(&sources, region.layer, &tensor_name(problem, region), row_len, noun, bytes) {
             if drawn == MAX_SPANS {
                 picture.notes.push(format!("stopped drawing after {MAX_SPANS} runs of rows; the golden text has all"));
             }

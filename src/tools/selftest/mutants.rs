@@ -50,10 +50,14 @@ pub enum Mutant {
     /// Prefill CP with all-CP transfer: every CP rank sends the whole chunk instead of its contiguous block of the
     /// request's pages (`filter_kv_indices_for_cp_rank` left out; `src/pure/plan/SGLANG.md`).
     CpWholeChunk,
+    /// A decode holding a conv tensor transposed (`[taps, dim]` against the prefill's `[dim, taps]`) sliced with the
+    /// prefill's outer count for both sides, as SGLang 0.5.23 does (`utils.py:979-1042`): the decode's advertised rows
+    /// ignored (`src/pure/plan/SGLANG.md`, "Per-side conv layout").
+    ConvUntransposed,
 }
 
 /// Every mutant, in table order.
-pub const ALL: [Mutant; 14] = [
+pub const ALL: [Mutant; 15] = [
     Mutant::LocalLayerOrdinal,
     Mutant::DecodePagesPerChunk,
     Mutant::FinalPageOffByOne,
@@ -68,6 +72,7 @@ pub const ALL: [Mutant; 14] = [
     Mutant::SwaSwappedHeadSlice,
     Mutant::DecodeDpOffByOne,
     Mutant::CpWholeChunk,
+    Mutant::ConvUntransposed,
 ];
 
 /// What one prefill rank knows while one chunk of one room is planned for one peer.
@@ -96,6 +101,7 @@ impl Mutant {
             Mutant::SwaSwappedHeadSlice => "swa-swapped-head-slice",
             Mutant::DecodeDpOffByOne => "decode-dp-off-by-one",
             Mutant::CpWholeChunk => "cp-whole-chunk",
+            Mutant::ConvUntransposed => "conv-untransposed",
         }
     }
 
@@ -117,6 +123,7 @@ impl Mutant {
             Mutant::AuxFromWrongStage => "§1.6",
             Mutant::DecodeDpOffByOne => "SGLANG.md DP",
             Mutant::CpWholeChunk => "SGLANG.md CP",
+            Mutant::ConvUntransposed => "SGLANG.md conv",
         }
     }
 
@@ -176,6 +183,17 @@ impl Mutant {
             }
             Mutant::DecodeDpOffByOne => require(decode.dp > 1, "decode DP1: one group receives every request"),
             Mutant::CpWholeChunk => require(prefill.cp > 1 && prefill.all_cp, "CP rank 0 sends every page"),
+            Mutant::ConvUntransposed => {
+                let model = &problem.model;
+                let transposed = model.state.iter().enumerate().any(|(component, it)| {
+                    (0..it.tensors.len() as u32).any(|tensor| {
+                        let held =
+                            |side: &crate::model::SideLayout| side.sliced_layout(model, component as u32, tensor);
+                        held(&problem.prefill).map(|it| it.0) != held(&problem.decode).map(|it| it.0)
+                    })
+                });
+                require(transposed, "both sides hold every tensor in one order")
+            }
             Mutant::ReplicatedStateWrongWriter => {
                 let replicated = problem.model.state.iter().any(|component| {
                     component.kind == StateKind::Mamba
@@ -205,6 +223,7 @@ impl Mutant {
             Mutant::SwaSwappedHeadSlice => swa_swapped_head_slice(site, groups),
             Mutant::DecodeDpOffByOne => groups,
             Mutant::CpWholeChunk => site.link.without_cp_block().chunk_groups(site.query.request, site.chunk)?,
+            Mutant::ConvUntransposed => mamba_blocks(site, groups, BlockBug::Untransposed),
         })
     }
 
@@ -453,6 +472,8 @@ fn swa_swapped_head_slice(site: &Site<'_>, groups: Vec<TransferGroup>) -> Vec<Tr
 enum BlockBug {
     Flat,
     WrongRank,
+    /// The right ranks and groups, the prefill's rows on both sides.
+    Untransposed,
 }
 
 /// One side's metadata of one Mamba state entry.
@@ -482,7 +503,7 @@ fn mamba_blocks(site: &Site<'_>, groups: Vec<TransferGroup>, bug: BlockBug) -> V
     let sliced = site.query.local.topology.tp != site.peer.tp;
     let rewrite = |group: TransferGroup| {
         let TransferKind::State { component } = group.kind else { return group };
-        if !sliced || !mamba(component) {
+        if (!sliced && bug != BlockBug::Untransposed) || !mamba(component) {
             return group;
         }
         let mut pairs: Vec<(u32, u32)> = group.entries.iter().map(|it| (it.source_region, it.target_region)).collect();
@@ -522,7 +543,7 @@ fn blocks_for(
         (prefill_rank, decode_rank) = (decode_rank, prefill_rank);
     }
     let groups = match (&source.groups, bug) {
-        (Some(groups), BlockBug::WrongRank) => groups.clone(),
+        (Some(groups), BlockBug::WrongRank | BlockBug::Untransposed) => groups.clone(),
         (Some(groups), BlockBug::Flat) if groups.len() > 1 => vec![source.dim * prefill_tp],
         _ if bug == BlockBug::Flat => return None,
         _ => vec![source.dim * prefill_tp],
