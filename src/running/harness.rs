@@ -273,13 +273,26 @@ pub fn cross_check(scenario: &Scenario, run: Option<&SimRun>, observation: &Obse
 
 /// [`cross_check`] with each decode rank's verdicts given (a run without rooms: `engine::direct`).
 pub fn cross_check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Failure> {
+    cross_check_ranks_within(problem, observation, ranks, CROSS_CHECK_BYTES)
+}
+
+/// [`cross_check_ranks`] reading back at most about `max_bytes` a rank: its first region when that fits, else its
+/// largest region that fits, else its smallest (a replay's waves keep the read-back off the transfer's scale).
+pub fn cross_check_ranks_within(
+    problem: &Problem,
+    observation: &Observation,
+    ranks: &[(RankId, Verdicts)],
+    max_bytes: u64,
+) -> Vec<Failure> {
     if observation.resident.is_empty() {
         return Vec::new();
     }
     let per_rank = each_rank_in_parallel(ranks, |rank, verdicts| {
         let keys = observation.resident.iter().filter(|(key, _)| key.rank == rank);
-        let first = keys.clone().next().filter(|(_, region)| region.len <= CROSS_CHECK_BYTES);
-        let (key, _) = first.or_else(|| keys.min_by_key(|(_, region)| region.len))?;
+        let first = keys.clone().next().filter(|(_, region)| region.len <= max_bytes);
+        let fitting =
+            || keys.clone().filter(|(_, region)| region.len <= max_bytes).max_by_key(|(_, region)| region.len);
+        let (key, _) = first.or_else(fitting).or_else(|| keys.min_by_key(|(_, region)| region.len))?;
         verify::cross_check_region(problem, observation, *key, verdicts)
             .map(|text| Failure::new(FailureKind::Oracle, text))
     });
