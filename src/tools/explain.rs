@@ -34,6 +34,8 @@ pub enum Path {
     HeadSlice,
     /// Speculative draft KV rows.
     Draft,
+    /// A head-sharded (MHA/GQA) draft under a TP change: per-token head slices with the draft's own widths.
+    DraftHeadSlice,
     /// Mamba/KDA/GDN state at equal TP: the whole slot.
     MambaSlot,
     /// Mamba/KDA/GDN state under a TP change: channel slices.
@@ -88,6 +90,10 @@ impl Path {
                 "mooncake/conn.py:1647 send_kvcache_slice; common/staging_buffer.py:773-806 compute_head_slice_params",
             ),
             Path::Draft => ("draft KV rows (appended entries)", "prefill.py:300-317; mooncake/conn.py:1489-1552 (DCP)"),
+            Path::DraftHeadSlice => (
+                "head-sharded draft KV under a TP change: per-token head slices with the draft's own widths",
+                "0.5.23 sizes them otherwise: with the target's entry-0 geometry on the MHA path (mooncake/conn.py:1647-1778), page copies with the prefill's item length and pure-MLA dummies on the MLA path (mooncake/conn.py:1172-1193, common/conn.py:435-440)",
+            ),
             Path::MambaSlot => ("Mamba state, whole slot at equal TP", "mooncake/conn.py:2289-2324 _send_mamba_state"),
             Path::MambaSlice => (
                 "Mamba state channel slices under a TP change",
@@ -187,6 +193,11 @@ pub fn explain(problem: &Problem) -> Explanation {
                     Path::PageCopy
                 };
                 add(path, bytes);
+            }
+            TransferKind::Draft
+                if problem.model.draft.is_some_and(|it| it.sharded().is_some()) && prefill.tp != decode.tp =>
+            {
+                add(Path::DraftHeadSlice, bytes)
             }
             TransferKind::Draft => add(Path::Draft, bytes),
             TransferKind::Aux => add(Path::Aux, bytes),

@@ -35,6 +35,7 @@ use crate::support::scenario;
 #[case::swa_head_slice_item_split("rejections/swa-head-slice-item-split.yaml", PlanErrorKind::StateLayout)]
 #[case::dsa_mha_tp_mismatch("rejections/dsa-mha-tp-mismatch.yaml", PlanErrorKind::TpMismatch)]
 #[case::too_few_decode_pages("rejections/too-few-decode-pages.yaml", PlanErrorKind::TooFewPages)]
+#[case::sharded_draft_under_dcp("rejections/sharded-draft-under-dcp.yaml", PlanErrorKind::GeometryMismatch)]
 #[case::unaligned_decode_prefix("rejections/unaligned-decode-prefix.yaml", PlanErrorKind::UnalignedPrefix)]
 #[case::registration_error_on_one_rank(
     "engines/k3-registration-error-on-one-rank.yaml",
@@ -58,7 +59,7 @@ fn every_scenario_expecting_a_rejection_is_listed() {
             expecting += 1;
         }
     }
-    assert_eq!(expecting, 25);
+    assert_eq!(expecting, 26);
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {

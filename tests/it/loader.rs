@@ -337,3 +337,41 @@ fn a_transposed_decode_advertises_its_rows_with_the_same_item_length() {
     let conv = |layout: &kvrelay::model::RankLayout| layout.regions[layout.state.regions[0][0] as usize].item_len;
     assert_eq!(conv(&problem.prefill.ranks[0]), 4 * conv(&problem.decode.ranks[1]));
 }
+
+/// `model.draft`: replicated rows or a head-sharded draft, never both; a sharded draft's heads shard or replicate
+/// over both sides' TP; each names the field and the fix.
+#[rstest::rstest]
+#[case::both_shapes(
+    "draft: {entries: 2, token_len: 512, heads: 8, head_dim: 128}",
+    "model.draft: give `token_len` alone (replicated rows: an MLA/MTP draft) or `heads` and `head_dim`"
+)]
+#[case::heads_without_head_dim("draft: {entries: 2, heads: 8}", "model.draft: give `token_len` alone")]
+#[case::heads_do_not_shard(
+    "draft: {entries: 2, heads: 3, head_dim: 128}",
+    "model.draft.heads: 3 draft KV heads do not shard or replicate over decode tp 4"
+)]
+#[case::zero_heads("draft: {entries: 2, heads: 0, head_dim: 128}", "model.draft.heads: 0 is outside 1..=")]
+#[case::odd_head_bytes(
+    "draft: {entries: 2, heads: 8, head_dim: 3, dtype_bytes: 1}",
+    "model.draft.head_dim: draft heads of 3 B are not a multiple of 8"
+)]
+fn a_bad_draft_names_the_field_and_the_fix(#[case] draft: &str, #[case] wanted: &str) {
+    let res = error(&format!(
+        "model: {{preset: llama-3-8b, layers: 2, {draft}}}\nprefill: {{tp: 2, page_size: 16}}\ndecode: {{tp: 4, page_size: 16}}\nrequests: [{{tokens: 20}}]\nexpect: ok\n"
+    ));
+    assert!(res.contains(wanted), "{res}");
+}
+
+/// A head-sharded draft registers `max(1, heads / tp)` heads a row on each side, its own dtype.
+#[test]
+fn a_sharded_draft_row_holds_its_ranks_heads() {
+    let path = std::path::Path::new("scenarios/probes/fp8-draft-slice-tp2-to-tp4.yaml");
+    let problem = scenario::load(path).unwrap().problem;
+    let draft_row = |side: &kvrelay::model::SideLayout| {
+        let rank = &side.ranks[0];
+        rank.regions.iter().find(|region| region.kind == kvrelay::model::RegionKind::Draft).map(|it| it.row_len())
+    };
+    // 8 fp8 heads of 128: 4 a prefill rank (TP2), 2 a decode rank (TP4).
+    assert_eq!(draft_row(&problem.prefill), Some(512));
+    assert_eq!(draft_row(&problem.decode), Some(256));
+}

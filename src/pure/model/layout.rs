@@ -141,7 +141,7 @@ fn kv_regions(
             regions.push(Region {
                 kind: RegionKind::Draft,
                 layer: draft_layer_id(index),
-                item_len: u64::from(rows) * draft.token_len,
+                item_len: u64::from(rows) * draft.token_len(topology.tp),
                 item_count: options.page_count,
                 rows_per_item: rows,
             });

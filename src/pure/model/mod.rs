@@ -225,8 +225,36 @@ pub struct StateComponent {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DraftGeometry {
     pub entries: u32,
-    /// Bytes of one draft token row.
-    pub token_len: u64,
+    pub rows: DraftRows,
+}
+
+/// What one draft token row holds on a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftRows {
+    /// The same `token_len` bytes on every rank (an MLA/MTP draft, or one kvrelay models as replicated).
+    Replicated { token_len: u64 },
+    /// An MHA/GQA draft (EAGLE, EAGLE3, DFLASH) sharded by heads like the target's KV: `max(1, heads / tp)` heads of
+    /// `head_len` bytes on a rank of attention-TP size `tp` (SGLang 0.5.23 `get_num_kv_heads`,
+    /// `configs/model_config.py:1700-1711`; a draft ignores DCP).
+    Sharded { heads: u32, head_len: u64 },
+}
+
+impl DraftGeometry {
+    /// Bytes of one draft token row on a rank of attention-TP size `tp`.
+    pub fn token_len(&self, tp: u32) -> u64 {
+        match self.rows {
+            DraftRows::Replicated { token_len } => token_len,
+            DraftRows::Sharded { heads, head_len } => u64::from((heads / tp.max(1)).max(1)) * head_len,
+        }
+    }
+
+    /// `(heads, head_len)` of a head-sharded draft.
+    pub fn sharded(&self) -> Option<(u32, u64)> {
+        match self.rows {
+            DraftRows::Sharded { heads, head_len } => Some((heads, head_len)),
+            DraftRows::Replicated { .. } => None,
+        }
+    }
 }
 
 /// Layer id of draft entry `index` on the wire (domain.md §4.2).

@@ -206,7 +206,7 @@ pub fn plan(problem: &Problem) -> Result<Plan, PlanError> {
             problem.model.aux_item_lens.len(),
             problem.model.draft.map_or(String::new(), |draft| format!(", {} draft entries", draft.entries)),
         ),
-        ranks::describe_mapping(prefill, decode, pool),
+        ranks::describe_mapping(prefill, decode, pool, problem.model.draft.is_some_and(|it| it.sharded().is_some())),
     ];
 
     // Registration-time work, once per connection (domain.md §6.3): mode, geometry and entry pairing.
@@ -444,6 +444,16 @@ pub fn decode_gates(model: &ModelGeometry, prefill: &Topology, decode: &Topology
     model_state_gates(model, prefill, decode, pool)
 }
 
+/// Whether a decode rank treats the prefill rank `offset` places into its group (decode TP < prefill TP) as a
+/// pure-MLA dummy (domain.md §3.1: metadata without indices, a status that does not count). [I] Not a prefill rank
+/// that holds draft heads a head-sharded draft needs (one replica of each): it sends its draft heads and nothing else
+/// (SGLang 0.5.23 keeps every non-first rank a dummy and never sends those heads, `src/pure/plan/SGLANG.md`).
+pub fn mla_dummy(model: &ModelGeometry, prefill: &Topology, decode: &Topology, offset: u32) -> bool {
+    let draft_heads = model.draft.and_then(|draft| draft.sharded());
+    let draft_writer = draft_heads.is_some_and(|(heads, _)| offset % (prefill.tp / heads.max(1)).max(1) == 0);
+    model.pool_kind() == PoolKind::Mla && decode.tp < prefill.tp && offset > 0 && !draft_writer
+}
+
 /// The prefill ranks of DP group `prefill_dp` decode rank `rank` contacts for a request that group computes, in
 /// order: the first is the group's primary (domain.md §3.1).
 pub fn prefill_targets(prefill: &Topology, decode: &Topology, rank: RankId, prefill_dp: u32) -> Vec<RankId> {
@@ -627,6 +637,13 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
         Attention::Mla { .. } => primary,
         Attention::Mha { kv_heads, .. } => connection.offset % (prefill.tp / kv_heads).max(1) == 0,
     };
+    // A head-sharded draft (EAGLE-style, domain of `DraftRows::Sharded`) is written like head-sharded KV: every
+    // prefill rank of the group its heads, one replica of each; a replicated draft by the group's first rank.
+    let draft_writer = match ends.model.draft.and_then(|draft| draft.sharded()) {
+        Some(_) if decode.tp >= prefill.tp => primary,
+        Some((heads, _)) => connection.offset % (prefill.tp / heads).max(1) == 0,
+        None => primary,
+    };
     let mut res = Link {
         source: connection.prefill,
         target: connection.decode,
@@ -639,7 +656,7 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
         aux: None,
         notes: Vec::new(),
     };
-    if kv_writer || primary {
+    if kv_writer || primary || draft_writer {
         let (targets, drafts) = kv_pairs(ends, mode)?;
         let how = if kv_ids(source_layout).is_some() && kv_ids(target_layout).is_some() {
             "by global layer id"
@@ -652,7 +669,7 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
         if kv_writer {
             res.kv = Some(targets.into());
         }
-        if primary && !drafts.is_empty() {
+        if draft_writer && !drafts.is_empty() {
             res.notes.push(format!("draft pairing {how}: {}", describe_pairing(&drafts)));
             res.draft = Some(drafts.into());
         }
@@ -741,6 +758,8 @@ fn kv_pairs(ends: &Ends<'_>, mode: Mode) -> Result<(Vec<EntryPair>, Vec<EntryPai
     )?;
     let (mut targets, mut drafts) = (Vec::new(), Vec::new());
     let (mut source_lens, mut target_lens) = (Vec::new(), Vec::new());
+    // [I] The draft's head count comes from the local model (the wire carries item lengths only, as SGLang's).
+    let sharded_draft = ends.model.draft.and_then(|draft| draft.sharded());
     for (source_entry, target_entry) in pairs.iter().enumerate() {
         let source_index = source_layout.kv_entries[source_entry];
         let target_index = target_layout.kv_entries[*target_entry];
@@ -764,6 +783,20 @@ fn kv_pairs(ends: &Ends<'_>, mode: Mode) -> Result<(Vec<EntryPair>, Vec<EntryPai
                 source_lens.push(source.row_len());
                 target_lens.push(target.row_len());
             }
+            // A head-sharded draft under a TP change is head-sliced below; its rows must hold its heads.
+            Mode::PageCopy if is_draft && sharded_draft.is_some() && prefill.tp != decode.tp => {
+                let (heads, head_len) = sharded_draft.unwrap_or_default();
+                let holds = |tp: u32, region: &crate::model::Region| {
+                    region.row_len() == u64::from((heads / tp).max(1)) * head_len
+                };
+                if !holds(prefill.tp, source) || !holds(decode.tp, target) {
+                    return Err(PlanError::ItemLength {
+                        layer: source.layer,
+                        prefill: source.item_len,
+                        decode: target.item_len,
+                    });
+                }
+            }
             Mode::PageCopy if source.kind == RegionKind::Kv(KvPart::Latent) || is_draft => {
                 if source.item_len != target.item_len {
                     return Err(PlanError::ItemLength {
@@ -777,6 +810,21 @@ fn kv_pairs(ends: &Ends<'_>, mode: Mode) -> Result<(Vec<EntryPair>, Vec<EntryPai
         }
         let mut entry = full_row(source_index, target_index, source.layer, source.row_len());
         entry.target_row_len = target.row_len();
+        if let (Some((heads, head_len)), true, Mode::PageCopy) = (sharded_draft, is_draft, mode) {
+            if prefill.tp != decode.tp {
+                let slice = heads::head_slice(
+                    heads,
+                    prefill.tp,
+                    decode.tp,
+                    connection.prefill.tp,
+                    connection.decode.tp,
+                    head_len,
+                )?;
+                entry.source_column = slice.source_offset;
+                entry.target_column = slice.target_offset;
+                entry.length = slice.length;
+            }
+        }
         if let (Attention::Mha { kv_heads, .. }, false) = (ends.model.attention, is_draft) {
             let head_len = target.row_len() / u64::from(ends.model.kv_heads_local(decode.tp));
             let slice = heads::head_slice(

@@ -105,7 +105,7 @@ pub(crate) fn transfer_mode(
 }
 
 /// One explain line for the rank mapping.
-pub(crate) fn describe_mapping(prefill: &Topology, decode: &Topology, pool: PoolKind) -> String {
+pub(crate) fn describe_mapping(prefill: &Topology, decode: &Topology, pool: PoolKind, sharded_draft: bool) -> String {
     let mut res = String::new();
     if decode.tp == prefill.tp {
         let _ =
@@ -120,6 +120,7 @@ pub(crate) fn describe_mapping(prefill: &Topology, decode: &Topology, pool: Pool
     } else {
         let ratio = prefill.tp / decode.tp;
         let others = match pool {
+            PoolKind::Mla if sharded_draft => "the others send their heads of the head-sharded draft only (pure MLA)",
             PoolKind::Mla => "the others are dummies (pure MLA)",
             PoolKind::HybridMla => "the others send state only (hybrid-MLA)",
             PoolKind::Mha | PoolKind::HybridMha => "all send their KV heads (head-sharded)",

@@ -10,9 +10,9 @@ use crate::limits::{
     MAX_REQUESTS, MAX_TENSORS, MAX_TP, MAX_WIDTH,
 };
 use crate::model::{
-    build_side_layout, partition_layers, Advertise, Attention, DraftGeometry, MetadataOverride, ModelGeometry,
-    PoolKind, Problem, Request, Side, SideOptions, StateComponent, StateIndices, StateKind, StateTensor, TensorShape,
-    Topology,
+    build_side_layout, partition_layers, Advertise, Attention, DraftGeometry, DraftRows, MetadataOverride,
+    ModelGeometry, PoolKind, Problem, Request, Side, SideOptions, StateComponent, StateIndices, StateKind, StateTensor,
+    TensorShape, Topology,
 };
 use crate::plan::PlanErrorKind;
 use crate::seed::Seed;
@@ -491,7 +491,11 @@ fn check_side_sizes(
     let mut items = vec![("kv_token_len", page.saturating_mul(token_len), "page_size x token row")];
     if let Some(draft) = model.draft {
         let rows = u64::from(topology.virtual_page_size());
-        items.push(("page_size", rows.saturating_mul(draft.token_len), "page_size x dcp x draft token_len"));
+        items.push((
+            "page_size",
+            rows.saturating_mul(draft.token_len(topology.tp)),
+            "page_size x dcp x draft token_len",
+        ));
     }
     for (field, bytes, what) in items {
         if bytes > MAX_ITEM_BYTES {
@@ -608,6 +612,16 @@ fn check_divisibility(model: &ModelGeometry, prefill: &Topology, decode: &Topolo
                 diagnostics.push(
                     "model.kv_heads",
                     format!("{kv_heads} KV heads do not shard or replicate over {side} tp {tp}"),
+                );
+            }
+        }
+    }
+    if let Some((heads, _)) = model.draft.and_then(|draft| draft.sharded()) {
+        for (side, tp) in [("prefill", prefill.tp), ("decode", decode.tp)] {
+            if heads % tp != 0 && tp % heads != 0 {
+                diagnostics.push(
+                    "model.draft.heads",
+                    format!("{heads} draft KV heads do not shard or replicate over {side} tp {tp} (fix: a head count that divides tp or that tp divides)"),
                 );
             }
         }
@@ -767,7 +781,7 @@ fn lower_model(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<ModelGeo
         dtype_bytes,
         state,
         aux_item_lens: lower_aux(raw, diagnostics),
-        draft: lower_draft(raw, diagnostics),
+        draft: lower_draft(raw, dtype_bytes, diagnostics),
     };
     if model.head_len() % 8 != 0 {
         diagnostics.push(
@@ -843,10 +857,51 @@ fn lower_attention(raw: &RawModel, base: Option<&ModelGeometry>, diagnostics: &m
     Some(attention)
 }
 
-/// The draft geometry, checked against its limits.
-fn lower_draft(raw: &RawModel, diagnostics: &mut Diagnostics) -> Option<DraftGeometry> {
-    let draft = raw.draft.map(|draft| DraftGeometry { entries: draft.entries, token_len: draft.token_len })?;
-    check_item_len("model.draft.token_len", draft.token_len, diagnostics);
+/// The draft geometry, checked against its limits: replicated rows (`token_len`) or a head-sharded draft (`heads`,
+/// `head_dim`, `dtype_bytes` defaulting to the model's), never both.
+fn lower_draft(raw: &RawModel, model_dtype: u32, diagnostics: &mut Diagnostics) -> Option<DraftGeometry> {
+    let raw = raw.draft?;
+    let rows = match (raw.token_len, raw.heads, raw.head_dim) {
+        (Some(token_len), None, None) if raw.dtype_bytes.is_none() => {
+            check_item_len("model.draft.token_len", token_len, diagnostics);
+            DraftRows::Replicated { token_len }
+        }
+        (None, Some(heads), Some(head_dim)) => {
+            let dtype = raw.dtype_bytes.unwrap_or(model_dtype);
+            for (field, value, most) in [
+                ("heads", heads, MAX_KV_HEADS),
+                ("head_dim", head_dim, MAX_WIDTH),
+                ("dtype_bytes", dtype, MAX_DTYPE_BYTES),
+            ] {
+                if value == 0 || value > most {
+                    diagnostics.push_limit(
+                        format!("model.draft.{field}"),
+                        format!("{value} is outside 1..={most} (fix: the draft model's {field})"),
+                    );
+                    return None;
+                }
+            }
+            let head_len = u64::from(head_dim) * u64::from(dtype);
+            if head_len % 8 != 0 {
+                diagnostics.push(
+                    "model.draft.head_dim",
+                    format!(
+                        "draft heads of {head_len} B are not a multiple of 8 (fix: adjust head_dim or dtype_bytes)"
+                    ),
+                );
+            }
+            check_item_len("model.draft.heads", u64::from(heads) * head_len, diagnostics);
+            DraftRows::Sharded { heads, head_len }
+        }
+        _ => {
+            diagnostics.push(
+                "model.draft",
+                "give `token_len` alone (replicated rows: an MLA/MTP draft) or `heads` and `head_dim` (with optional `dtype_bytes`: an MHA/GQA draft sharded like the target's heads)",
+            );
+            return None;
+        }
+    };
+    let draft = DraftGeometry { entries: raw.entries, rows };
     if draft.entries > MAX_DRAFT_ENTRIES {
         diagnostics.push_limit(
             "model.draft.entries",

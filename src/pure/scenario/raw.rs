@@ -15,7 +15,7 @@
 //! | `model.state[]` | list | preset or none | state components: `kind` (`mamba`, `swa`, `dsa`, `swa_ring`), `layers` (default: every non-KV layer), `window_pages` (swa kinds), `layer_ids` (default true; false: the pool publishes no state layer ids, as SGLang's SWA pools), `tensors` |
 //! | `model.state[].tensors[]` | list | required | `name`, and either `dim` (full sliced axis), `unit_bytes`, `outer` (default 1), `groups` (full sub-block widths), or `item_len` (not sliceable) |
 //! | `model.aux` | [u64] | none | bytes per row of each aux buffer |
-//! | `model.draft` | `{entries, token_len}` | none | draft KV entries on the last stage |
+//! | `model.draft` | `{entries, token_len}` or `{entries, heads, head_dim, dtype_bytes?}` | none | draft KV entries on the last stage: replicated rows of `token_len` bytes (MLA/MTP draft), or an MHA/GQA draft of `heads` KV heads sharded over attention TP like the target's (`max(1, heads / tp)` heads of `head_dim x dtype_bytes` per rank; `dtype_bytes` defaults to the model's) |
 //! | `prefill.tp` / `decode.tp` | u32 | 1 | TP size (`--tp-size`); with `dp`, the attention TP size of each DP group is `tp / dp` |
 //! | `prefill.dp` / `decode.dp` | u32 | 1 | attention DP size (`--attn-dp-size`, or `--dp` with `--enable-dp-attention`): `dp` groups of `tp / dp` attention-TP ranks, each with its own KV pool (divides tp) |
 //! | `prefill.cp` | u32 | 1 | attention CP size (`--attn-cp-size`): each DP group holds `cp` CP ranks of `tp / dp / cp` attention-TP ranks, every CP rank the whole KV (decode: 1 only) |
@@ -133,10 +133,19 @@ pub struct RawTensor {
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, expecting = "a draft mapping {entries: N, token_len: B}")]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a draft mapping {entries: N, token_len: B} (replicated rows) or {entries: N, heads: H, head_dim: D} (head-sharded)"
+)]
 pub struct RawDraft {
     pub entries: u32,
-    pub token_len: u64,
+    /// Bytes of one replicated draft token row (an MLA/MTP draft).
+    pub token_len: Option<u64>,
+    /// KV heads of a head-sharded (MHA/GQA) draft.
+    pub heads: Option<u32>,
+    pub head_dim: Option<u32>,
+    /// Bytes per draft KV element (`--speculative-draft-kv-cache-dtype`); default: the model's `dtype_bytes`.
+    pub dtype_bytes: Option<u32>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]

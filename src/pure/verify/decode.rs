@@ -254,9 +254,14 @@ impl<'a> Sources<'a> {
         let row_len = region.row_len();
         let row = offset / row_len;
         let within = offset % row_len;
-        let heads = match (problem.model.attention, region.kind) {
-            (Attention::Mha { kv_heads, .. }, RegionKind::Kv(_)) if within != 0 || length < row_len => {
-                let head_len = problem.model.head_len();
+        // Head-sharded rows (MHA KV, a head-sharded draft) name the global heads a part of a row holds.
+        let sharded = match (problem.model.attention, region.kind) {
+            (Attention::Mha { kv_heads, .. }, RegionKind::Kv(_)) => Some((kv_heads, problem.model.head_len())),
+            (_, RegionKind::Draft) => problem.model.draft.and_then(|draft| draft.sharded()),
+            _ => None,
+        };
+        let heads = match sharded {
+            Some((kv_heads, head_len)) if (within != 0 || length < row_len) && head_len > 0 => {
                 let (first, _) = rank_heads(kv_heads, topology.tp, source.tp);
                 Some((first + (within / head_len) as u32, (length / head_len).max(1) as u32))
             }

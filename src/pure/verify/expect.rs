@@ -164,7 +164,7 @@ pub(crate) fn row_layout(
     let decode_region = &problem.decode.rank(target).regions[region as usize];
     let draft = match decode_region.kind {
         RegionKind::Kv(KvPart::Latent) => false,
-        RegionKind::Draft => true,
+        RegionKind::Draft if sliced_draft(problem).is_none() => true,
         _ => return None,
     };
     let row = decode_region.row_len();
@@ -226,13 +226,29 @@ pub(crate) fn pieces(
 ) -> Vec<Piece> {
     let decode_region = &problem.decode.rank(target).regions[region as usize];
     match decode_region.kind {
-        RegionKind::Kv(KvPart::Latent) | RegionKind::Draft => row_pieces(problem, target, decode_region, rows, notes),
-        RegionKind::Kv(part) => head_pieces(problem, target, decode_region, part, rows, notes),
+        RegionKind::Draft => match sliced_draft(problem) {
+            Some(heads) => head_pieces(problem, target, decode_region, heads, rows, notes),
+            None => row_pieces(problem, target, decode_region, rows, notes),
+        },
+        RegionKind::Kv(KvPart::Latent) => row_pieces(problem, target, decode_region, rows, notes),
+        RegionKind::Kv(_) => match problem.model.attention {
+            Attention::Mha { kv_heads, .. } => {
+                head_pieces(problem, target, decode_region, (kv_heads, problem.model.head_len()), rows, notes)
+            }
+            Attention::Mla { .. } => Vec::new(),
+        },
         RegionKind::State { component, tensor } => {
             state_pieces(problem, target, decode_region, component, tensor, notes)
         }
         RegionKind::Aux { .. } => aux_pieces(problem, target, decode_region, notes),
     }
+}
+
+/// `(heads, head_len)` of a head-sharded draft whose heads move between ranks (the TP sizes differ); `None` where
+/// draft rows move whole.
+fn sliced_draft(problem: &Problem) -> Option<(u32, u64)> {
+    let sharded = problem.model.draft.and_then(|draft| draft.sharded())?;
+    (problem.prefill.topology.tp != problem.decode.topology.tp).then_some(sharded)
 }
 
 /// Latent KV and draft rows: whole rows, replicated, from the primary prefill rank (domain.md §2, §3.1).
@@ -344,14 +360,13 @@ fn head_pieces(
     problem: &Problem,
     target: RankId,
     decode_region: &Region,
-    part: KvPart,
+    (kv_heads, head_len): (u32, u64),
     cache: &RowCache,
     notes: &mut Vec<(u64, ViolationKind)>,
 ) -> Vec<Piece> {
     let mut res = Vec::new();
-    let Attention::Mha { kv_heads, .. } = problem.model.attention else { return res };
+    let draft = decode_region.kind == RegionKind::Draft;
     let prefill_tp = problem.prefill.topology.tp;
-    let head_len = problem.model.head_len();
     let (first_head, head_count) = rank_heads(kv_heads, problem.decode.topology.tp, target.tp);
     let target_len = decode_region.row_len();
     for (group, local) in
@@ -360,7 +375,7 @@ fn head_pieces(
         let head = first_head + local;
         let holder_tp = head_holder_tp(problem, target, kv_heads, head);
         let Some((source, source_region)) =
-            holder(problem, (group, 0, holder_tp), target, RegionKind::Kv(part), decode_region.layer, None)
+            holder(problem, (group, 0, holder_tp), target, decode_region.kind, decode_region.layer, None)
         else {
             continue;
         };
@@ -379,7 +394,7 @@ fn head_pieces(
         let rows_per_page = u64::from(problem.prefill.rank(source).regions[source_region as usize].rows_per_item);
         for request in received_from(problem, target, group) {
             // Heads of one row interleave with other holders' heads: one piece per row.
-            let rows = cache.rows(problem, target, request, false, notes);
+            let rows = cache.rows(problem, target, request, draft, notes);
             let owners = cp_owners(problem, request);
             for (run, cp) in rows.0.iter().flat_map(|run| by_cp(run, rows_per_page, owners.as_ref())) {
                 for (target_row, source_row) in run.each() {

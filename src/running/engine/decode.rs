@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::handshake::{classify, Abort, Kind, LinkAck};
 use super::{Nic, Outbox, WAITING_TIMEOUT_NS};
 use crate::fabric::seam::{ConnId, NodeId, PeerAddress};
-use crate::model::{ModelGeometry, PoolKind, RankId, Request, StateKind, Topology};
+use crate::model::{ModelGeometry, RankId, Request, StateKind, Topology};
 use crate::plan;
 use crate::wire::{KvPoll, Registration, RequestMeta, Status};
 
@@ -184,7 +184,7 @@ impl DecodeEngine {
                 Err(error) => return self.fail_all(now, &error.to_string(), out),
             };
             let offset = rank.tp.saturating_sub(self.rank.tp * ratio);
-            let dummy = self.model.pool_kind() == PoolKind::Mla && self.topology.tp < prefill.tp && offset > 0;
+            let dummy = plan::mla_dummy(&self.model, prefill, &self.topology, offset);
             let mut registration = self.registration.clone();
             registration.engine.address = address.0;
             out.send(node, registration.encode());

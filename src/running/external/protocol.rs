@@ -152,7 +152,12 @@ fn local(local: Local<'_>) -> Value {
                 "window_pages": component.window_pages,
             })).collect::<Vec<_>>(),
             "aux_item_lens": model.aux_item_lens,
-            "draft": model.draft.as_ref().map(|draft| json!({ "entries": draft.entries, "token_len": draft.token_len })),
+            "draft": model.draft.as_ref().map(|draft| json!({
+                "entries": draft.entries,
+                "token_len": draft.token_len(local.topology.tp),
+                "heads": draft.sharded().map(|it| it.0),
+                "head_len": draft.sharded().map(|it| it.1),
+            })),
         },
         "regions": local.layout.regions.iter().map(region).collect::<Vec<_>>(),
         "stage_layers": [local.layout.stage_layers.start, local.layout.stage_layers.end],

@@ -54,10 +54,13 @@ pub enum Mutant {
     /// prefill's outer count for both sides, as SGLang 0.5.23 does (`utils.py:979-1042`): the decode's advertised rows
     /// ignored (`src/pure/plan/SGLANG.md`, "Per-side conv layout").
     ConvUntransposed,
+    /// A head-sharded draft under a TP change copied as whole rows, every head slice at column 0 (the draft treated as
+    /// replicated, as kvrelay's draft rows were before drafts could be sharded; `src/pure/plan/SGLANG.md`).
+    DraftWholeRows,
 }
 
 /// Every mutant, in table order.
-pub const ALL: [Mutant; 15] = [
+pub const ALL: [Mutant; 16] = [
     Mutant::LocalLayerOrdinal,
     Mutant::DecodePagesPerChunk,
     Mutant::FinalPageOffByOne,
@@ -73,6 +76,7 @@ pub const ALL: [Mutant; 15] = [
     Mutant::DecodeDpOffByOne,
     Mutant::CpWholeChunk,
     Mutant::ConvUntransposed,
+    Mutant::DraftWholeRows,
 ];
 
 /// What one prefill rank knows while one chunk of one room is planned for one peer.
@@ -102,6 +106,7 @@ impl Mutant {
             Mutant::DecodeDpOffByOne => "decode-dp-off-by-one",
             Mutant::CpWholeChunk => "cp-whole-chunk",
             Mutant::ConvUntransposed => "conv-untransposed",
+            Mutant::DraftWholeRows => "draft-whole-rows",
         }
     }
 
@@ -124,6 +129,7 @@ impl Mutant {
             Mutant::DecodeDpOffByOne => "SGLANG.md DP",
             Mutant::CpWholeChunk => "SGLANG.md CP",
             Mutant::ConvUntransposed => "SGLANG.md conv",
+            Mutant::DraftWholeRows => "SGLANG.md draft",
         }
     }
 
@@ -194,6 +200,11 @@ impl Mutant {
                 });
                 require(transposed, "both sides hold every tensor in one order")
             }
+            Mutant::DraftWholeRows => {
+                let sharded = problem.model.draft.is_some_and(|draft| draft.sharded().is_some());
+                require(sharded, "no head-sharded draft")?;
+                require(prefill.tp != decode.tp, "equal TP: draft rows move whole")
+            }
             Mutant::ReplicatedStateWrongWriter => {
                 let replicated = problem.model.state.iter().any(|component| {
                     component.kind == StateKind::Mamba
@@ -224,6 +235,14 @@ impl Mutant {
             Mutant::DecodeDpOffByOne => groups,
             Mutant::CpWholeChunk => site.link.without_cp_block().chunk_groups(site.query.request, site.chunk)?,
             Mutant::ConvUntransposed => mamba_blocks(site, groups, BlockBug::Untransposed),
+            Mutant::DraftWholeRows => map_entries(
+                groups,
+                |group| group.kind == TransferKind::Draft,
+                |_, entry| {
+                    let length = entry.length.max(entry.source_row_len.min(entry.target_row_len));
+                    Some(EntryPair { source_column: 0, target_column: 0, length, ..entry.clone() })
+                },
+            ),
         })
     }
 
