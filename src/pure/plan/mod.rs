@@ -810,31 +810,18 @@ fn kv_pairs(ends: &Ends<'_>, mode: Mode) -> Result<(Vec<EntryPair>, Vec<EntryPai
         }
         let mut entry = full_row(source_index, target_index, source.layer, source.row_len());
         entry.target_row_len = target.row_len();
-        if let (Some((heads, head_len)), true, Mode::PageCopy) = (sharded_draft, is_draft, mode) {
-            if prefill.tp != decode.tp {
-                let slice = heads::head_slice(
-                    heads,
-                    prefill.tp,
-                    decode.tp,
-                    connection.prefill.tp,
-                    connection.decode.tp,
-                    head_len,
-                )?;
-                entry.source_column = slice.source_offset;
-                entry.target_column = slice.target_offset;
-                entry.length = slice.length;
+        // Head-sharded rows move as head slices: MHA KV, and a head-sharded draft between page copies under a TP
+        // change (its own heads and widths).
+        let sliced = match (ends.model.attention, is_draft, sharded_draft, mode) {
+            (_, true, Some(draft), Mode::PageCopy) if prefill.tp != decode.tp => Some(draft),
+            (Attention::Mha { kv_heads, .. }, false, _, _) => {
+                Some((kv_heads, target.row_len() / u64::from(ends.model.kv_heads_local(decode.tp))))
             }
-        }
-        if let (Attention::Mha { kv_heads, .. }, false) = (ends.model.attention, is_draft) {
-            let head_len = target.row_len() / u64::from(ends.model.kv_heads_local(decode.tp));
-            let slice = heads::head_slice(
-                kv_heads,
-                prefill.tp,
-                decode.tp,
-                connection.prefill.tp,
-                connection.decode.tp,
-                head_len,
-            )?;
+            _ => None,
+        };
+        if let Some((heads, head_len)) = sliced {
+            let (lp, ld) = (connection.prefill.tp, connection.decode.tp);
+            let slice = heads::head_slice(heads, prefill.tp, decode.tp, lp, ld, head_len)?;
             entry.source_column = slice.source_offset;
             entry.target_column = slice.target_offset;
             entry.length = slice.length;

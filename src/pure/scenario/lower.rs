@@ -264,19 +264,8 @@ fn check_side_references(side: &str, raw_side: &RawSide, model: &ModelGeometry, 
     }
     for (index, item) in raw_side.state_item_lens.iter().enumerate() {
         let path = format!("{side}.state_item_lens[{index}]");
-        let Some(component) = state_component(model, item.component, &path, diagnostics) else { continue };
-        if item.tensor as usize >= component.tensors.len() {
-            diagnostics.push(
-                format!("{path}.tensor"),
-                format!(
-                    "tensor {} does not exist: component {} has {} tensors",
-                    item.tensor,
-                    item.component,
-                    component.tensors.len()
-                ),
-            );
-        }
         // The length itself is checked with every other item length (`check_side_sizes`).
+        let _ = state_tensor(model, (item.component, item.tensor), &path, diagnostics);
     }
 }
 
@@ -290,17 +279,8 @@ fn check_state_layouts(prefill: &RawSide, decode: &RawSide, model: &ModelGeometr
     for (side, raw_side) in [("prefill", prefill), ("decode", decode)] {
         for (index, item) in raw_side.state_layouts.iter().enumerate() {
             let path = format!("{side}.state_layouts[{index}]");
-            let Some(component) = state_component(model, item.component, &path, diagnostics) else { continue };
-            let Some(tensor) = component.tensors.get(item.tensor as usize) else {
-                diagnostics.push(
-                    format!("{path}.tensor"),
-                    format!(
-                        "tensor {} does not exist: component {} has {} tensors",
-                        item.tensor,
-                        item.component,
-                        component.tensors.len()
-                    ),
-                );
+            let Some((component, tensor)) = state_tensor(model, (item.component, item.tensor), &path, diagnostics)
+            else {
                 continue;
             };
             let TensorShape::Sliced { unit_bytes, outer_count, .. } = &tensor.shape else {
@@ -585,6 +565,24 @@ fn state_component<'a>(
         );
     }
     component
+}
+
+/// Tensor `tensor` of state component `component`, or a diagnostic at `{path}.component` or `{path}.tensor`.
+fn state_tensor<'a>(
+    model: &'a ModelGeometry,
+    (component, tensor): (u32, u32),
+    path: &str,
+    diagnostics: &mut Diagnostics,
+) -> Option<(&'a StateComponent, &'a StateTensor)> {
+    let found = state_component(model, component, path, diagnostics)?;
+    let Some(held) = found.tensors.get(tensor as usize) else {
+        diagnostics.push(
+            format!("{path}.tensor"),
+            format!("tensor {tensor} does not exist: component {component} has {} tensors", found.tensors.len()),
+        );
+        return None;
+    };
+    Some((found, held))
 }
 
 /// Every sliced state axis and sub-block must split evenly over both sides' TP (impossible topologies otherwise).
