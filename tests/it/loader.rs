@@ -375,3 +375,18 @@ fn a_sharded_draft_row_holds_its_ranks_heads() {
     assert_eq!(draft_row(&problem.prefill), Some(512));
     assert_eq!(draft_row(&problem.decode), Some(256));
 }
+
+/// A pure-MLA decode waits for the status of every prefill rank holding heads of a head-sharded draft, not only the
+/// primary's (the fault swarm found a decode reporting Success on the draft holder's status alone); without the
+/// draft the second rank is a dummy again.
+#[test]
+fn a_pure_mla_decode_waits_for_every_draft_head_holder() {
+    let path = std::path::Path::new("scenarios/probes/mla-gqa-draft-tp4-to-tp2.yaml");
+    let problem = scenario::load(path).unwrap().problem;
+    let (prefill, decode) = (&problem.prefill.topology, &problem.decode.topology);
+    assert_eq!(kvrelay::plan::expected_responses(&problem.model, prefill, decode), 2);
+    assert!(!kvrelay::plan::mla_dummy(&problem.model, prefill, decode, 1));
+    let model = kvrelay::model::ModelGeometry { draft: None, ..problem.model.clone() };
+    assert_eq!(kvrelay::plan::expected_responses(&model, prefill, decode), 1);
+    assert!(kvrelay::plan::mla_dummy(&model, prefill, decode, 1));
+}

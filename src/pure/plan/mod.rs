@@ -466,11 +466,17 @@ pub fn required_dst_info_num(prefill: &Topology, decode: &Topology) -> u32 {
     (decode.tp / prefill.tp).max(1)
 }
 
-/// How many Success statuses a decode rank waits for per request (domain.md §3.1): the TP factor (pure MLA with
-/// decode TP < prefill TP hears only from the primary) times the PP factor, times the prefill CP size when the decode
-/// pulls from every CP rank.
+/// How many Success statuses a decode rank waits for per request (domain.md §3.1): the TP factor (with decode TP <
+/// prefill TP, the group's prefill ranks that are no pure-MLA dummies: all of them, or for pure MLA the primary and
+/// the holders of a head-sharded draft's heads, [`mla_dummy`]) times the PP factor, times the prefill CP size when
+/// the decode pulls from every CP rank.
 pub fn expected_responses(model: &ModelGeometry, prefill: &Topology, decode: &Topology) -> u32 {
-    let tp = if decode.tp < prefill.tp && model.pool_kind() != PoolKind::Mla { prefill.tp / decode.tp } else { 1 };
+    let tp = if decode.tp < prefill.tp {
+        let group = prefill.tp / decode.tp;
+        (0..group).filter(|offset| !mla_dummy(model, prefill, decode, *offset)).count() as u32
+    } else {
+        1
+    };
     let pp = if decode.pp == prefill.pp { 1 } else { prefill.pp };
     // `required_prefill_response_num *= cp` when pulling from every CP rank (`common/conn.py:1496-1513`).
     let cp = if decode.all_cp { prefill.cp } else { 1 };
