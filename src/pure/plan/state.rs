@@ -72,13 +72,8 @@ pub(crate) fn mamba_blocks(
         }
         return Ok(vec![Block { source: 0, target: 0, length: source.item_len }]);
     }
-    let (prefill_tp, decode_tp) = (u64::from(shard.prefill_tp), u64::from(shard.decode_tp));
     let (source_dim, target_dim) = (u64::from(source_dim), u64::from(target_dim));
-    if source_dim * prefill_tp != target_dim * decode_tp {
-        return Err(invalid(format!(
-            "dims disagree: prefill {source_dim} x tp {prefill_tp} != decode {target_dim} x tp {decode_tp}"
-        )));
-    }
+    check_dims((source_dim, target_dim), shard).map_err(invalid)?;
     let outer = u64::from(source.outer_count);
     if outer == 0 || source.item_len % outer != 0 || target.item_len % outer != 0 {
         return Err(invalid(format!(
@@ -109,6 +104,17 @@ pub(crate) fn mamba_blocks(
         }
     }
     Ok(res)
+}
+
+/// Both sides' local dims must make one full dim.
+fn check_dims((source_dim, target_dim): (u64, u64), shard: Shard) -> Result<(), String> {
+    let (prefill_tp, decode_tp) = (u64::from(shard.prefill_tp), u64::from(shard.decode_tp));
+    if source_dim * prefill_tp != target_dim * decode_tp {
+        return Err(format!(
+            "dims disagree: prefill {source_dim} x tp {prefill_tp} != decode {target_dim} x tp {decode_tp}"
+        ));
+    }
+    Ok(())
 }
 
 /// The conv sub-blocks must cover the full dim and split over both sides' TP.
@@ -150,12 +156,7 @@ fn transposed_blocks(
         )));
     };
     let (source_dim, target_dim) = (u64::from(source_dim), u64::from(target_dim));
-    let (prefill_tp, decode_tp) = (u64::from(shard.prefill_tp), u64::from(shard.decode_tp));
-    if source_dim * prefill_tp != target_dim * decode_tp {
-        return Err(invalid(format!(
-            "dims disagree: prefill {source_dim} x tp {prefill_tp} != decode {target_dim} x tp {decode_tp}"
-        )));
-    }
+    check_dims((source_dim, target_dim), shard).map_err(invalid)?;
     let taps = source_outer.max(target_outer);
     if source_outer.min(target_outer) != 1 {
         return Err(invalid(format!(

@@ -295,9 +295,9 @@ impl<'a> Sources<'a> {
         };
         let tp = self.problem.prefill.topology.tp;
         // The prefill's own order (scenario `state_layouts` may transpose the model's rows).
-        let held = self.problem.prefill.state_outers.iter().find(|(c, t, _)| (*c, *t) == (component, tensor_index));
-        let outer = held.map_or(*outer_count, |(_, _, outer)| *outer).max(1);
-        let unit_bytes = u64::from(*outer_count) * unit_bytes / u64::from(outer);
+        let held = self.problem.prefill.sliced_layout(&self.problem.model, component, tensor_index);
+        let (outer, unit_bytes) = held.unwrap_or((*outer_count, *unit_bytes));
+        let outer = outer.max(1);
         let row_len = item_len / u64::from(outer);
         let (row, unit) = (within / row_len, (within % row_len) / unit_bytes);
         // A part of one unit (a damaged byte) still names the unit it lies in.

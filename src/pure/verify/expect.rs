@@ -446,12 +446,8 @@ fn state_pieces(
             // How each side holds it: the model's rows, or a transposition (`state_layouts`).
             let channel = u64::from(*outer_count) * unit_bytes;
             let held = |side: &crate::model::SideLayout| {
-                let outer = side
-                    .state_outers
-                    .iter()
-                    .find(|(c, t, _)| (*c, *t) == (component, tensor))
-                    .map_or(*outer_count, |(_, _, outer)| *outer);
-                Order { outer: u64::from(outer), unit: channel / u64::from(outer.max(1)) }
+                let (outer, unit) = side.sliced_layout(&problem.model, component, tensor).unwrap_or((1, channel));
+                Order { outer: u64::from(outer.max(1)), unit }
             };
             let sliced = Sliced {
                 full_dim: *full_dim,
