@@ -28,6 +28,8 @@ pub enum Path {
     PositionalPairing,
     /// Whole KV pages, item for item (MLA latent, or MHA at equal TP).
     PageCopy,
+    /// Whole MLA latent pages into a HiSparse decode's host pool, at its host pages.
+    HiSparseHost,
     /// Prefill DCP1 → decode DCP c: token rows re-laid out by owner.
     DcpRelayout,
     /// MHA/GQA under a TP change: per-token head slices.
@@ -81,6 +83,10 @@ impl Path {
                 "common/conn.py:1718-1749 get_mha_kv_ptrs_with_pp, 1853-1888 get_mla_kv_ptrs_with_pp",
             ),
             Path::PageCopy => ("whole KV pages, item for item", "mooncake/conn.py:1346-1395 send_kvcache, 1019 _send_kvcache_generic"),
+            Path::HiSparseHost => (
+                "whole latent pages into the HiSparse decode's host pool, at host pages (the draft at logical pages)",
+                "decode.py:620-632, 1643-1658, 1787-1806; mooncake/conn.py:1346-1396 send_kvcache, 1172-1193 set_transfer_blocks",
+            ),
             Path::DcpRelayout => (
                 "DCP relayout of token rows",
                 "mooncake/conn.py:1397 send_kvcache_dcp; common/utils.py:153 build_dcp_token_transfer_plan",
@@ -185,8 +191,11 @@ pub fn explain(problem: &Problem) -> Explanation {
                     .entries
                     .iter()
                     .any(|entry| entry.length < entry.target_row_len || entry.length < entry.source_row_len);
+                let hosted = problem.requests.iter().any(|request| !request.decode_host_pages.is_empty());
                 let path = if prefill.dcp != decode.dcp {
                     Path::DcpRelayout
+                } else if hosted {
+                    Path::HiSparseHost
                 } else if sliced {
                     Path::HeadSlice
                 } else {

@@ -228,7 +228,7 @@ fn tables_json(problem: &Problem, out: &mut impl std::io::Write) -> std::io::Res
         let value = serde_json::json!({
             "request": request.id,
             "prefill_kv_pages": request.prefill_pages,
-            "decode_kv_pages": request.decode_pages,
+            "decode_kv_pages": request.decode_kv_pages(),
             "prefill_state_pages": request.prefill_state.pages,
             "decode_state_pages": request.decode_state.pages,
         });

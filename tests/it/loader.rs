@@ -390,3 +390,58 @@ fn a_pure_mla_decode_waits_for_every_draft_head_holder() {
     assert_eq!(kvrelay::plan::expected_responses(&model, prefill, decode), 1);
     assert!(kvrelay::plan::mla_dummy(&model, prefill, decode, 1));
 }
+
+/// `decode.hisparse`: only where SGLang starts it (an MLA model with a DSA indexer, decode DCP 1, no decode prefix),
+/// never on the prefill; `decode_host_pages` only beside it, one unique page inside the host pool per decode page.
+/// Each refusal names the field and the fix.
+#[rstest::rstest]
+#[case::under_decode_dcp(
+    "model: {preset: deepseek-v3.2}\nprefill: {page_size: 64}\ndecode: {tp: 2, dcp: 2, page_size: 64, hisparse: {host_pages: 16}}\nrequests: [{tokens: 100}]",
+    "decode.hisparse: SGLang refuses HiSparse with decode context parallelism (fix: decode.dcp 1)"
+)]
+#[case::without_a_dsa_indexer(
+    "model: {preset: deepseek-v3}\nprefill: {page_size: 64}\ndecode: {page_size: 64, hisparse: {host_pages: 16}}\nrequests: [{tokens: 100}]",
+    "decode.hisparse: HiSparse needs an MLA model with a DSA indexer"
+)]
+#[case::on_the_prefill(
+    "model: {preset: deepseek-v3.2}\nprefill: {page_size: 64, hisparse: {host_pages: 16}}\ndecode: {page_size: 64}\nrequests: [{tokens: 100}]",
+    "prefill.hisparse: HiSparse runs on the decode side only"
+)]
+#[case::with_a_decode_prefix(
+    "model: {preset: deepseek-v3.2}\nprefill: {page_size: 64}\ndecode: {page_size: 64, hisparse: {host_pages: 16}}\nrequests: [{tokens: 200, decode_prefix: 64}]",
+    "requests[0].decode_prefix: a HiSparse decode holds no prefix"
+)]
+#[case::host_pages_without_hisparse(
+    "model: {preset: deepseek-v3.2}\nprefill: {page_size: 64}\ndecode: {page_size: 64}\nrequests: [{tokens: 100, decode_host_pages: [0, 1]}]",
+    "requests[0].decode_host_pages: host pages are the destination of a HiSparse decode only"
+)]
+#[case::host_page_outside_the_pool(
+    "model: {preset: deepseek-v3.2}\nprefill: {page_size: 64}\ndecode: {page_size: 64, hisparse: {host_pages: 4}}\nrequests: [{tokens: 100, decode_host_pages: [0, 4]}]",
+    "requests[0].decode_host_pages[1]: host page 4 is outside the 4-page host pool (fix: raise decode.hisparse.host_pages)"
+)]
+#[case::host_page_twice(
+    "model: {preset: deepseek-v3.2}\nprefill: {page_size: 64}\ndecode: {page_size: 64, hisparse: {host_pages: 4}}\nrequests: [{tokens: 100, decode_host_pages: [2, 2]}]",
+    "requests[0].decode_host_pages[1]: host page 2 is used twice"
+)]
+#[case::too_few_host_pages(
+    "model: {preset: deepseek-v3.2}\nprefill: {page_size: 64}\ndecode: {page_size: 64, hisparse: {host_pages: 3}}\nrequests: [{tokens: 100}, {tokens: 100}]",
+    "decode.hisparse.host_pages: 3 host pages are too few for the requests (fix: raise host_pages)"
+)]
+fn a_bad_hisparse_deployment_names_the_field_and_the_fix(#[case] text: &str, #[case] wanted: &str) {
+    let res = error(&format!("{text}\nexpect: ok\n"));
+    assert!(res.contains(wanted), "{res}");
+}
+
+/// A HiSparse decode's host pages come from the front of its host pool in request order, page 0 first (SGLang's
+/// host free list is `arange(size)`); its logical pages stay the seeded allocator's, never page 0.
+#[test]
+fn hisparse_host_pages_are_handed_out_from_zero_in_request_order() {
+    let path = std::path::Path::new("scenarios/state/deepseek-v3.2-hisparse-decode-mtp.yaml");
+    let problem = scenario::load(path).unwrap().problem;
+    let hosts: Vec<_> = problem.requests.iter().map(|request| request.decode_host_pages.clone()).collect();
+    assert_eq!(hosts, [vec![0, 1, 2, 3], vec![4, 5]]);
+    assert!(problem.requests.iter().all(|request| !request.decode_pages.contains(&0)));
+    let layout = &problem.decode.ranks[0];
+    let kv = &layout.regions[layout.kv_entries[0] as usize];
+    assert_eq!(kv.item_count, 16, "the KV entries are the 16-page host pool");
+}

@@ -223,6 +223,21 @@ fn aux_index_minus_one_means_none() {
     assert_eq!(RequestMeta::decode(&frames).unwrap().aux_index, None);
 }
 
+/// A HiSparse decode's logical pages ride in frame 10 (SGLang Mooncake's metadata `msg[9]`), sent only when there are
+/// some: without them the message keeps its 10 frames, and an empty frame 10 decodes to none.
+#[test]
+fn device_kv_indices_ride_in_frame_10_only_when_present() {
+    assert_eq!(golden::request_meta().encode().len(), 10);
+    let hisparse = RequestMeta { device_kv_indices: vec![3, 8, 4, 1], ..golden::request_meta() };
+    let frames = hisparse.encode();
+    assert_eq!(frames.len(), 11);
+    assert_eq!(frames[10], hex("03000000 08000000 04000000 01000000"));
+    assert_eq!(RequestMeta::decode(&frames), Ok(hisparse));
+    let mut empty = golden::request_meta().encode();
+    empty.push(Vec::new());
+    assert_eq!(RequestMeta::decode(&empty), Ok(golden::request_meta()));
+}
+
 /// Upstream reads the reason only when the frame is there.
 #[test]
 fn status_without_reason_frame_decodes() {
@@ -477,7 +492,12 @@ fn registration() -> impl Strategy<Value = Registration> {
 }
 
 fn request_meta() -> impl Strategy<Value = RequestMeta> {
-    let indices = (prop::collection::vec(index(), 0..8), prop::option::of(index()), lists(index()));
+    let indices = (
+        prop::collection::vec(index(), 0..8),
+        prop::option::of(index()),
+        lists(index()),
+        prop::collection::vec(index(), 0..4),
+    );
     (any::<u64>(), text(), port(), text(), indices, 1..=MAX_RANKS, any::<u32>()).prop_map(
         |(room, ip, port, engine_key, indices, required_dst_info_num, decode_prefix_len)| RequestMeta {
             room,
@@ -489,6 +509,7 @@ fn request_meta() -> impl Strategy<Value = RequestMeta> {
             state_indices: indices.2,
             required_dst_info_num,
             decode_prefix_len,
+            device_kv_indices: indices.3,
         },
     )
 }

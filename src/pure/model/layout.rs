@@ -67,6 +67,8 @@ pub struct SideOptions {
     pub register_draft: bool,
     /// `(component, tensor, outer)`: Mamba tensors held transposed (see [`SideLayout::state_outers`]).
     pub state_outers: Vec<(u32, u32, u32)>,
+    /// HiSparse (decode): the KV entries are a host pool of this many pages (page 0 a real page), not `page_count`.
+    pub host_kv_pages: Option<u32>,
 }
 
 /// Builds the regions and metadata of every rank of one side.
@@ -128,7 +130,7 @@ fn kv_regions(
                 kind: RegionKind::Kv(*part),
                 layer: *layer,
                 item_len: u64::from(page) * token_len,
-                item_count: options.page_count,
+                item_count: options.host_kv_pages.unwrap_or(options.page_count),
                 rows_per_item: page,
             });
             ids.push(*layer);

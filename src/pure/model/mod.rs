@@ -508,8 +508,12 @@ pub struct Request {
     pub chunks: Vec<u32>,
     /// Prefill allocator pages of the whole sequence (page `k` holds positions `[kV, (k+1)V)`).
     pub prefill_pages: Vec<u32>,
-    /// Decode allocator pages of the send range (`dst_kv_indices`, domain.md §2.3).
+    /// Decode allocator pages of the send range (`dst_kv_indices`, domain.md §2.3). On a HiSparse decode: the
+    /// logical pages, which only its device-resident draft entries use (`device_kv_indices`).
     pub decode_pages: Vec<u32>,
+    /// HiSparse decode (`decode.hisparse`): the host pages of the send range, where the KV entries land (the wire's
+    /// `kv_indices`); empty otherwise.
+    pub decode_host_pages: Vec<u32>,
     pub prefill_state: StateIndices,
     pub decode_state: StateIndices,
     /// Tokens of the prompt resident in prefill's device cache (a radix hit): with early send enabled, prefill sends
@@ -524,6 +528,15 @@ pub struct Request {
 impl Request {
     pub fn send_len(&self) -> u32 {
         self.tokens.saturating_sub(self.decode_prefix)
+    }
+
+    /// The decode pages the KV entries land in: the host pages of a HiSparse decode, else `decode_pages`.
+    pub fn decode_kv_pages(&self) -> &[u32] {
+        if self.decode_host_pages.is_empty() {
+            &self.decode_pages
+        } else {
+            &self.decode_host_pages
+        }
     }
 }
 

@@ -372,9 +372,14 @@ impl Link {
             push(TransferKind::Kv, entries, runs);
         }
         if let Some(entries) = &self.draft {
-            // Draft pools are paged by the allocator page V on both sides (domain.md §2.4 draft rows).
+            // Draft pools are paged by the allocator page V on both sides (domain.md §2.4 draft rows), at the decode's
+            // allocator pages even where its KV lands at host pages (HiSparse, `mooncake/conn.py:1372-1381`).
             let runs = cached(cache, (chunk_index, None, cp_rank), || match self.mode {
-                Mode::PageCopy => rows::page_copy(&ChunkView { page_size: virtual_page, ..*chunk }),
+                Mode::PageCopy => rows::page_copy(&ChunkView {
+                    page_size: virtual_page,
+                    target_pages: &request.decode_pages,
+                    ..*chunk
+                }),
                 Mode::Relayout { .. } => rows::draft(chunk, virtual_page),
             })?;
             push(TransferKind::Draft, entries, runs);
@@ -414,7 +419,7 @@ fn chunks(request: &Request, prefill_page: u32, page_size: u64) -> impl Iterator
         let end = (begin + pages).min(request.prefill_pages.len());
         ChunkView {
             source_pages: &request.prefill_pages[begin..end],
-            target_pages: &request.decode_pages,
+            target_pages: request.decode_kv_pages(),
             source_page_offset: offset as u64,
             decode_prefix: u64::from(request.decode_prefix),
             tokens: u64::from(*tokens),
@@ -1026,13 +1031,18 @@ fn describe_state(entries: &[EntryPair], by_id: bool) -> String {
 
 fn describe_request(request: &Request) -> String {
     format!(
-        "request {}: send range [{}, {}) in {} chunk(s) {:?}; decode pages {:?}",
+        "request {}: send range [{}, {}) in {} chunk(s) {:?}; decode pages {:?}{}",
         request.id,
         request.decode_prefix,
         request.tokens,
         request.chunks.len(),
         request.chunks,
-        request.decode_pages
+        request.decode_pages,
+        if request.decode_host_pages.is_empty() {
+            String::new()
+        } else {
+            format!("; decode host pages {:?}", request.decode_host_pages)
+        }
     )
 }
 

@@ -75,8 +75,9 @@ pub struct Segment {
 /// The items of `table` on `side` for `request`, or `None` for physical addressing.
 pub fn items(request: &Request, side: Side, table: Table) -> Option<&[u32]> {
     let (kv, state) = match side {
-        Side::Prefill => (&request.prefill_pages, &request.prefill_state),
-        Side::Decode => (&request.decode_pages, &request.decode_state),
+        Side::Prefill => (request.prefill_pages.as_slice(), &request.prefill_state),
+        // A HiSparse decode's KV pages are its host pages.
+        Side::Decode => (request.decode_kv_pages(), &request.decode_state),
     };
     match table {
         Table::Physical => None,

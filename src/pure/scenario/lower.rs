@@ -18,6 +18,8 @@ use crate::plan::PlanErrorKind;
 use crate::seed::Seed;
 use rand::seq::SliceRandom as _;
 
+mod hisparse;
+
 /// The first [`MAX_DIAGNOSTICS`] diagnostics, and a count of the rest (an aliased list can repeat one mistake
 /// half a million times).
 struct Diagnostics {
@@ -121,6 +123,7 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
         check_side_references(side, raw_side, &model, &mut diagnostics);
     }
     check_state_layouts(&raw.prefill, &raw.decode, &model, &mut diagnostics);
+    hisparse::check((&raw.prefill, &raw.decode), &raw.requests, &model, &decode, &mut diagnostics);
     let mut requests = lower_requests(&raw.requests, &model, &prefill, &decode, &mut diagnostics);
     if !diagnostics.is_empty() {
         return Err(diagnostics.into_error());
@@ -349,6 +352,12 @@ fn side_options(
     let slot_count = raw_side.slots.unwrap_or(requests.len() as u32 + 1);
     allocate_slots(side, slot_count, raw_requests, requests, seed, diagnostics);
     let state_page_counts = allocate_state_pages(side, model, requests, seed, diagnostics);
+    let host_kv_pages = match side {
+        Side::Decode => {
+            hisparse::allocate(raw_side.hisparse.map(|h| h.host_pages), raw_requests, requests, diagnostics)
+        }
+        Side::Prefill => None,
+    };
     let overrides = raw_side
         .metadata_overrides
         .iter()
@@ -377,6 +386,7 @@ fn side_options(
         kv_token_len: raw_side.kv_token_len,
         layer_partition: raw_side.pp_layer_partition.clone(),
         register_draft: raw_side.draft,
+        host_kv_pages,
     }
 }
 
@@ -1225,6 +1235,7 @@ fn lower_requests(
             chunks,
             prefill_pages: request.prefill_pages.clone().unwrap_or_else(|| vec![0; prefill_count]),
             decode_pages: request.decode_pages.clone().unwrap_or_else(|| vec![0; decode_count]),
+            decode_host_pages: Vec::new(),
             prefill_state: state(0),
             decode_state: state(1),
             cached_prefix: request.cached_prefix.min(request.tokens),

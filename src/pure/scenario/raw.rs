@@ -44,6 +44,8 @@
 //! | `requests[].prefill_pages` | [u32] | seeded allocator | allocator pages of the whole sequence |
 //! | `requests[].decode_pages` | [u32] | seeded allocator | allocator pages of the send range |
 //! | `requests[].decode_page_count` | u32 | enough | how many decode pages the allocator hands out |
+//! | `decode.hisparse` | `{host_pages}` | none | `--enable-hisparse` (SGLang 0.5.23, DSA models): the decode registers its pinned-host MLA pool of `host_pages` pages as the KV destination and sends host pages as `kv_indices`; its draft stays in device memory at the logical `decode_pages` (sent as `device_kv_indices`), its DSA indexer keys at their state pages |
+//! | `requests[].decode_host_pages` | [u32] | FIFO from 0 | HiSparse decode: the request's host pages (page 0 is a real host page), one per decode page of the send range |
 //! | `prefill.early_send` | bool | false | send each request's page-aligned cached prefix as an early chunk, unless a peer needs DCP relayout (domain.md §7) |
 //! | `requests[].prefill_dp` | u32 | id mod prefill dp | the prefill DP group that computes the request (SGLang's `bootstrap_room % dp`, the room being the request's index) |
 //! | `requests[].decode_dp` | u32 | id mod decode dp | the decode DP group the request is dispatched to; only its ranks receive it |
@@ -193,6 +195,16 @@ pub struct RawSide {
     /// Whether this side registers the model's draft KV entries (`false`: deployed without speculative decoding).
     #[serde(default = "yes")]
     pub draft: bool,
+    /// `--enable-hisparse` (decode): the KV entries are the host pool's, addressed by host pages.
+    pub hisparse: Option<RawHiSparse>,
+}
+
+/// `decode.hisparse`: a HiSparse decode registers its pinned-host MLA pool as the KV destination.
+#[derive(Debug, Clone, Copy, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, expecting = "a mapping {host_pages: N}")]
+pub struct RawHiSparse {
+    /// Pages of the host MLA pool (`MLATokenToKVPoolHost`); page 0 is a real page there.
+    pub host_pages: u32,
 }
 
 /// `decode.registration`: what decode ranks advertise (domain.md §6.2); default: the truth, per-entry item lengths.
@@ -270,6 +282,8 @@ pub struct RawRequest {
     pub prefill_pages: Option<Vec<u32>>,
     pub decode_pages: Option<Vec<u32>>,
     pub decode_page_count: Option<u32>,
+    /// HiSparse decode: the host pages of the send range (the wire's `kv_indices`), instead of the FIFO allocator's.
+    pub decode_host_pages: Option<Vec<u32>>,
     #[serde(default)]
     pub state_pages: Vec<RawStatePages>,
     #[serde(default)]

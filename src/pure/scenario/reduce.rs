@@ -305,9 +305,15 @@ impl Draft {
                     scale_request(request, tokens, fewer)
                 }));
             }
-            for field in
-                ["decode_prefix", "cached_prefix", "state_pages", "prefill_pages", "decode_pages", "decode_page_count"]
-            {
+            for field in [
+                "decode_prefix",
+                "cached_prefix",
+                "state_pages",
+                "prefill_pages",
+                "decode_pages",
+                "decode_page_count",
+                "decode_host_pages",
+            ] {
                 if request.get(field).is_some() {
                     res.extend(edit(format!("drop {field}"), &|request| request.remove(field).map(|_| ())));
                 }
@@ -360,7 +366,7 @@ fn scale_request(request: &mut Mapping, tokens: u64, fewer: u64) -> Option<()> {
             request.remove("chunks");
         }
     }
-    for field in ["prefill_pages", "decode_pages", "decode_page_count", "state_pages"] {
+    for field in ["prefill_pages", "decode_pages", "decode_page_count", "state_pages", "decode_host_pages"] {
         request.remove(field);
     }
     Some(())

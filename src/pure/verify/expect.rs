@@ -718,6 +718,15 @@ fn token_rows(
 ) -> Vec<Rows> {
     let prefill = &problem.prefill.topology;
     let decode = &problem.decode.topology;
+    // A HiSparse decode receives its KV in its host pool, at the host pages it listed (SGLang 0.5.23
+    // `disaggregation/decode.py:1643-1658`); only its draft stays at the allocator's pages.
+    let hosted;
+    let request = if request.decode_host_pages.is_empty() {
+        request
+    } else {
+        hosted = Request { decode_pages: request.decode_host_pages.clone(), ..request.clone() };
+        &hosted
+    };
     if prefill.dcp == decode.dcp {
         // Same layout on both sides: the send range's allocator pages move whole, P rows each.
         whole_pages(problem, request, u64::from(decode.page_size), notes)
@@ -937,6 +946,7 @@ pub(crate) fn territory(problem: &Problem, target: RankId, region: u32, request:
     }
     let decode_region = &problem.decode.rank(target).regions[region as usize];
     let items: Vec<u32> = match decode_region.kind {
+        RegionKind::Kv(_) if !request.decode_host_pages.is_empty() => request.decode_host_pages.clone(),
         RegionKind::Kv(_) | RegionKind::Draft => request.decode_pages.clone(),
         RegionKind::State { component, .. } => match problem.model.state[component as usize].kind {
             StateKind::Mamba => vec![request.decode_state.slot],
@@ -999,6 +1009,7 @@ mod tests {
                 chunks: vec![tokens - decode_prefix],
                 prefill_pages: (0..prefill_count).map(scramble).collect(),
                 decode_pages: (0..decode_count as u32).map(scramble).collect(),
+                decode_host_pages: Vec::new(),
                 prefill_state: StateIndices::default(),
                 decode_state: StateIndices::default(),
                 cached_prefix: 0,

@@ -73,6 +73,7 @@ pub fn request_meta() -> RequestMeta {
         state_indices: vec![vec![2]],
         required_dst_info_num: 1,
         decode_prefix_len: 0,
+        device_kv_indices: Vec::new(),
     }
 }
 

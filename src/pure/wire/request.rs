@@ -18,9 +18,12 @@ const AUX_INDEX: Field = field(6, "aux_index");
 const STATE_INDICES: Field = field(7, "state_indices");
 const REQUIRED_DST_INFO_NUM: Field = field(8, "required_dst_info_num");
 const DECODE_PREFIX_LEN: Field = field(9, "decode_prefix_len");
+const DEVICE_KV_INDICES: Field = field(10, "device_kv_indices");
 
 /// Frames of a request metadata message, the guard included.
 pub const REQUEST_META_FRAMES: usize = 10;
+/// Frames of a request metadata message that carries `device_kv_indices` (a HiSparse decode with a draft).
+pub const REQUEST_META_FRAMES_WITH_DEVICE_INDICES: usize = 11;
 
 /// Largest page, slot or aux index: the wire carries them as int32.
 const MAX_INDEX: i128 = i32::MAX as i128;
@@ -48,6 +51,10 @@ pub struct RequestMeta {
     pub required_dst_info_num: u32,
     /// Frame 9: tokens decode already holds; 0 is the empty frame ("0" decodes to 0 as well).
     pub decode_prefix_len: u32,
+    /// Frame 10, sent only when non-empty: a HiSparse decode's logical pages of the send range, where its
+    /// device-resident draft entries land while `kv_indices` are host pages (SGLang Mooncake's metadata `msg[9]`,
+    /// `mooncake/conn.py:3281-3307`; raw int32 like frame 5).
+    pub device_kv_indices: Vec<u32>,
 }
 
 impl RequestMeta {
@@ -57,9 +64,9 @@ impl RequestMeta {
         self.kv_indices.is_empty() && self.aux_index.is_none() && self.decode_prefix_len == 0
     }
 
-    /// The 10 frames, guard first.
+    /// The 10 frames, guard first; 11 with `device_kv_indices`.
     pub fn encode(&self) -> Vec<Vec<u8>> {
-        vec![
+        let mut frames = vec![
             GUARD.to_vec(),
             ascii(self.room),
             self.ip.as_bytes().to_vec(),
@@ -70,12 +77,17 @@ impl RequestMeta {
             pack_int_lists(&self.state_indices),
             ascii(self.required_dst_info_num),
             if self.decode_prefix_len == 0 { Vec::new() } else { ascii(self.decode_prefix_len) },
-        ]
+        ];
+        if !self.device_kv_indices.is_empty() {
+            frames.push(pack_int_list(&self.device_kv_indices));
+        }
+        frames
     }
 
-    /// Parses exactly 10 frames; fields are checked in frame order and the first error is returned.
+    /// Parses 10 frames, or 11 with `device_kv_indices` (an empty frame 10 is none); fields are checked in frame
+    /// order and the first error is returned.
     pub fn decode(frames: &[Vec<u8>]) -> Result<Self, WireError> {
-        let reader = Reader::new(MessageKind::RequestMeta, frames, REQUEST_META_FRAMES)?;
+        let reader = Reader::new(MessageKind::RequestMeta, frames, REQUEST_META_FRAMES_WITH_DEVICE_INDICES)?;
         Ok(Self {
             room: reader.int(ROOM, 0..=u64::MAX.into())?,
             ip: reader.read(IP, text)?,
@@ -86,6 +98,11 @@ impl RequestMeta {
             state_indices: reader.read(STATE_INDICES, |bytes| indices(unpack_int_lists::<i32>(bytes)?))?,
             required_dst_info_num: reader.int(REQUIRED_DST_INFO_NUM, 1..=MAX_RANKS.into())?,
             decode_prefix_len: decode_prefix_len(&reader)?,
+            device_kv_indices: if reader.frame_count() > DEVICE_KV_INDICES.frame {
+                reader.read(DEVICE_KV_INDICES, |bytes| index_list(&unpack_int_list::<i32>(bytes)?, 0))?
+            } else {
+                Vec::new()
+            },
         })
     }
 }

@@ -272,11 +272,18 @@ impl DecodeEngine {
             ip: self.registration.ip.clone(),
             port: self.registration.port,
             engine_key: self.registration.engine.key.clone(),
-            kv_indices: if dummy { Vec::new() } else { request.decode_pages.clone() },
+            // A HiSparse decode's KV entries are its host pool's: host pages (decode.py:1643-1658).
+            kv_indices: if dummy { Vec::new() } else { request.decode_kv_pages().to_vec() },
             aux_index: (!dummy).then_some(request.decode_state.aux),
             state_indices,
             required_dst_info_num: required,
             decode_prefix_len: if dummy { 0 } else { request.decode_prefix },
+            // ... and with a draft pool, its device-resident draft lands at the logical pages (decode.py:1787-1806).
+            device_kv_indices: if dummy || request.decode_host_pages.is_empty() || self.model.draft.is_none() {
+                Vec::new()
+            } else {
+                request.decode_pages.clone()
+            },
         }
     }
 

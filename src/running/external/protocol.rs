@@ -227,6 +227,7 @@ fn meta(meta: &RequestMeta) -> Value {
         "state_indices": meta.state_indices,
         "required_dst_info_num": meta.required_dst_info_num,
         "decode_prefix_len": meta.decode_prefix_len,
+        "device_kv_indices": meta.device_kv_indices,
     })
 }
 
@@ -239,6 +240,7 @@ fn request(request: &Request) -> Value {
         "chunks": request.chunks,
         "prefill_pages": request.prefill_pages,
         "decode_pages": request.decode_pages,
+        "decode_host_pages": request.decode_host_pages,
         "prefill_state": state(&request.prefill_state),
         "decode_state": state(&request.decode_state),
         "cached_prefix": request.cached_prefix,

@@ -57,10 +57,14 @@ pub enum Mutant {
     /// A head-sharded draft under a TP change copied as whole rows, every head slice at column 0 (the draft treated as
     /// replicated, as kvrelay's draft rows were before drafts could be sharded; `src/pure/plan/SGLANG.md`).
     DraftWholeRows,
+    /// A HiSparse decode's latent written at its logical (device) pages instead of the host pages it sent as
+    /// `kv_indices`: the connector ignores that the KV destination is the host pool (`src/pure/plan/SGLANG.md`,
+    /// "HiSparse").
+    HiSparseDeviceDest,
 }
 
 /// Every mutant, in table order.
-pub const ALL: [Mutant; 16] = [
+pub const ALL: [Mutant; 17] = [
     Mutant::LocalLayerOrdinal,
     Mutant::DecodePagesPerChunk,
     Mutant::FinalPageOffByOne,
@@ -77,6 +81,7 @@ pub const ALL: [Mutant; 16] = [
     Mutant::CpWholeChunk,
     Mutant::ConvUntransposed,
     Mutant::DraftWholeRows,
+    Mutant::HiSparseDeviceDest,
 ];
 
 /// What one prefill rank knows while one chunk of one room is planned for one peer.
@@ -107,6 +112,7 @@ impl Mutant {
             Mutant::CpWholeChunk => "cp-whole-chunk",
             Mutant::ConvUntransposed => "conv-untransposed",
             Mutant::DraftWholeRows => "draft-whole-rows",
+            Mutant::HiSparseDeviceDest => "hisparse-device-dest",
         }
     }
 
@@ -130,6 +136,7 @@ impl Mutant {
             Mutant::CpWholeChunk => "SGLANG.md CP",
             Mutant::ConvUntransposed => "SGLANG.md conv",
             Mutant::DraftWholeRows => "SGLANG.md draft",
+            Mutant::HiSparseDeviceDest => "SGLANG.md HiSparse",
         }
     }
 
@@ -205,6 +212,10 @@ impl Mutant {
                 require(sharded, "no head-sharded draft")?;
                 require(prefill.tp != decode.tp, "equal TP: draft rows move whole")
             }
+            Mutant::HiSparseDeviceDest => require(
+                problem.requests.iter().any(|request| !request.decode_host_pages.is_empty()),
+                "no HiSparse decode: KV lands at the allocator's pages",
+            ),
             Mutant::ReplicatedStateWrongWriter => {
                 let replicated = problem.model.state.iter().any(|component| {
                     component.kind == StateKind::Mamba
@@ -234,6 +245,15 @@ impl Mutant {
             Mutant::SwaSwappedHeadSlice => swa_swapped_head_slice(site, groups),
             Mutant::DecodeDpOffByOne => groups,
             Mutant::CpWholeChunk => site.link.without_cp_block().chunk_groups(site.query.request, site.chunk)?,
+            Mutant::HiSparseDeviceDest => {
+                let request = site.query.request;
+                let device = Request { decode_host_pages: Vec::new(), ..request.clone() };
+                let replanned = site.link.chunk_groups(&device, site.chunk)?;
+                let kv = |group: &TransferGroup| group.kind == TransferKind::Kv;
+                let mut res: Vec<TransferGroup> = groups.into_iter().filter(|group| !kv(group)).collect();
+                res.extend(replanned.into_iter().filter(kv));
+                res
+            }
             Mutant::ConvUntransposed => mamba_blocks(site, groups, BlockBug::Untransposed),
             Mutant::DraftWholeRows => map_entries(
                 groups,

@@ -182,7 +182,12 @@ class Seat:
         info, reg = self.registration(q)
         if info.mooncake_session_id not in mgr.decode_kv_args_table:
             self.link(q)  # the peer registered before kvrelay's seat existed for it: register it now
-        meta = self.sgl.mori.TransferInfo.from_zmq(wire.frames(q["meta_frames"]))
+        meta_frames = wire.frames(q["meta_frames"])
+        meta = self.sgl.mori.TransferInfo.from_zmq(meta_frames)
+        # kvrelay's frame 10 (after the guard: msg[9]) is Mooncake's device_kv_indices, which Mori's decoder ignores:
+        # read as mooncake/conn.py:142-146 reads it.
+        device = (self.sgl.np.frombuffer(meta_frames[9], dtype=self.sgl.np.int32)
+                  if len(meta_frames) > 9 and meta_frames[9] != b"" else None)
         room = meta.room
         if mgr.request_status.get(room) == self.sgl.base.KVPoll.Failed:
             return mgr.failure_records.get(room, "the room already failed on this prefill rank")
@@ -203,6 +208,7 @@ class Seat:
             required_dst_info_num=1,  # see the module's docstring
             is_dummy=dummy,
             decode_prefix_len=meta.decode_prefix_len,
+            dst_device_kv_indices=None if dummy else device,
         )
         mgr.transfer_infos[room] = {info.mooncake_session_id: transfer}
         mgr.request_status[room] = self.sgl.base.KVPoll.WaitingForInput

@@ -267,6 +267,9 @@ class Adapter:
         P = local.page_size
         prefill_pages = request["prefill_pages"]
         dst_kv_indices = np.asarray(meta["kv_indices"], dtype=np.int32)
+        # A HiSparse decode's logical pages for its device-resident draft (metadata msg[9], mooncake/conn.py:142-146).
+        device = meta.get("device_kv_indices") or []
+        dst_device_kv_indices = np.asarray(device, dtype=np.int32) if device else None
         decode_prefix = meta["decode_prefix_len"] or 0
         # No SGLang helper: chunk pages as prefill.py:1731-1779 cuts them, each chunk's pages from the send range's
         # start, index_slice counted in prefill pages from decode_prefix_len (common/conn.py:2270).
@@ -289,14 +292,21 @@ class Adapter:
                 # _prepare_send_indices (common/conn.py:2282-2291): this CP rank's block of the chunk.
                 src, index_slice = self.H.filter_kv_indices_for_cp_rank(
                     cp_view, src, index_slice, total_pages=num_kv_indices)
+            chunk_device = None
             if relayout:
+                if dst_device_kv_indices is not None:  # mooncake/conn.py:2615-2619
+                    raise RuntimeError("HiSparse destination device indices are not supported by PD DCP relayout")
                 chunk_dst = dst_kv_indices
             else:
                 chunk_dst = dst_kv_indices[index_slice]
+                if dst_device_kv_indices is not None:
+                    chunk_device = dst_device_kv_indices[index_slice]
                 if len(chunk_dst) < len(src):  # mooncake/conn.py:2633-2643: warn and truncate
                     warn(f"len(chunked_dst_kv_indice) = {len(chunk_dst)}, "
                           f"len(kv_chunk.prefill_kv_indices) = {len(src)}")
                     src = src[: len(chunk_dst)]
+                if chunk_device is not None:
+                    chunk_device = chunk_device[: len(src)]
             if len(src) == 0 or not local.kv or skip_kv:
                 pass
             elif relayout:
@@ -304,9 +314,16 @@ class Adapter:
                                       src_page_offset=index_slice.start, decode_prefix_len=decode_prefix,
                                       num_kv_tokens=tokens)
             elif local.is_mla or local.is_hybrid_mla or local.tp == peer.tp:
+                device_ptrs = None
+                if chunk_device is not None:
+                    # send_kvcache, mooncake/conn.py:1358-1381: the draft suffix of the decode's entries is device
+                    # memory at logical pages; the rest is host-backed.
+                    if not 0 < local.num_draft < len(peer.kv_ptrs):
+                        raise ValueError("HiSparse spec PD transfer requires an appended device-only draft KV buffer")
+                    device_ptrs = set(peer.kv_ptrs[len(peer.kv_ptrs) - local.num_draft:])
                 self.send_kvcache_generic(out, ci, local, mgr, [local.ptr(r) for r in local.kv], peer.kv_ptrs,
                                           local.kv_item_lens, src, chunk_dst, local.kv_layer_ids,
-                                          peer.kv_layer_ids)
+                                          peer.kv_layer_ids, device=(chunk_device, device_ptrs))
             else:
                 self.send_kvcache_slice(out, ci, local, peer, mgr, src, chunk_dst)
             if last:
@@ -321,10 +338,14 @@ class Adapter:
 
     # ----------------------------------------------------------------------------------------------------------
     def send_kvcache_generic(self, out, ci, local, mgr, src_ptrs, dst_ptrs, item_lens, src_idx, dst_idx,
-                             src_ids, dst_ids, state_type=None, dst_item_lens=None):
-        """_send_kvcache_generic, mooncake/conn.py:1019-1170 (the page-copy path for KV and generic state)."""
+                             src_ids, dst_ids, state_type=None, dst_item_lens=None, device=(None, None)):
+        """_send_kvcache_generic, mooncake/conn.py:1019-1170 (the page-copy path for KV and generic state);
+        `device` = (logical pages, decode entry pointers they address): a HiSparse decode's device-resident draft."""
         H = self.H
         src_blocks, dst_blocks = H.group_concurrent_contiguous(src_idx, dst_idx)
+        device_idx, device_ptrs = device
+        if device_ptrs:
+            device_blocks = H.group_concurrent_contiguous(src_idx, device_idx)
         if dst_item_lens is not None:
             mismatch = self.state_stride_mismatch(local, mgr, src_ptrs, dst_ptrs, item_lens, dst_item_lens,
                                                   state_type, src_ids, dst_ids)
@@ -354,8 +375,9 @@ class Adapter:
                      [(sv[k], dv[k], item_lens[n + k]) for k in range(n)]
         for src_ptr, dst_ptr, item_len in params:
             # set_transfer_blocks, mooncake/conn.py:1172-1193: the prefill item_len strides both sides.
+            blocks = device_blocks if device_ptrs and int(dst_ptr) in device_ptrs else (src_blocks, dst_blocks)
             out.add(ci, [(src_ptr + int(p[0]) * item_len, dst_ptr + int(d[0]) * item_len, item_len * len(p))
-                         for p, d in zip(src_blocks, dst_blocks)])
+                         for p, d in zip(*blocks)])
 
     def flat(self, local, has_layer_ids, state_type, n_src, n_dst) -> bool:
         """No SGLang helper: _uses_flat_entry_layout, mooncake/conn.py:232-251 (a connector function), inlined."""
