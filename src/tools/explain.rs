@@ -34,6 +34,8 @@ pub enum Path {
     DcpRelayout,
     /// MHA/GQA under a TP change: per-token head slices.
     HeadSlice,
+    /// MHA/GQA under a TP change with staging: per-token head slices into the decode's staging ring.
+    Staging,
     /// Speculative draft KV rows.
     Draft,
     /// A head-sharded (MHA/GQA) draft under a TP change: per-token head slices with the draft's own widths.
@@ -94,6 +96,10 @@ impl Path {
             Path::HeadSlice => (
                 "MHA head slices under a TP change, one descriptor per token",
                 "mooncake/conn.py:1647 send_kvcache_slice; common/staging_buffer.py:773-806 compute_head_slice_params",
+            ),
+            Path::Staging => (
+                "MHA head slices into the decode's staging ring, one image per chunk (the decode scatters it after the transfer)",
+                "common/staging_buffer.py:62-97, 773-839 compute_head_slice_params, compute_staging_layout; mooncake/conn.py:2707-2727, 733-806; common/staging_handler.py",
             ),
             Path::Draft => ("draft KV rows (appended entries)", "prefill.py:300-317; mooncake/conn.py:1489-1552 (DCP)"),
             Path::DraftHeadSlice => (
@@ -210,6 +216,7 @@ pub fn explain(problem: &Problem) -> Explanation {
             }
             TransferKind::Draft => add(Path::Draft, bytes),
             TransferKind::Aux => add(Path::Aux, bytes),
+            TransferKind::Staging { .. } => add(Path::Staging, bytes),
             TransferKind::State { component } => {
                 let state = &problem.model.state[component as usize];
                 let target = problem.decode.rank(group.target);

@@ -609,6 +609,7 @@ fn transfer_kind(kind: TransferKind) -> String {
         TransferKind::Draft => "draft".to_owned(),
         TransferKind::State { component } => format!("state{component}"),
         TransferKind::Aux => "aux".to_owned(),
+        TransferKind::Staging { slot } => format!("staging{slot}"),
     }
 }
 

@@ -12,6 +12,7 @@ use rstest::rstest;
 #[case::swa_head_slice("scenarios/state/swa-head-slice-tp2-to-tp4.yaml", &[Path::SwaHeadSlice, Path::HeadSlice], &[Path::PagedState])]
 #[case::positional("scenarios/probes/no-layer-ids-mha-tp2.yaml", &[Path::PositionalPairing, Path::PageCopy], &[Path::LayerIdPairing])]
 #[case::hisparse_host("scenarios/state/deepseek-v3.2-hisparse-decode-mtp.yaml", &[Path::HiSparseHost, Path::Draft, Path::PagedState], &[Path::PageCopy])]
+#[case::staging("scenarios/mha/gqa-staging-tp4-to-tp2.yaml", &[Path::Staging], &[Path::HeadSlice, Path::PageCopy])]
 fn explain_names_the_paths_a_scenario_takes(#[case] file: &str, #[case] taken: &[Path], #[case] not_taken: &[Path]) {
     let loaded = scenario::load(std::path::Path::new(file)).unwrap();
     let res = explain(&loaded.problem);

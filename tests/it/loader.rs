@@ -445,3 +445,63 @@ fn hisparse_host_pages_are_handed_out_from_zero_in_request_order() {
     let kv = &layout.regions[layout.kv_entries[0] as usize];
     assert_eq!(kv.item_count, 16, "the KV entries are the 16-page host pool");
 }
+
+/// `prefill.staging` / `decode.staging`: each side its own field; staging where SGLang starts it (MHA/GQA) and
+/// kvrelay models it (prefill PP1, no all-CP transfer, no draft, grid chunks, a ring that holds every image at
+/// once); each refusal names the field and the fix.
+#[rstest::rstest]
+#[case::prefill_only(
+    "prefill: {tp: 2, page_size: 16, staging: {chunk_pages: 2}}\ndecode: {tp: 4, page_size: 16}",
+    &[], "prefill.staging: the decode sets no staging"
+)]
+#[case::ring_on_the_prefill(
+    "prefill: {tp: 2, page_size: 16, staging: {ring_bytes: 4096}}\ndecode: {tp: 4, page_size: 16, staging: {ring_bytes: 262144}}",
+    &[], "prefill.staging.ring_bytes: the staging ring is the decode's"
+)]
+#[case::no_ring_bytes(
+    "prefill: {tp: 2, page_size: 16, staging: {chunk_pages: 2}}\ndecode: {tp: 4, page_size: 16, staging: {}}",
+    &[], "decode.staging.ring_bytes: missing"
+)]
+#[case::ring_not_whole_rows(
+    "prefill: {tp: 2, page_size: 16, staging: {chunk_pages: 2}}\ndecode: {tp: 4, page_size: 16, staging: {ring_bytes: 1000}}",
+    &[], "decode.staging.ring_bytes: 1000 bytes: a whole number of 512-byte ring rows"
+)]
+#[case::ring_too_small(
+    "prefill: {tp: 2, page_size: 16, staging: {chunk_pages: 2}}\ndecode: {tp: 4, page_size: 16, staging: {ring_bytes: 65536}}",
+    &[], "decode.staging.ring_bytes: 65536 bytes cannot hold every chunk image at once (163840 bytes)"
+)]
+#[case::off_the_grid(
+    "prefill: {tp: 2, page_size: 16, staging: {chunk_pages: 2}}\ndecode: {tp: 4, page_size: 16, staging: {ring_bytes: 262144}}",
+    &["chunks: [16, 24]"], "requests[0].chunks: [16, 24]: with staging every chunk but the last is one grid chunk of 2 pages (32 tokens)"
+)]
+#[case::under_prefill_pp(
+    "prefill: {tp: 2, pp: 2, page_size: 16, staging: {chunk_pages: 2}}\ndecode: {tp: 4, page_size: 16, staging: {ring_bytes: 262144}}",
+    &[], "prefill.staging: staging under prefill PP pairs ring slots by layer id"
+)]
+fn a_bad_staging_deployment_names_the_field_and_the_fix(
+    #[case] sides: &str,
+    #[case] request: &[&str],
+    #[case] wanted: &str,
+) {
+    let extra = if request.is_empty() { ", chunks: [32, 8]".to_owned() } else { format!(", {}", request.join(", ")) };
+    let text = format!(
+        "model: {{layers: 2, kv_heads: 8, head_dim: 128, dtype_bytes: 2}}\n{sides}\nrequests: [{{tokens: 40{extra}}}, {{tokens: 20}}]\nexpect: ok\n"
+    );
+    let res = error(&text);
+    assert!(res.contains(wanted), "{res}");
+}
+
+/// With staging, each chunk's image follows the previous one in the ring of the request's decode DP group, and the
+/// decode registers the ring after its aux buffers, in rows of one writer's heads of one token.
+#[test]
+fn staging_images_follow_each_other_in_the_ring() {
+    let path = std::path::Path::new("scenarios/mha/gqa-staging-tp2-to-tp4.yaml");
+    let problem = scenario::load(path).unwrap().problem;
+    let offsets: Vec<_> = problem.requests.iter().map(|request| request.staging_offsets.clone()).collect();
+    // W 1 x T x (2 heads x 256 B) x 4 slots: 65536 B for two pages, 32768 B for one.
+    assert_eq!(offsets, [vec![0, 65536], vec![98304]]);
+    let layout = &problem.decode.ranks[0];
+    let ring = &layout.regions[layout.staging_entry.unwrap() as usize];
+    assert_eq!((ring.row_len(), ring.len_bytes()), (512, 262144));
+    assert_eq!(problem.prefill.topology.staging_chunk_pages, 2);
+}

@@ -238,6 +238,25 @@ fn device_kv_indices_ride_in_frame_10_only_when_present() {
     assert_eq!(RequestMeta::decode(&empty), Ok(golden::request_meta()));
 }
 
+/// The staging ring rides in registration frame 20 (after frames 18 and 19, sent empty when they have nothing) and
+/// each chunk's ring offset in metadata frame 11 (after frame 10, likewise): both only when there is a ring.
+#[test]
+fn staging_ring_and_offsets_ride_in_their_own_frames_only_with_staging() {
+    let ring = MemoryDesc { address: 0x7d00_0000_0000, length_bytes: 0x40000, rkey: 0x41 };
+    let registration = Registration { staging_descs: vec![ring], ..golden::registration() };
+    let frames = registration.encode();
+    assert_eq!(frames.len(), 21);
+    assert!(frames[18].is_empty() && frames[19].is_empty());
+    assert_eq!(Registration::decode(&frames), Ok(registration));
+    assert_eq!(golden::registration().encode().len(), 18);
+    let meta = RequestMeta { staging_offsets: vec![0, 65536], ..golden::request_meta() };
+    let frames = meta.encode();
+    assert_eq!(frames.len(), 12);
+    assert!(frames[10].is_empty());
+    assert_eq!(frames[11], hex("00000000 00000000 00000100 00000000"));
+    assert_eq!(RequestMeta::decode(&frames), Ok(meta));
+}
+
 /// Upstream reads the reason only when the frame is there.
 #[test]
 fn status_without_reason_frame_decodes() {
@@ -315,7 +334,7 @@ use WireReason::*;
 #[case::bad_guard(Reg, with(reg(), 0, b"MoriMsgGuarD"), 0, "guard", BadGuard)]
 #[case::missing_frame(Reg, cut(reg(), 10), 10, "tp_rank", Missing { frames: 10 })]
 #[case::missing_prefix_frame(Meta, cut(meta(), 9), 9, "decode_prefix_len", Missing { frames: 9 })]
-#[case::too_many_registration_frames(Reg, plus(plus(plus(reg(), b""), b""), b""), 20, "after the last field", TooManyFrames { frames: 21, max: 20 })]
+#[case::too_many_registration_frames(Reg, plus(plus(plus(plus(reg(), b""), b""), b""), b""), 21, "after the last field", TooManyFrames { frames: 22, max: 21 })]
 #[case::too_many_status_frames(Stat, plus(stat(), b"x"), 5, "after the last field", TooManyFrames { frames: 6, max: 5 })]
 #[case::registration_room_not_none(Reg, with(reg(), 1, b"42"), 1, "room", Unexpected { expected: "None" })]
 #[case::request_room_none(Meta, with(meta(), 1, b"None"), 1, "room", NotInteger { text: "None".into() })]
@@ -464,6 +483,7 @@ fn registration() -> impl Strategy<Value = Registration> {
         prop::collection::vec(memory_desc(), 0..4),
         prop::collection::vec(memory_desc(), 0..3),
         lists(memory_desc()),
+        prop::collection::vec(memory_desc(), 0..2),
     );
     let numbers = (0..=1023_u32, 1..=MAX_TP, 0..MAX_RANKS, 0..=1_u64 << 32);
     let item_lens = prop::collection::vec(0..=1_u64 << 32, 0..4);
@@ -486,6 +506,7 @@ fn registration() -> impl Strategy<Value = Registration> {
             // kvrelay's per-entry lengths ride after PR #37358's frames, so only with them.
             kv_item_lens: if dcp.is_some() { item_lens } else { Vec::new() },
             state_outer_counts: if dcp.is_some() { outers } else { Vec::new() },
+            staging_descs: if dcp.is_some() { descs.4 } else { Vec::new() },
             dcp,
         },
     )
@@ -497,6 +518,7 @@ fn request_meta() -> impl Strategy<Value = RequestMeta> {
         prop::option::of(index()),
         lists(index()),
         prop::collection::vec(index(), 0..4),
+        prop::collection::vec(any::<u64>(), 0..3),
     );
     (any::<u64>(), text(), port(), text(), indices, 1..=MAX_RANKS, any::<u32>()).prop_map(
         |(room, ip, port, engine_key, indices, required_dst_info_num, decode_prefix_len)| RequestMeta {
@@ -510,6 +532,7 @@ fn request_meta() -> impl Strategy<Value = RequestMeta> {
             required_dst_info_num,
             decode_prefix_len,
             device_kv_indices: indices.3,
+            staging_offsets: indices.4,
         },
     )
 }

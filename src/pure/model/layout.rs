@@ -69,6 +69,8 @@ pub struct SideOptions {
     pub state_outers: Vec<(u32, u32, u32)>,
     /// HiSparse (decode): the KV entries are a host pool of this many pages (page 0 a real page), not `page_count`.
     pub host_kv_pages: Option<u32>,
+    /// Staging (decode): the ring's rows and bytes per row, registered after the aux buffers.
+    pub staging_ring: Option<(u64, u64)>,
 }
 
 /// Builds the regions and metadata of every rank of one side.
@@ -90,6 +92,16 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
     }
     override_metadata(&mut state, options);
     let aux_entries = aux_regions(model, options, &mut regions);
+    let staging_entry = options.staging_ring.map(|(rows, row_len)| {
+        regions.push(Region {
+            kind: RegionKind::Staging,
+            layer: 0,
+            item_len: row_len,
+            item_count: u32::try_from(rows).unwrap_or(u32::MAX),
+            rows_per_item: 1,
+        });
+        regions.len() as u32 - 1
+    });
     RankLayout {
         rank,
         regions,
@@ -97,6 +109,7 @@ fn build_rank(topology: &Topology, rank: RankId, model: &ModelGeometry, options:
         advertised_layer_ids: options.advertise_layer_ids.then_some(ids),
         state,
         aux_entries,
+        staging_entry,
         stage_layers: stage.clone(),
     }
 }

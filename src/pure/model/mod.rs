@@ -5,8 +5,10 @@
 //! a *token row* one token's bytes inside an item.
 
 mod layout;
+mod staging;
 
 pub use layout::{build_side_layout, partition_layers, stage_layers, MetadataOverride, SideOptions};
+pub use staging::StagingShape;
 
 use std::fmt;
 
@@ -82,6 +84,9 @@ pub struct Topology {
     pub dcp: u32,
     /// Physical page size `P` of the KV pool, in tokens.
     pub page_size: u32,
+    /// Prefill with `SGLANG_DISAGG_STAGING_BUFFER`: pages of one staging grid chunk (`chunked_prefill_size / P`);
+    /// 0 without staging (and always 0 on decode, whose ring is a region of its own).
+    pub staging_chunk_pages: u32,
 }
 
 impl Topology {
@@ -376,6 +381,9 @@ pub enum RegionKind {
     State { component: u32, tensor: u32 },
     /// One aux buffer: items are request aux rows.
     Aux { buffer: u32 },
+    /// The decode's staging ring (`SGLANG_DISAGG_STAGING_BUFFER`): one item; rows are one writer's heads of one token
+    /// (`nh * head_dim * dtype_bytes` bytes).
+    Staging,
 }
 
 impl fmt::Display for RegionKind {
@@ -387,6 +395,7 @@ impl fmt::Display for RegionKind {
             RegionKind::Draft => f.write_str("draft"),
             RegionKind::State { component, tensor } => write!(f, "state{component}.{tensor}"),
             RegionKind::Aux { buffer } => write!(f, "aux{buffer}"),
+            RegionKind::Staging => f.write_str("staging"),
         }
     }
 }
@@ -447,6 +456,8 @@ pub struct RankLayout {
     pub state: StateMetadata,
     /// Region indices of the aux buffers.
     pub aux_entries: Vec<u32>,
+    /// Region index of the staging ring (decode with staging), registered in frame 20.
+    pub staging_entry: Option<u32>,
     /// Model layers of this rank's pipeline stage (its pool's `start_layer..end_layer`, domain.md §4.1, or the
     /// side's `SGLANG_PP_LAYER_PARTITION`). Not on the wire: a layout rebuilt from a registration reads `0..0`.
     pub stage_layers: std::ops::Range<u32>,
@@ -514,6 +525,9 @@ pub struct Request {
     /// HiSparse decode (`decode.hisparse`): the host pages of the send range, where the KV entries land (the wire's
     /// `kv_indices`); empty otherwise.
     pub decode_host_pages: Vec<u32>,
+    /// Staging: the byte offset of each chunk's image in the decode's staging ring (the same on every decode rank of
+    /// its DP group, whose rings fill alike); empty without staging.
+    pub staging_offsets: Vec<u64>,
     pub prefill_state: StateIndices,
     pub decode_state: StateIndices,
     /// Tokens of the prompt resident in prefill's device cache (a radix hit): with early send enabled, prefill sends

@@ -109,6 +109,10 @@ pub enum PlanError {
     /// [I] aux buffers pair positionally and must have equal rows (domain.md §1.6).
     #[error("aux buffers differ: src={prefill:?}, dst={decode:?}")]
     AuxGeometry { prefill: Vec<u64>, decode: Vec<u64> },
+    /// [I] the decode's staging ring has no room where the prefill must write a chunk's image (SGLang's
+    /// `ALLOC_OVERSIZED`, `common/staging_buffer.py:300-319`, or offsets that do not fit the image).
+    #[error("staging: {reason}")]
+    StagingSpace { reason: String },
     /// [I] both sides must register the same state components in the same order.
     #[error("state components differ: src={prefill:?}, dst={decode:?}")]
     StateComponents { prefill: Vec<StateKind>, decode: Vec<StateKind> },
@@ -161,7 +165,9 @@ impl PlanError {
             | PlanError::PagedStateUnderDcp { .. } => K::DcpUnsupported,
             PlanError::PageSizeMismatch { .. } => K::PageSizeMismatch,
             PlanError::UnalignedDecodePrefix { .. } => K::UnalignedPrefix,
-            PlanError::InsufficientDcpPages { .. } | PlanError::InsufficientPages { .. } => K::TooFewPages,
+            PlanError::InsufficientDcpPages { .. }
+            | PlanError::InsufficientPages { .. }
+            | PlanError::StagingSpace { .. } => K::TooFewPages,
             PlanError::MissingLayer { .. } => K::MissingLayer,
             PlanError::OneSidedLayerMetadata
             | PlanError::LayerMetadataLength { .. }

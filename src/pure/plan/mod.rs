@@ -13,6 +13,7 @@ mod pairing;
 pub mod peer;
 mod ranks;
 mod rows;
+mod staging;
 mod state;
 
 pub use descriptor::Descriptor;
@@ -41,6 +42,8 @@ pub enum TransferKind {
     State { component: u32 },
     /// Aux rows (last chunk, last stage only).
     Aux,
+    /// KV head slices into slot `slot` (the decode's K buffers, then its V buffers) of the decode's staging ring.
+    Staging { slot: u32 },
 }
 
 /// Which source entry feeds which target entry, and which bytes of each token row move.
@@ -364,7 +367,19 @@ impl Link {
                 });
             }
         };
-        if let Some(entries) = &self.kv {
+        if let (Some(_), Some(staging)) = (&self.kv, &self.staging) {
+            let offset = request.staging_offsets.get(chunk_index as usize).copied().ok_or_else(|| {
+                let reason = format!(
+                    "the decode gave {} ring offsets for the request's {} chunks",
+                    request.staging_offsets.len(),
+                    request.chunks.len()
+                );
+                PlanError::StagingSpace { reason }
+            })?;
+            for (slot, entries, runs) in staging.chunk(chunk, offset)? {
+                push(TransferKind::Staging { slot }, &entries, runs);
+            }
+        } else if let Some(entries) = &self.kv {
             let runs = cached(cache, (chunk_index, Some(self.mode), cp_rank), || match self.mode {
                 Mode::PageCopy => rows::page_copy(chunk),
                 Mode::Relayout { dcp, dcp_rank } => rows::relayout(chunk, dcp, dcp_rank),
@@ -581,7 +596,16 @@ impl<'a> Ends<'a> {
     /// rank mapping of domain.md §3.1 does not send here).
     fn new(local: Local<'a>, peer: &'a Peer) -> Result<Ends<'a>, PlanError> {
         let page_size = local.topology.page_size;
-        let decode = Topology { tp: peer.tp, dp: 1, cp: 1, all_cp: false, pp: 1, dcp: peer.dcp, page_size };
+        let decode = Topology {
+            tp: peer.tp,
+            dp: 1,
+            cp: 1,
+            all_cp: false,
+            pp: 1,
+            dcp: peer.dcp,
+            page_size,
+            staging_chunk_pages: 0,
+        };
         let (source, target) = (local.layout.rank, peer.rank);
         let prefill_tp = local.topology.tp;
         // Position among the k prefill ranks a decode rank contacts when decode TP < prefill TP.
@@ -625,6 +649,8 @@ pub struct Link {
     draft: Option<Arc<[EntryPair]>>,
     state: Vec<(usize, StateKind, Arc<[EntryPair]>)>,
     aux: Option<Arc<[EntryPair]>>,
+    /// The staging path: KV goes into the peer's ring instead of its pool.
+    staging: Option<staging::StagingLink>,
     notes: Vec<String>,
 }
 
@@ -643,8 +669,14 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
     // Replicated latent: one writer per decode rank. Head-sharded KV: every prefill rank of the group writes its
     // heads, except duplicates when prefill TP exceeds the head count ([I] only the first replica inside the
     // decode rank's group writes, so every decode byte is written exactly once).
+    // With staging every prefill rank of the group writes its own region of the image, replicas included
+    // (`compute_staging_layout`, `common/staging_buffer.py:809-839`).
+    let staged = prefill.staging_chunk_pages > 0
+        && target_layout.staging_entry.is_some()
+        && matches!(ends.model.attention, Attention::Mha { .. })
+        && prefill.tp != decode.tp;
     let kv_writer = match ends.model.attention {
-        _ if decode.tp >= prefill.tp => true,
+        _ if decode.tp >= prefill.tp || staged => true,
         Attention::Mla { .. } => primary,
         Attention::Mha { kv_heads, .. } => connection.offset % (prefill.tp / kv_heads).max(1) == 0,
     };
@@ -665,6 +697,7 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
         draft: None,
         state: Vec::new(),
         aux: None,
+        staging: None,
         notes: Vec::new(),
     };
     if kv_writer || primary || draft_writer {
@@ -678,6 +711,11 @@ fn link_with(ends: &Ends<'_>, mode: Mode) -> Result<Link, PlanError> {
             res.notes.push(format!("kv pairing {how}: {}", describe_pairing(&targets)));
         }
         if kv_writer {
+            if staged {
+                let ends_tp = (prefill, decode.tp);
+                res.staging = staging::link(ends.model, ends_tp, (connection.prefill.tp, target_layout), &targets);
+                res.notes.extend(res.staging.as_ref().map(staging::StagingLink::describe));
+            }
             res.kv = Some(targets.into());
         }
         if draft_writer && !drafts.is_empty() {

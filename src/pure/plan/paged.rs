@@ -91,7 +91,7 @@ fn table_of(kind: TransferKind) -> Table {
     match kind {
         TransferKind::Kv => Table::KvPages,
         TransferKind::State { component } => Table::StatePages { component },
-        TransferKind::Draft | TransferKind::Aux => Table::Physical,
+        TransferKind::Draft | TransferKind::Aux | TransferKind::Staging { .. } => Table::Physical,
     }
 }
 

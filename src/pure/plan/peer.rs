@@ -57,6 +57,8 @@ pub fn advertise(problem: &Problem, rank: RankId, descs: &[MemoryDesc]) -> Regis
         kv_item_lens,
         // Frame 19 rides after frame 18, so only where the per-entry lengths do.
         state_outer_counts: if per_entry { layout.state.outer_counts.clone() } else { Vec::new() },
+        // Frame 20 rides after frames 18 and 19: a legacy peer advertises no ring.
+        staging_descs: if options.legacy { Vec::new() } else { layout.staging_entry.iter().map(desc).collect() },
     }
 }
 
@@ -107,6 +109,7 @@ pub fn from_registration(local: Local<'_>, registration: &Registration) -> Resul
         },
         state: StateMetadata::default(),
         aux_entries: Vec::new(),
+        staging_entry: None,
         stage_layers: 0..0,
     };
     let mut descs = Vec::new();
@@ -117,6 +120,20 @@ pub fn from_registration(local: Local<'_>, registration: &Registration) -> Resul
         layout.aux_entries.push(layout.regions.len() as u32);
         layout.regions.push(region(RegionKind::Aux { buffer: buffer as u32 }, 0, item_len, 1, desc));
         descs.push(*desc);
+    }
+    if let [desc] = registration.staging_descs.as_slice() {
+        // Ring rows are one writer's heads of one token, as the prefill computes them for this pair of TP sizes.
+        let row_len = match local.model.attention {
+            Attention::Mha { kv_heads, .. } => {
+                crate::model::StagingShape::new(kv_heads, local.model.head_len(), local.topology.tp, tp).row_len()
+            }
+            Attention::Mla { .. } => desc.length_bytes.max(1),
+        };
+        layout.staging_entry = Some(layout.regions.len() as u32);
+        layout.regions.push(region(RegionKind::Staging, 0, row_len, 1, desc));
+        descs.push(*desc);
+    } else if registration.staging_descs.len() > 1 {
+        return Err(invalid(format!("{} staging rings advertised (at most one)", registration.staging_descs.len())));
     }
     let (dcp, dcp_rank) = (registration.dcp_size(), registration.dcp_rank());
     if dcp == 0 || dcp_rank >= dcp {

@@ -19,6 +19,7 @@ use crate::seed::Seed;
 use rand::seq::SliceRandom as _;
 
 mod hisparse;
+mod staging;
 
 /// The first [`MAX_DIAGNOSTICS`] diagnostics, and a count of the rest (an aliased list can repeat one mistake
 /// half a million times).
@@ -124,17 +125,26 @@ pub(super) fn lower(raw: RawScenario, default_name: &str) -> Result<(Problem, Ex
     }
     check_state_layouts(&raw.prefill, &raw.decode, &model, &mut diagnostics);
     hisparse::check((&raw.prefill, &raw.decode), &raw.requests, &model, &decode, &mut diagnostics);
+    let ring = staging::check((&raw.prefill, &raw.decode), &model, (&mut prefill, &decode), &mut diagnostics);
     let mut requests = lower_requests(&raw.requests, &model, &prefill, &decode, &mut diagnostics);
+    staging::check_grid(&prefill, &requests, &mut diagnostics);
     if !diagnostics.is_empty() {
         return Err(diagnostics.into_error());
     }
     let seed = Seed(raw.seed.unwrap_or(1));
     let mut build = |side, raw_side: &RawSide, topology| {
-        let options = side_options(side, raw_side, &model, &raw.requests, &mut requests, seed, &mut diagnostics);
+        let mut options = side_options(side, raw_side, &model, &raw.requests, &mut requests, seed, &mut diagnostics);
+        if side == Side::Decode {
+            options.staging_ring = ring;
+        }
         build_side_layout(side, topology, &model, &options)
     };
     let prefill_layout = build(Side::Prefill, &raw.prefill, prefill);
     let decode_layout = build(Side::Decode, &raw.decode, decode);
+    if let Some((rows, row)) = ring {
+        let sides = (&prefill_layout.topology, &decode_layout);
+        staging::allocate(&model, sides, rows * row, &mut requests, &mut diagnostics);
+    }
     if !diagnostics.is_empty() {
         return Err(diagnostics.into_error());
     }
@@ -387,6 +397,7 @@ fn side_options(
         layer_partition: raw_side.pp_layer_partition.clone(),
         register_draft: raw_side.draft,
         host_kv_pages,
+        staging_ring: None,
     }
 }
 
@@ -1184,6 +1195,7 @@ fn lower_topology(side: &str, raw: &RawSide, diagnostics: &mut Diagnostics) -> O
         pp: raw.pp,
         dcp: raw.dcp,
         page_size: raw.page_size,
+        staging_chunk_pages: 0,
     };
     ok.then_some(topology)
 }
@@ -1236,6 +1248,7 @@ fn lower_requests(
             prefill_pages: request.prefill_pages.clone().unwrap_or_else(|| vec![0; prefill_count]),
             decode_pages: request.decode_pages.clone().unwrap_or_else(|| vec![0; decode_count]),
             decode_host_pages: Vec::new(),
+            staging_offsets: Vec::new(),
             prefill_state: state(0),
             decode_state: state(1),
             cached_prefix: request.cached_prefix.min(request.tokens),

@@ -45,6 +45,7 @@
 //! | `requests[].decode_pages` | [u32] | seeded allocator | allocator pages of the send range |
 //! | `requests[].decode_page_count` | u32 | enough | how many decode pages the allocator hands out |
 //! | `decode.hisparse` | `{host_pages}` | none | `--enable-hisparse` (SGLang 0.5.23, DSA models): the decode registers its pinned-host MLA pool of `host_pages` pages as the KV destination and sends host pages as `kv_indices`; its draft stays in device memory at the logical `decode_pages` (sent as `device_kv_indices`), its DSA indexer keys at their state pages |
+//! | `prefill.staging` / `decode.staging` | `{chunk_pages?}` / `{ring_bytes}` | none | `SGLANG_DISAGG_STAGING_BUFFER` on that side. Prefill: MHA/GQA KV under an attention-TP change is written into the decode's staging ring instead of its pool, one grid chunk of `chunk_pages` pages (`chunked_prefill_size / page_size`, default `8192 / page_size`) at a time; every chunk of a request but the last must be that long. Decode: a staging ring of `ring_bytes` per decode rank (`SGLANG_DISAGG_STAGING_POOL_SIZE_MB`) holding each chunk's image, which the decode scatters into its pool after the transfer |
 //! | `requests[].decode_host_pages` | [u32] | FIFO from 0 | HiSparse decode: the request's host pages (page 0 is a real host page), one per decode page of the send range |
 //! | `prefill.early_send` | bool | false | send each request's page-aligned cached prefix as an early chunk, unless a peer needs DCP relayout (domain.md §7) |
 //! | `requests[].prefill_dp` | u32 | id mod prefill dp | the prefill DP group that computes the request (SGLang's `bootstrap_room % dp`, the room being the request's index) |
@@ -197,6 +198,19 @@ pub struct RawSide {
     pub draft: bool,
     /// `--enable-hisparse` (decode): the KV entries are the host pool's, addressed by host pages.
     pub hisparse: Option<RawHiSparse>,
+    /// `SGLANG_DISAGG_STAGING_BUFFER` on this side: MHA/GQA KV under a TP change goes through the decode's ring.
+    pub staging: Option<RawStaging>,
+}
+
+/// `prefill.staging: {chunk_pages}` / `decode.staging: {ring_bytes}`: the staging-buffer path
+/// (`common/staging_buffer.py`).
+#[derive(Debug, Clone, Copy, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, expecting = "a mapping {chunk_pages: F} (prefill) or {ring_bytes: N} (decode)")]
+pub struct RawStaging {
+    /// Prefill: pages of one staging grid chunk, `F = chunked_prefill_size / page_size` (default `8192 / P`).
+    pub chunk_pages: Option<u32>,
+    /// Decode: bytes of each decode rank's staging ring (`SGLANG_DISAGG_STAGING_POOL_SIZE_MB`, in bytes here).
+    pub ring_bytes: Option<u64>,
 }
 
 /// `decode.hisparse`: a HiSparse decode registers its pinned-host MLA pool as the KV destination.

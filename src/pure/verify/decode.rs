@@ -123,6 +123,7 @@ pub fn tensor_name(problem: &Problem, region: &Region) -> String {
             format!("{} ({} state {})", component.tensors[tensor as usize].name, component.kind, tensor)
         }
         RegionKind::Aux { buffer } => format!("aux{buffer}"),
+        RegionKind::Staging => "staging ring".to_owned(),
     }
 }
 
@@ -244,6 +245,8 @@ impl<'a> Sources<'a> {
                 request: self.aux_owner.get(&(source.dp, item as u32)).map(|index| problem.requests[*index].id),
                 row: item,
             },
+            // A prefill registers no ring; named by its row, should a source ever be one.
+            RegionKind::Staging => Origin::Aux { request: None, row: item },
         };
         Described { source, layer: region.layer, tensor: tensor_name(problem, region), origin }
     }

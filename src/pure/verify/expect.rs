@@ -9,6 +9,8 @@ use super::resident::RowRun;
 use super::ViolationKind;
 use crate::model::{Attention, KvPart, LayerId, Problem, RankId, Region, RegionKind, Request, StateKind, TensorShape};
 
+mod staging;
+
 /// `count` elements of `length` bytes, back to back from `target_offset` of a decode region: element `k` must equal
 /// the source region's bytes at `source_offset + k * source_stride` (one element: a plain piece). A run of token rows
 /// is one piece, so that the oracle's enumeration and its questions to device memory cost per run, not per row.
@@ -231,6 +233,9 @@ pub(crate) fn pieces(
             None => row_pieces(problem, target, decode_region, rows, notes),
         },
         RegionKind::Kv(KvPart::Latent) => row_pieces(problem, target, decode_region, rows, notes),
+        // Through the staging ring the transfer writes the ring, never the pool.
+        RegionKind::Kv(_) if staging::in_use(problem) => Vec::new(),
+        RegionKind::Staging => staging::pieces(problem, target),
         RegionKind::Kv(_) => match problem.model.attention {
             Attention::Mha { kv_heads, .. } => {
                 head_pieces(problem, target, decode_region, (kv_heads, problem.model.head_len()), rows, notes)
@@ -945,6 +950,9 @@ pub(crate) fn territory(problem: &Problem, target: RankId, region: u32, request:
         return Vec::new();
     }
     let decode_region = &problem.decode.rank(target).regions[region as usize];
+    if decode_region.kind == RegionKind::Staging {
+        return staging::territory(problem, target, request);
+    }
     let items: Vec<u32> = match decode_region.kind {
         RegionKind::Kv(_) if !request.decode_host_pages.is_empty() => request.decode_host_pages.clone(),
         RegionKind::Kv(_) | RegionKind::Draft => request.decode_pages.clone(),
@@ -953,6 +961,7 @@ pub(crate) fn territory(problem: &Problem, target: RankId, region: u32, request:
             _ => request.decode_state.pages[component as usize].clone(),
         },
         RegionKind::Aux { .. } => vec![request.decode_state.aux],
+        RegionKind::Staging => Vec::new(),
     };
     let len = decode_region.item_len;
     items.iter().map(|item| (u64::from(*item) * len, (u64::from(*item) + 1) * len)).collect()
@@ -1010,6 +1019,7 @@ mod tests {
                 prefill_pages: (0..prefill_count).map(scramble).collect(),
                 decode_pages: (0..decode_count as u32).map(scramble).collect(),
                 decode_host_pages: Vec::new(),
+                staging_offsets: Vec::new(),
                 prefill_state: StateIndices::default(),
                 decode_state: StateIndices::default(),
                 cached_prefix: 0,

@@ -29,6 +29,7 @@ pub fn registration() -> Registration {
         state_dims: vec![vec![16]],
         kv_item_lens: Vec::new(),
         state_outer_counts: Vec::new(),
+        staging_descs: Vec::new(),
         dcp: Some(DcpFields { dcp_size: 8, dcp_rank: 3, state_layer_ids: vec![vec![19]], kv_layer_ids: vec![17, 23] }),
     }
 }
@@ -57,6 +58,7 @@ pub fn legacy_registration() -> Registration {
         state_dims: Vec::new(),
         kv_item_lens: Vec::new(),
         state_outer_counts: Vec::new(),
+        staging_descs: Vec::new(),
         dcp: None,
     }
 }
@@ -74,6 +76,7 @@ pub fn request_meta() -> RequestMeta {
         required_dst_info_num: 1,
         decode_prefix_len: 0,
         device_kv_indices: Vec::new(),
+        staging_offsets: Vec::new(),
     }
 }
 

@@ -25,9 +25,11 @@ pub use error::{MessageKind, WireError, WireErrorKind, WireReason};
 pub use prefill::{PrefillInfo, PREFILL_INFO_FRAMES, PREFILL_INFO_TAG};
 pub use registration::{
     DcpFields, Registration, LEGACY_REGISTRATION_FRAMES, REGISTRATION_FRAMES, REGISTRATION_FRAMES_WITH_ITEM_LENS,
-    REGISTRATION_FRAMES_WITH_OUTER_COUNTS, REGISTRATION_ROOM,
+    REGISTRATION_FRAMES_WITH_OUTER_COUNTS, REGISTRATION_FRAMES_WITH_STAGING, REGISTRATION_ROOM,
 };
-pub use request::{RequestMeta, REQUEST_META_FRAMES, REQUEST_META_FRAMES_WITH_DEVICE_INDICES};
+pub use request::{
+    RequestMeta, REQUEST_META_FRAMES, REQUEST_META_FRAMES_WITH_DEVICE_INDICES, REQUEST_META_FRAMES_WITH_STAGING,
+};
 pub use status::{KvPoll, Status, STATUS_FRAMES};
 
 /// Frame 0 of every message (upstream's `MORI_GUARD`); a message without it is dropped.

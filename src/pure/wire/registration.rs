@@ -33,6 +33,7 @@ const STATE_LAYER_IDS: Field = field(16, "state_layer_ids");
 const KV_LAYER_IDS: Field = field(17, "kv_layer_ids");
 const KV_ITEM_LENS: Field = field(18, "kv_item_lens");
 const STATE_OUTER_COUNTS: Field = field(19, "state_outer_counts");
+const STAGING_DESCS: Field = field(20, "staging_descs");
 
 /// Frames of a legacy (pre-PR #37358) registration: the guard and 13 fields.
 pub const LEGACY_REGISTRATION_FRAMES: usize = 14;
@@ -42,6 +43,8 @@ pub const REGISTRATION_FRAMES: usize = 18;
 pub const REGISTRATION_FRAMES_WITH_ITEM_LENS: usize = 19;
 /// Frames with kvrelay's optional state outer counts too (frame 19, after frame 18).
 pub const REGISTRATION_FRAMES_WITH_OUTER_COUNTS: usize = 20;
+/// Frames with kvrelay's staging ring too (frame 20, after frames 18 and 19).
+pub const REGISTRATION_FRAMES_WITH_STAGING: usize = 21;
 
 /// A decode rank's registration with one prefill rank (domain.md §6.2, PR #37358 layout).
 ///
@@ -82,6 +85,10 @@ pub struct Registration {
     /// a transposed conv layout from its own. Absent or empty = unknown: the prefill assumes its own layout, as
     /// SGLang does. Sent only with frame 18 (which may then be empty).
     pub state_outer_counts: Vec<Vec<u32>>,
+    /// Frame 20 (kvrelay's form of SGLang's staging frames, Mooncake `[14]` base pointer and `[15]` total size,
+    /// `common/staging_handler.py:581-606`): the decode's staging ring as at most one memory desc; absent or empty =
+    /// no staging. Sent only with frames 18 and 19 (which may then be empty).
+    pub staging_descs: Vec<MemoryDesc>,
 }
 
 /// The four fields PR #37358 appended to the registration (§6.2 idx 13-16).
@@ -133,7 +140,7 @@ impl Registration {
         self.dcp.as_ref().map_or(&[], |dcp| dcp.state_layer_ids.as_slice())
     }
 
-    /// The frames, guard first: 18 to 20, or 14 for a legacy registration.
+    /// The frames, guard first: 18 to 21, or 14 for a legacy registration.
     pub fn encode(&self) -> Vec<Vec<u8>> {
         let mut frames = vec![
             GUARD.to_vec(),
@@ -156,19 +163,23 @@ impl Registration {
             frames.push(ascii(dcp.dcp_rank));
             frames.push(pack_int_lists(&dcp.state_layer_ids));
             frames.push(pack_int_list(&dcp.kv_layer_ids));
-            if !self.kv_item_lens.is_empty() || !self.state_outer_counts.is_empty() {
+            let staging = !self.staging_descs.is_empty();
+            if !self.kv_item_lens.is_empty() || !self.state_outer_counts.is_empty() || staging {
                 frames.push(pack_int_list(&self.kv_item_lens));
             }
-            if !self.state_outer_counts.is_empty() {
+            if !self.state_outer_counts.is_empty() || staging {
                 frames.push(pack_int_lists(&self.state_outer_counts));
+            }
+            if staging {
+                frames.push(pack_memory_descs(&self.staging_descs));
             }
         }
         frames
     }
 
-    /// Parses 14 to 20 frames; fields are checked in frame order and the first error is returned.
+    /// Parses 14 to 21 frames; fields are checked in frame order and the first error is returned.
     pub fn decode(frames: &[Vec<u8>]) -> Result<Self, WireError> {
-        let reader = Reader::new(MessageKind::Registration, frames, REGISTRATION_FRAMES_WITH_OUTER_COUNTS)?;
+        let reader = Reader::new(MessageKind::Registration, frames, REGISTRATION_FRAMES_WITH_STAGING)?;
         reader.read(ROOM, |bytes| literal(bytes, REGISTRATION_ROOM))?;
         Ok(Self {
             ip: reader.read(IP, text)?,
@@ -186,6 +197,7 @@ impl Registration {
             dcp: decode_dcp(&reader)?,
             kv_item_lens: reader.read_or(KV_ITEM_LENS, Vec::new(), unpack_int_list)?,
             state_outer_counts: reader.read_or(STATE_OUTER_COUNTS, Vec::new(), unpack_int_lists)?,
+            staging_descs: reader.read_or(STAGING_DESCS, Vec::new(), |bytes| unpack_memory_descs(bytes, 0))?,
         })
     }
 }

@@ -19,11 +19,14 @@ const STATE_INDICES: Field = field(7, "state_indices");
 const REQUIRED_DST_INFO_NUM: Field = field(8, "required_dst_info_num");
 const DECODE_PREFIX_LEN: Field = field(9, "decode_prefix_len");
 const DEVICE_KV_INDICES: Field = field(10, "device_kv_indices");
+const STAGING_OFFSETS: Field = field(11, "staging_offsets");
 
 /// Frames of a request metadata message, the guard included.
 pub const REQUEST_META_FRAMES: usize = 10;
 /// Frames of a request metadata message that carries `device_kv_indices` (a HiSparse decode with a draft).
 pub const REQUEST_META_FRAMES_WITH_DEVICE_INDICES: usize = 11;
+/// Frames of a request metadata message that carries staging offsets (frame 10 then present, possibly empty).
+pub const REQUEST_META_FRAMES_WITH_STAGING: usize = 12;
 
 /// Largest page, slot or aux index: the wire carries them as int32.
 const MAX_INDEX: i128 = i32::MAX as i128;
@@ -55,6 +58,10 @@ pub struct RequestMeta {
     /// device-resident draft entries land while `kv_indices` are host pages (SGLang Mooncake's metadata `msg[9]`,
     /// `mooncake/conn.py:3281-3307`; raw int32 like frame 5).
     pub device_kv_indices: Vec<u32>,
+    /// Frame 11, sent only when non-empty (kvrelay's form of SGLang's STAGING_RSP offsets,
+    /// `common/staging_handler.py:893-913`): the byte offset in the decode's staging ring of each chunk's image
+    /// (`u64le` concatenated).
+    pub staging_offsets: Vec<u64>,
 }
 
 impl RequestMeta {
@@ -64,7 +71,7 @@ impl RequestMeta {
         self.kv_indices.is_empty() && self.aux_index.is_none() && self.decode_prefix_len == 0
     }
 
-    /// The 10 frames, guard first; 11 with `device_kv_indices`.
+    /// The 10 frames, guard first; 11 with `device_kv_indices`, 12 with `staging_offsets`.
     pub fn encode(&self) -> Vec<Vec<u8>> {
         let mut frames = vec![
             GUARD.to_vec(),
@@ -78,8 +85,11 @@ impl RequestMeta {
             ascii(self.required_dst_info_num),
             if self.decode_prefix_len == 0 { Vec::new() } else { ascii(self.decode_prefix_len) },
         ];
-        if !self.device_kv_indices.is_empty() {
+        if !self.device_kv_indices.is_empty() || !self.staging_offsets.is_empty() {
             frames.push(pack_int_list(&self.device_kv_indices));
+        }
+        if !self.staging_offsets.is_empty() {
+            frames.push(pack_int_list(&self.staging_offsets));
         }
         frames
     }
@@ -87,7 +97,7 @@ impl RequestMeta {
     /// Parses 10 frames, or 11 with `device_kv_indices` (an empty frame 10 is none); fields are checked in frame
     /// order and the first error is returned.
     pub fn decode(frames: &[Vec<u8>]) -> Result<Self, WireError> {
-        let reader = Reader::new(MessageKind::RequestMeta, frames, REQUEST_META_FRAMES_WITH_DEVICE_INDICES)?;
+        let reader = Reader::new(MessageKind::RequestMeta, frames, REQUEST_META_FRAMES_WITH_STAGING)?;
         Ok(Self {
             room: reader.int(ROOM, 0..=u64::MAX.into())?,
             ip: reader.read(IP, text)?,
@@ -103,6 +113,7 @@ impl RequestMeta {
             } else {
                 Vec::new()
             },
+            staging_offsets: reader.read_or(STAGING_OFFSETS, Vec::new(), unpack_int_list)?,
         })
     }
 }

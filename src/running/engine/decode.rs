@@ -284,6 +284,12 @@ impl DecodeEngine {
             } else {
                 request.decode_pages.clone()
             },
+            // Where each chunk's image goes in this rank's staging ring, when it registered one.
+            staging_offsets: if dummy || self.registration.staging_descs.is_empty() {
+                Vec::new()
+            } else {
+                request.staging_offsets.clone()
+            },
         }
     }
 

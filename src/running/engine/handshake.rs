@@ -101,9 +101,12 @@ pub(super) fn classify(frames: &[Vec<u8>]) -> Kind {
         (Some(LINK_TAG), _) => Kind::Link,
         (Some(ABORT_TAG), _) => Kind::Abort,
         (Some(ABORT_ACK_TAG), _) => Kind::AbortAck,
-        (_, crate::wire::REQUEST_META_FRAMES | crate::wire::REQUEST_META_FRAMES_WITH_DEVICE_INDICES) => {
-            Kind::RequestMeta
-        }
+        (
+            _,
+            crate::wire::REQUEST_META_FRAMES
+            | crate::wire::REQUEST_META_FRAMES_WITH_DEVICE_INDICES
+            | crate::wire::REQUEST_META_FRAMES_WITH_STAGING,
+        ) => Kind::RequestMeta,
         (_, crate::wire::STATUS_FRAMES) => Kind::Status,
         _ => Kind::Unknown,
     }

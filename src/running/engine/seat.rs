@@ -142,6 +142,7 @@ pub fn group_copies(groups: Vec<TransferGroup>) -> Vec<SeatCopy> {
 pub fn view(local: &Request, meta: &RequestMeta, model: &ModelGeometry) -> Request {
     let mut view = local.clone();
     view.decode_prefix = meta.decode_prefix_len;
+    view.staging_offsets = meta.staging_offsets.clone();
     // A HiSparse decode sends host pages for its KV and, with a draft, the logical pages for the draft.
     if meta.device_kv_indices.is_empty() {
         view.decode_pages = meta.kv_indices.clone();

@@ -615,6 +615,8 @@ pub fn published_topology(frames: &[Vec<u8>]) -> Option<Topology> {
         pp: info.pp_size,
         dcp: info.dcp_size,
         page_size: info.page_size,
+        // Not published: a prefill's staging shows in the writes it makes, never to the decode's gates.
+        staging_chunk_pages: 0,
     })
 }
 

@@ -136,6 +136,7 @@ fn local(local: Local<'_>) -> Value {
             "pp": topology.pp,
             "dcp": topology.dcp,
             "page_size": topology.page_size,
+            "staging_chunk_pages": topology.staging_chunk_pages,
         },
         "model": {
             "name": model.name,
@@ -202,6 +203,7 @@ fn registration(registration: &Registration) -> Value {
         "engine_key": registration.engine.key,
         "kv_descs": descs(&registration.kv_descs),
         "aux_descs": descs(&registration.aux_descs),
+        "staging_descs": descs(&registration.staging_descs),
         "state_descs": registration.state_descs.iter().map(|list| descs(list)).collect::<Vec<_>>(),
         "attn_tp_size": registration.attn_tp_size,
         "tp_rank": registration.tp_rank,
@@ -228,6 +230,7 @@ fn meta(meta: &RequestMeta) -> Value {
         "required_dst_info_num": meta.required_dst_info_num,
         "decode_prefix_len": meta.decode_prefix_len,
         "device_kv_indices": meta.device_kv_indices,
+        "staging_offsets": meta.staging_offsets,
     })
 }
 

@@ -61,10 +61,14 @@ pub enum Mutant {
     /// `kv_indices`: the connector ignores that the KV destination is the host pool (`src/pure/plan/SGLANG.md`,
     /// "HiSparse").
     HiSparseDeviceDest,
+    /// The staging ring's slots laid out layer by layer (K0, V0, K1, V1, the order of the pool's data pointers)
+    /// instead of every K buffer, then every V buffer (SGLang's `k_buffers` then `v_buffers`,
+    /// `staging_buffer.py:62-97`): a head slice lands in another slot of the image (`src/pure/plan/SGLANG.md`).
+    StagingSlotOrder,
 }
 
 /// Every mutant, in table order.
-pub const ALL: [Mutant; 17] = [
+pub const ALL: [Mutant; 18] = [
     Mutant::LocalLayerOrdinal,
     Mutant::DecodePagesPerChunk,
     Mutant::FinalPageOffByOne,
@@ -82,6 +86,7 @@ pub const ALL: [Mutant; 17] = [
     Mutant::ConvUntransposed,
     Mutant::DraftWholeRows,
     Mutant::HiSparseDeviceDest,
+    Mutant::StagingSlotOrder,
 ];
 
 /// What one prefill rank knows while one chunk of one room is planned for one peer.
@@ -113,6 +118,7 @@ impl Mutant {
             Mutant::ConvUntransposed => "conv-untransposed",
             Mutant::DraftWholeRows => "draft-whole-rows",
             Mutant::HiSparseDeviceDest => "hisparse-device-dest",
+            Mutant::StagingSlotOrder => "staging-slot-order",
         }
     }
 
@@ -137,6 +143,7 @@ impl Mutant {
             Mutant::ConvUntransposed => "SGLANG.md conv",
             Mutant::DraftWholeRows => "SGLANG.md draft",
             Mutant::HiSparseDeviceDest => "SGLANG.md HiSparse",
+            Mutant::StagingSlotOrder => "SGLANG.md staging",
         }
     }
 
@@ -160,6 +167,7 @@ impl Mutant {
             }
             Mutant::GqaReplicationFormula => {
                 let Attention::Mha { kv_heads, .. } = problem.model.attention else { return Err("no head-sharded KV") };
+                require(!staging_in_use(problem), "staging: head slices go to the ring (staging-slot-order)")?;
                 require(decode.tp > kv_heads && decode.tp > prefill.tp, "no KV head replicated on decode")?;
                 // Equivalent otherwise: with one head per prefill rank every formula `mod hs` picks head 0.
                 require(kv_heads / prefill.tp > 1, "one KV head per prefill rank: every formula picks it")
@@ -167,6 +175,7 @@ impl Mutant {
             Mutant::SwappedHeadSlice => {
                 let Attention::Mha { kv_heads, .. } = problem.model.attention else { return Err("no head-sharded KV") };
                 require(prefill.tp != decode.tp, "equal TP: whole rows")?;
+                require(!staging_in_use(problem), "staging: head slices go to the ring (staging-slot-order)")?;
                 require(prefill.tp.max(decode.tp) <= kv_heads, "neighbouring ranks are replicas of the same heads")
             }
             Mutant::FlatConvSplit => {
@@ -212,6 +221,11 @@ impl Mutant {
                 require(sharded, "no head-sharded draft")?;
                 require(prefill.tp != decode.tp, "equal TP: draft rows move whole")
             }
+            Mutant::StagingSlotOrder => {
+                require(staging_in_use(problem), "no staging ring in use")?;
+                let slots = problem.decode.ranks.first().map_or(0, |layout| layout.kv_entries.len());
+                require(slots > 2, "one layer: K0, V0 is both orders")
+            }
             Mutant::HiSparseDeviceDest => require(
                 problem.requests.iter().any(|request| !request.decode_host_pages.is_empty()),
                 "no HiSparse decode: KV lands at the allocator's pages",
@@ -245,6 +259,7 @@ impl Mutant {
             Mutant::SwaSwappedHeadSlice => swa_swapped_head_slice(site, groups),
             Mutant::DecodeDpOffByOne => groups,
             Mutant::CpWholeChunk => site.link.without_cp_block().chunk_groups(site.query.request, site.chunk)?,
+            Mutant::StagingSlotOrder => staging_slot_order(groups),
             Mutant::HiSparseDeviceDest => {
                 let request = site.query.request;
                 let device = Request { decode_host_pages: Vec::new(), ..request.clone() };
@@ -290,6 +305,7 @@ pub fn kind_name(kind: TransferKind, model: &ModelGeometry, relayout: bool) -> &
         TransferKind::Kv => "kv-mha",
         TransferKind::Draft => "draft",
         TransferKind::Aux => "aux",
+        TransferKind::Staging { .. } => "staging",
         TransferKind::State { component } => {
             match model.state.get(component as usize).map(|component| component.kind) {
                 Some(StateKind::Mamba) => "mamba-state",
@@ -341,6 +357,40 @@ fn map_entries(
         with_entries(&group, entries.collect())
     };
     groups.into_iter().map(map).collect()
+}
+
+/// Whether the prefill writes KV into the decode's staging ring (so slice-path mutants have nothing to rewrite).
+fn staging_in_use(problem: &Problem) -> bool {
+    let (prefill, decode) = (&problem.prefill.topology, &problem.decode.topology);
+    prefill.staging_chunk_pages > 0
+        && prefill.tp != decode.tp
+        && matches!(problem.model.attention, Attention::Mha { .. })
+        && problem.decode.ranks.iter().all(|layout| layout.staging_entry.is_some())
+}
+
+/// Staging groups of one chunk moved from slot `s` (all K, then all V) to slot `s'` of the layer-major order: K of
+/// layer `i` to `2i`, V of layer `i` to `2i + 1`. Each slot's rows are the chunk's tokens, so a slot is that many rows.
+fn staging_slot_order(groups: Vec<TransferGroup>) -> Vec<TransferGroup> {
+    let slots = groups.iter().filter(|group| matches!(group.kind, TransferKind::Staging { .. })).count() as u64;
+    let layers = slots / 2;
+    groups
+        .into_iter()
+        .map(|group| {
+            let TransferKind::Staging { slot } = group.kind else { return group };
+            let slot = u64::from(slot);
+            let moved = if slot < layers { 2 * slot } else { 2 * (slot - layers) + 1 };
+            let tokens: u64 = group.runs.iter().map(|run| run.rows).sum();
+            let runs = group
+                .runs
+                .iter()
+                .map(|run| RowRun {
+                    target_row: (run.target_row + moved * tokens).saturating_sub(slot * tokens),
+                    ..*run
+                })
+                .collect();
+            TransferGroup { runs, ..group }
+        })
+        .collect()
 }
 
 /// The region at `ordinal` of `list` on `layout`, when its rows are `row_len` long (another length would be the
@@ -395,7 +445,9 @@ fn decode_pages_per_chunk(site: &Site<'_>, groups: Vec<TransferGroup>) -> Result
     let Some(view) = restarted(request, site.chunk as usize, page).filter(|_| site.chunk > 0) else {
         return Ok(groups);
     };
-    let rows = |group: &TransferGroup| matches!(group.kind, TransferKind::Kv | TransferKind::Draft);
+    let rows = |group: &TransferGroup| {
+        matches!(group.kind, TransferKind::Kv | TransferKind::Draft | TransferKind::Staging { .. })
+    };
     let replanned = site.link.chunk_groups(&view, 0)?;
     let mut res: Vec<TransferGroup> = groups.into_iter().filter(|group| !rows(group)).collect();
     res.extend(replanned.into_iter().filter(rows).map(|group| TransferGroup { chunk: site.chunk, ..group }));
@@ -414,7 +466,7 @@ fn final_page_off_by_one(site: &Site<'_>, groups: Vec<TransferGroup>) -> Vec<Tra
     let rows_per_page = u64::from(topology.page_size);
     let dropped = u64::from(*final_page) * rows_per_page..(u64::from(*final_page) + 1) * rows_per_page;
     let cut = |group: TransferGroup| {
-        if !matches!(group.kind, TransferKind::Kv | TransferKind::Draft) {
+        if !matches!(group.kind, TransferKind::Kv | TransferKind::Draft | TransferKind::Staging { .. }) {
             return group;
         }
         let runs = group.runs.iter().flat_map(|run| without(run, &dropped)).collect();

@@ -92,6 +92,8 @@ class Local:
         self.cp, self.cp_rank = topo.get("cp", 1), q["rank"].get("cp", 0)
         self.all_cp = bool(topo.get("all_cp_ranks_transfer", False)) and self.cp > 1
         self.dcp_rank = self.tp_rank % self.dcp
+        # SGLANG_DISAGG_STAGING_BUFFER on this prefill (kvrelay's grid chunk in pages; 0 = off).
+        self.staging = topo.get("staging_chunk_pages", 0) > 0
         attention = model["attention"]
         self.state_types = [STATE_KINDS.get(c["kind"], c["kind"].lower()) for c in model["state"]]
         mla = attention.startswith("Mla")
@@ -179,6 +181,11 @@ class Peer:
             self.state_ptrs.append([(at + k) * REGION_STRIDE for k in range(len(descs))])
             at += len(descs)
         self.aux_ptrs = [(at + k) * REGION_STRIDE for k in range(len(reg["aux_descs"]))]
+        at += len(reg["aux_descs"])
+        # The decode's staging ring (Mooncake's registration frames [14]/[15]: base pointer and total size).
+        staging = reg.get("staging_descs") or []
+        self.staging_ptr = at * REGION_STRIDE if staging else 0
+        self.staging_size = staging[0]["length"] if staging else 0
         self.state_item_lens = [list(lens) for lens in reg["state_item_lens"]]
         self.state_dims = [list(dims) for dims in reg["state_dims"]]
 
@@ -324,6 +331,9 @@ class Adapter:
                 self.send_kvcache_generic(out, ci, local, mgr, [local.ptr(r) for r in local.kv], peer.kv_ptrs,
                                           local.kv_item_lens, src, chunk_dst, local.kv_layer_ids,
                                           peer.kv_layer_ids, device=(chunk_device, device_ptrs))
+            elif local.staging and peer.staging_size:
+                # mooncake/conn.py:2707-2727: staging when enabled here and the peer registered a ring.
+                self.send_kvcache_staging(out, ci, local, peer, src, meta["staging_offsets"][ci])
             else:
                 self.send_kvcache_slice(out, ci, local, peer, mgr, src, chunk_dst)
             if last:
@@ -335,6 +345,38 @@ class Adapter:
                     self.maybe_send_extra(out, ci, local, peer, mgr, state_indices, meta["state_indices"])
                 self.send_aux(out, ci, local, peer, request["prefill_state"]["aux"], meta["aux_index"])
         return out.rows
+
+    # ----------------------------------------------------------------------------------------------------------
+    def send_kvcache_staging(self, out, ci, local, peer, src, offset):
+        """_do_staging_transfer, mooncake/conn.py:698-806 with PP 1: compute_head_slice_params and
+        compute_staging_layout from the wheel; no SGLang helper for the gather kernel (staging_buffer.py:62-97, a
+        Triton kernel: its index math restated here) or the bulk write of the gathered image to the ring at
+        `offset + rank_offset` (the offset the decode's STAGING_RSP gives, kvrelay's metadata frame 11)."""
+        H, P = self.H, local.page_size
+        n = len(local.kv) - local.num_draft
+        k_buffers, v_buffers = local.kv[: n // 2], local.kv[n // 2: n]
+        heads = local.total_kv_heads
+        hs = max(1, heads // local.tp)
+        head_bytes = local.kv_item_lens[0] // P // hs  # k_buffers[0].shape[-1] * element_size()
+        local_tp_rank = local.tp_rank % local.tp
+        src_head_start, nh, _, _ = H.compute_head_slice_params(local.tp, peer.tp, local_tp_rank, peer.tp_rank, heads)
+        num_tokens = len(src) * P
+        num_writers, writer_bytes, total = H.compute_staging_layout(
+            local.tp, peer.tp, peer.tp_rank, heads, num_tokens, head_bytes, len(k_buffers))
+        writer_idx = local_tp_rank % num_writers if num_writers > 1 else 0
+        rank_offset = sum(writer_bytes[:writer_idx])
+        if peer.staging_size - offset < total:
+            raise RuntimeError(f"Decode staging too small: need {total} bytes, have {peer.staging_size - offset}")
+        row, stride = nh * head_bytes, hs * head_bytes
+        base = peer.staging_ptr + offset + rank_offset
+        blocks = []
+        for s, buffer in enumerate(k_buffers + v_buffers):
+            for i, page in enumerate(src):
+                for j in range(P):
+                    t = i * P + j
+                    blocks.append((local.ptr(buffer) + (int(page) * P + j) * stride + src_head_start * head_bytes,
+                                   base + s * num_tokens * row + t * row, row))
+        out.add(ci, blocks)
 
     # ----------------------------------------------------------------------------------------------------------
     def send_kvcache_generic(self, out, ci, local, mgr, src_ptrs, dst_ptrs, item_lens, src_idx, dst_idx,
