@@ -78,7 +78,8 @@ class Child(MemcpyChild):
         sources = [region.addr for region in engine.regions.values()]
         registration = query["registration"]
         descs = registration["kv_descs"] + [d for component in registration["state_descs"] for d in component]
-        descs += registration["aux_descs"]
+        # The peer's regions as the plan protocol numbers them: KV, state, aux, then the staging ring (frame 20).
+        descs += registration["aux_descs"] + registration.get("staging_descs", [])
         targets = [desc["address"] for desc in descs]
         copies = answer["copies"]  # [chunk, source_region, source_offset, target_region, target_offset, length]
         if self.plant_lost_copy and copies:
