@@ -28,8 +28,8 @@ pub(super) struct StagingLink {
     entries: Arc<[(EntryPair, u64)]>,
 }
 
-/// The staging link of one connection, when staging is in use on it: the prefill runs with staging, the peer
-/// registered a ring, the pool is MHA/GQA and the attention-TP sizes differ (`mooncake/conn.py:2707-2727`,
+/// The staging link of one connection on which `link_with` found staging in use (the prefill runs with staging, the
+/// peer registered a ring, the pool is MHA/GQA and the attention-TP sizes differ: `mooncake/conn.py:2707-2727`,
 /// `nixl/conn.py:1722-1733`). `targets` are the head-slice pairs the slice path would use.
 pub(super) fn link(
     model: &ModelGeometry,
@@ -39,9 +39,6 @@ pub(super) fn link(
 ) -> Option<StagingLink> {
     let ring = target.staging_entry?;
     let Attention::Mha { kv_heads, .. } = model.attention else { return None };
-    if prefill.staging_chunk_pages == 0 || prefill.tp == decode_tp {
-        return None;
-    }
     let shape = StagingShape::new(kv_heads, model.head_len(), prefill.tp, decode_tp);
     let entries = targets
         .iter()
