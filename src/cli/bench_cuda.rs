@@ -89,7 +89,7 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
     let problem = &scenario.problem;
     let descriptors = crate::plan::plan(problem)?.descriptors();
     let engines = CudaTransport::new().map_err(anyhow::Error::msg)?;
-    let (mut best_run, mut best_oracle, mut bytes) = (f64::INFINITY, f64::INFINITY, 0u64);
+    let (mut best_run, mut best_oracle, mut best_walk, mut bytes) = (f64::INFINITY, f64::INFINITY, f64::INFINITY, 0u64);
     let mut best_phases = crate::engine::direct::Phases::default();
     let mut best_judged = crate::fabric::cuda::JudgeStats::default();
     for _ in 0..iterations.clamp(1, 5) {
@@ -114,6 +114,10 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
             (best_oracle, best_judged) = (oracle, judged);
         }
         anyhow::ensure!(violations.is_empty(), "the oracle found {} violations in the direct run", violations.len());
+        let start = Instant::now();
+        let walked = harness::check_ranks(problem, &walk_only(&observation), &ranks);
+        best_walk = best_walk.min(start.elapsed().as_secs_f64());
+        anyhow::ensure!(walked.is_empty(), "the oracle's walk alone found {} violations", walked.len());
     }
     let rate = |seconds: f64| bytes as f64 / seconds.max(1e-12) / 1e9;
     outln!(
@@ -136,12 +140,45 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
         share(rate(best_oracle))
     );
     outln!(
-        "  its compares: {} calls, {} checks as {} table entries; building tables {:.6} s, upload to answers {:.6} s (summed over the oracle's threads)",
+        "  its compares: {} calls, {} checks as {} table entries; building tables {:.6} s, upload to answers {:.6} s (summed over the oracle's threads); from the first call's start to the last answers {:.6} s",
         best_judged.calls,
         best_judged.checks,
         best_judged.entries,
         best_judged.table_seconds,
-        best_judged.device_seconds
+        best_judged.device_seconds,
+        best_judged.span_seconds
+    );
+    outln!(
+        "  the oracle's walk alone (the same ranks on the same threads, every question answered yes at once, no compares): {best_walk:.6} s"
     );
     Ok(())
+}
+
+/// A judge that answers every question yes without looking: the oracle's walk timed alone.
+struct Yes;
+
+impl crate::verify::Judge for Yes {
+    fn judge(
+        &self,
+        queries: &[(u64, crate::verify::Query)],
+        _: &[&[crate::verify::RowRun]],
+    ) -> Result<Vec<bool>, String> {
+        Ok(vec![true; queries.len()])
+    }
+    fn read(&self, _: u64, _: u64, _: &mut [u8]) -> Result<(), String> {
+        Err("the walk-only judge reads nothing".to_owned())
+    }
+    fn name(&self) -> String {
+        "walk only".to_owned()
+    }
+}
+
+/// `observation`'s resident regions behind [`Yes`] (the same handles and lengths; the memory stays the original's).
+fn walk_only(observation: &crate::verify::Observation) -> crate::verify::Observation {
+    let yes: std::sync::Arc<dyn crate::verify::Judge> = std::sync::Arc::new(Yes);
+    let mut walked = crate::verify::Observation { writes: observation.writes.clone(), ..Default::default() };
+    for (key, region) in &observation.resident {
+        walked.resident.insert(*key, crate::verify::ResidentRegion { judge: yes.clone(), ..region.clone() });
+    }
+    walked
 }

@@ -65,8 +65,16 @@ fn cross_check(
 const CROSS_CHECK_BYTES: u64 = 32 << 20;
 
 /// Threads planning waves ahead of the GPU, each its own waves in turn (planning is pure and a wave's plan is the
-/// replay's slowest host step: 0.24 s a wave of 16 Kimi-K3 32K requests on the lent H100's host).
-const PLANNERS: usize = 4;
+/// replay's slowest host step: 0.16 s of one core a wave of 16 Kimi-K3 32K requests on the lent H100's host). With
+/// `--direct` each spreads its wave's requests over [`plan_workers`] threads more.
+const PLANNERS: usize = 2;
+
+/// Threads each planner spreads a wave's requests over (`--direct`): the machine's cores beyond the GPU loop and
+/// the oracle's thread, shared by the planners.
+fn plan_workers() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    (cores.saturating_sub(2) / PLANNERS).max(1)
+}
 
 /// What a wave's time went to, in seconds, where the driver tells them apart.
 #[derive(Default)]
@@ -85,23 +93,49 @@ struct Phases {
 /// A wave parsed (and, for `--direct`, planned and lowered into batches' entries) by the planning thread.
 struct Planned {
     scenario: Scenario,
-    plan: Option<(Vec<crate::plan::Descriptor>, crate::engine::direct::Lowered)>,
+    plan: Option<crate::engine::direct::Lowered>,
     plan_seconds: f64,
 }
 
 /// Wave `wave` of `count` requests, parsed, and where `direct` planned and lowered as the cuda fabric's engines
-/// take it (paged entries).
-fn plan_wave(count: u32, tokens: u32, wave: u64, direct: bool) -> anyhow::Result<Planned> {
+/// take it (paged entries), its requests spread over `workers` threads.
+fn plan_wave(count: u32, tokens: u32, wave: u64, direct: bool, workers: usize) -> anyhow::Result<Planned> {
     let scenario = scenario::parse_seeded(&wave_text(count, tokens), "<replay>", "replay-kimi-k3", Some(wave))?;
     let start = Instant::now();
     let plan = if direct {
-        let descriptors = crate::plan::plan(&scenario.problem)?.descriptors();
-        let lowered = crate::engine::direct::Lowered::new(&scenario.problem, &descriptors, true)?;
-        Some((descriptors, lowered))
+        let (lowered, _) = crate::engine::direct::Lowered::per_request(&scenario.problem, true, workers)
+            .map_err(anyhow::Error::msg)?;
+        Some(lowered)
     } else {
         None
     };
     Ok(Planned { scenario, plan, plan_seconds: start.elapsed().as_secs_f64() })
+}
+
+/// A wave's writes done on the GPU, its decode memory kept for the oracle.
+struct Executed {
+    scenario: Scenario,
+    observation: crate::verify::Observation,
+    which: CrossCheck,
+    wave: Wave,
+    phases: Phases,
+}
+
+/// The oracle's verdict on an executed wave (every decode rank on the GPU, one cross-checked by a host read-back),
+/// its decode memory handed back after: the wave's figures complete.
+fn judge_executed(executed: Executed) -> (Wave, Phases) {
+    let Executed { scenario, observation, which, mut wave, mut phases } = executed;
+    let problem = &scenario.problem;
+    let start = Instant::now();
+    let ranks: Vec<_> =
+        problem.decode.ranks.iter().map(|layout| (layout.rank, crate::verify::Verdicts::all_succeeded())).collect();
+    wave.violations = harness::check_ranks(problem, &observation, &ranks).len();
+    wave.oracle_seconds = start.elapsed().as_secs_f64();
+    (wave.cross_check, wave.cross_check_seconds) = cross_check(problem, &observation, &ranks, which);
+    let start = Instant::now();
+    drop(observation); // the decode memory goes back to the GPU's spares
+    phases.teardown = start.elapsed().as_secs_f64();
+    (wave, phases)
 }
 
 fn run_wave(
@@ -110,11 +144,10 @@ fn run_wave(
     direct: Option<&Device>,
     which: CrossCheck,
 ) -> anyhow::Result<(Wave, Phases)> {
-    let scenario = &planned.scenario;
-    if let (Some(device), Some((descriptors, lowered))) = (direct, planned.plan) {
-        let (wave, phases) = device.direct_wave(scenario, &descriptors, lowered, which)?;
-        return Ok((wave, Phases { plan: planned.plan_seconds, ..phases }));
+    if let (Some(device), Some(_)) = (direct, &planned.plan) {
+        return Ok(judge_executed(device.direct_execute(planned, which)?));
     }
+    let scenario = &planned.scenario;
     let live = LiveOptions { time_limit: Duration::from_secs(300), ..LiveOptions::default() };
     let start = Instant::now();
     let run = harness::Run::new(scenario, &Budget::unbounded(DEVICE_BOUND)).on(fabric).live_options(&live).engines()?;
@@ -144,12 +177,16 @@ fn run_wave(
     Ok((wave, Phases::default()))
 }
 
-/// Requests per wave: `concurrency`, halved while a wave's registered memory would not fit in `free` bytes.
-fn wave_size(concurrency: u32, tokens: u32, free: Option<u64>) -> anyhow::Result<u32> {
+/// Requests per wave: `concurrency`, halved while a wave's registered memory would not fit in `free` bytes (with
+/// `overlapped`, beside the decode memory of the wave before it, which the oracle still judges).
+fn wave_size(concurrency: u32, tokens: u32, free: Option<u64>, overlapped: bool) -> anyhow::Result<u32> {
     let mut size = concurrency;
     while let Some(free) = free {
         let probe = scenario::parse_seeded(&wave_text(size, tokens), "<replay>", "replay-kimi-k3", Some(0))?;
-        let needed = harness::simulated_bytes(&probe.problem).unwrap_or(u64::MAX);
+        let decode = probe.problem.decode.ranks.iter().flat_map(|rank| &rank.regions);
+        let judged: Option<u64> = decode.map(|region| region.item_len.checked_mul(u64::from(region.item_count))).sum();
+        let held = harness::simulated_bytes(&probe.problem).zip(if overlapped { judged } else { Some(0) });
+        let needed = held.and_then(|(wave, judged)| wave.checked_add(judged)).unwrap_or(u64::MAX);
         if needed <= free / 10 * 9 || size == 1 {
             break;
         }
@@ -173,11 +210,12 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     if direct.is_some() {
         outln!("driver: each wave's plan executed straight through the cuda fabric's engines (engine::direct), no rank engines or wire protocol");
     }
-    let batch = wave_size(concurrency, tokens, device.as_ref().map(Device::free_bytes))?;
+    let batch = wave_size(concurrency, tokens, device.as_ref().map(Device::free_bytes), direct.is_some())?;
     if batch < concurrency {
         outln!("note: {concurrency} requests of {tokens} tokens do not fit the device's free memory; waves of {batch}");
     }
-    let warm = plan_wave(1, tokens, 0, direct.is_some())?;
+    let workers = plan_workers();
+    let warm = plan_wave(1, tokens, 0, direct.is_some(), workers)?;
     let (probe, _) = run_wave(warm, fabric, direct, CrossCheck::Every)?;
     if probe.violations > 0 || probe.failed > 0 || !probe.cross_check.is_empty() {
         anyhow::bail!("the one-request warm-up wave failed: run `kvrelay replay --fabric {} --requests 1 --concurrency 1 --tokens {tokens}`", fabric.name());
@@ -210,20 +248,43 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
             let mine: Vec<(u32, u64)> = waves.iter().copied().skip(planner).step_by(planners).collect();
             scope.spawn(move || {
                 for (count, wave) in mine {
-                    if sender.send(plan_wave(count, tokens, wave, direct_planning)).is_err() {
+                    if sender.send(plan_wave(count, tokens, wave, direct_planning, workers)).is_err() {
                         break;
                     }
                 }
             });
         }
+        // With --direct the oracle judges wave w on a thread of its own while wave w + 1 is registered and written
+        // (a rendezvous: the GPU loop hands a wave over only once the oracle is free, so at most two waves' decode
+        // memory is held); its verdicts come back in wave order.
+        let (to_oracle, oracle_inbox) = std::sync::mpsc::sync_channel::<Executed>(0);
+        let oracle = scope.spawn(move || oracle_inbox.into_iter().map(judge_executed).collect::<Vec<_>>());
+        let mut judged = Vec::new();
         for index in 0.. {
             let waited = Instant::now();
             let Ok(next) = inboxes[index % planners].recv() else { break };
             planning_wait += waited.elapsed().as_secs_f64();
             let next = next?;
             let count = next.scenario.problem.requests.len() as u32;
-            let (figures, wave_phases) = run_wave(next, fabric, direct, CrossCheck::Turn(wave as usize))
-                .map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
+            let which = CrossCheck::Turn(wave as usize);
+            let wave_result = match direct {
+                Some(device) => device.direct_execute(next, which).map(|executed| {
+                    let count = executed.scenario.problem.requests.len() as u32;
+                    // The oracle thread is gone only after an error of its own: its verdicts say so below.
+                    let _ = to_oracle.send(executed);
+                    (count, None)
+                }),
+                None => run_wave(next, fabric, direct, which).map(|figures| (count, Some(figures))),
+            };
+            let (count, figures) = wave_result.map_err(|error| anyhow::anyhow!("{error}, in wave {wave}"))?;
+            judged.extend(figures);
+            done += count;
+            wave += 1;
+            progress(&bar, done, tokens, &start);
+        }
+        drop(to_oracle);
+        judged.extend(oracle.join().map_err(|_| anyhow::anyhow!("the oracle's thread panicked"))?);
+        for (figures, wave_phases) in judged {
             phases.plan += wave_phases.plan;
             phases.register += wave_phases.register;
             phases.batches += wave_phases.batches;
@@ -239,9 +300,6 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
             engine_seconds += figures.engine_seconds;
             oracle_seconds += figures.oracle_seconds;
             cross_check_seconds += figures.cross_check_seconds;
-            done += count;
-            wave += 1;
-            progress(&bar, done, tokens, &start);
         }
         Ok(())
     })?;
@@ -251,12 +309,17 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
     latencies_ms.sort_by(f64::total_cmp);
     outln!("requests: {requests}");
     outln!("input tokens: {input_tokens}");
+    let beside = if direct.is_some() {
+        "; oracle and cross-check on their own thread, beside the next wave's writes"
+    } else {
+        ""
+    };
     outln!(
-        "seconds: {seconds:.3} (engines {engine_seconds:.3}, oracle {oracle_seconds:.3}, cross-check {cross_check_seconds:.3}: one decode rank a wave, in turn; waiting for the planning thread {planning_wait:.3})"
+        "seconds: {seconds:.3} (engines {engine_seconds:.3}, oracle {oracle_seconds:.3}, cross-check {cross_check_seconds:.3}: one decode rank a wave, in turn; waiting for the planning thread {planning_wait:.3}{beside})"
     );
     if direct.is_some() {
         outln!(
-            "  engines: planning and lowering into entries {:.3} (summed over {PLANNERS} threads, waves ahead), registering (device allocations, source patterns, sentinels) {:.3}, building batches {:.3}, recording the writes for the oracle {:.3}, writes and completions {:.3}, keeping decode memory for the oracle {:.3}, handing it back {:.3}",
+            "  engines: planning and lowering into entries {:.3} (each wave's wall seconds, summed: {PLANNERS} planners a wave ahead, each spreading its wave's requests over {workers} threads), registering (device allocations, source patterns, sentinels) {:.3}, building batches {:.3}, recording the writes for the oracle {:.3}, writes and completions {:.3}, keeping decode memory for the oracle {:.3}, handing it back {:.3}",
             phases.plan,
             phases.register,
             phases.batches,
@@ -314,22 +377,18 @@ impl Device {
         self.0.device_name().to_owned()
     }
 
-    /// One wave through `engine::direct` on this GPU: planned, registered, executed with one thread per prefill
-    /// engine, then judged on the GPU (every decode rank, in parallel) and cross-checked by a host read-back.
-    fn direct_wave(
-        &self,
-        scenario: &Scenario,
-        descriptors: &[crate::plan::Descriptor],
-        lowered: crate::engine::direct::Lowered,
-        which: CrossCheck,
-    ) -> anyhow::Result<(Wave, Phases)> {
+    /// One wave through `engine::direct` on this GPU, planned and lowered already: registered, executed with one
+    /// thread per prefill engine, its decode memory kept for the oracle ([`judge_executed`]).
+    fn direct_execute(&self, planned: Planned, which: CrossCheck) -> anyhow::Result<Executed> {
         use crate::engine::direct::Direct;
         use crate::fabric::seam::NodeId;
 
+        let Planned { scenario, plan, plan_seconds } = planned;
+        let lowered = plan.ok_or_else(|| anyhow::anyhow!("a --direct wave came unplanned"))?;
         let problem = &scenario.problem;
         let start = Instant::now();
         let open = |node: usize| Ok(self.0.cuda_engine(NodeId(node as u32)));
-        let mut direct = Direct::prepare_lowered(problem, Some(lowered), descriptors, open)?;
+        let mut direct = Direct::prepare_lowered(problem, Some(lowered), &[], open)?;
         let prepare = start.elapsed().as_secs_f64();
         let prepared = direct.prepared();
         let executed = direct.execute_parallel(Duration::from_secs(60)).map_err(anyhow::Error::msg)?;
@@ -337,36 +396,26 @@ impl Device {
         let start = Instant::now();
         let observation = direct.observe()?;
         let observe = start.elapsed().as_secs_f64();
-        let engine_seconds = prepare + executed.total;
-        let start = Instant::now();
-        let ranks: Vec<_> =
-            problem.decode.ranks.iter().map(|layout| (layout.rank, crate::verify::Verdicts::all_succeeded())).collect();
-        let violations = harness::check_ranks(problem, &observation, &ranks).len();
-        let oracle_seconds = start.elapsed().as_secs_f64();
-        let (cross_check, cross_check_seconds) = cross_check(problem, &observation, &ranks, which);
-        let start = Instant::now();
-        drop(observation); // the decode memory goes back to the GPU's spares
-        let teardown = start.elapsed().as_secs_f64();
         let wave = Wave {
             failed: 0,
-            violations,
-            cross_check,
+            violations: 0,
+            cross_check: Vec::new(),
             bytes,
             latencies_ms: vec![executed.total * 1e3; problem.requests.len()],
-            engine_seconds,
-            oracle_seconds,
-            cross_check_seconds,
+            engine_seconds: prepare + executed.total,
+            oracle_seconds: 0.0,
+            cross_check_seconds: 0.0,
         };
         let phases = Phases {
+            plan: plan_seconds,
             register: prepared.register,
             batches: prepared.batches,
             records: prepared.records,
             execute: executed.total,
             observe,
-            teardown,
-            ..Phases::default()
+            teardown: 0.0,
         };
-        Ok((wave, phases))
+        Ok(Executed { scenario, observation, which, wave, phases })
     }
 }
 
@@ -389,13 +438,8 @@ impl Device {
     fn name(&self) -> String {
         String::new()
     }
-    fn direct_wave(
-        &self,
-        _: &Scenario,
-        _: &[crate::plan::Descriptor],
-        _: crate::engine::direct::Lowered,
-        _: CrossCheck,
-    ) -> anyhow::Result<(Wave, Phases)> {
+    fn direct_execute(&self, planned: Planned, _: CrossCheck) -> anyhow::Result<Executed> {
+        let _ = (planned.scenario, planned.plan_seconds);
         anyhow::bail!("--direct needs the cuda feature (fix: build with --features cuda)")
     }
 }

@@ -299,44 +299,60 @@ pub fn cross_check_ranks_within(
     per_rank.into_iter().flatten().collect()
 }
 
-/// [`verify::check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores; the
-/// violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
+/// [`verify::check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores
+/// (where there are more cores than ranks, each rank cut into parts of its regions, [`verify::check_rank_part`]);
+/// the violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
 pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
-    each_rank_in_parallel(ranks, |rank, verdicts| verify::check_rank(problem, rank, observation, verdicts))
-        .into_iter()
-        .flatten()
-        .collect()
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let parts = (cores / ranks.len().max(1)).clamp(1, MAX_RANK_PARTS) as u32;
+    let tasks: Vec<(&(RankId, Verdicts), u32)> =
+        ranks.iter().flat_map(|rank| (0..parts).map(move |part| (rank, part))).collect();
+    each_in_parallel(&tasks, |((rank, verdicts), part)| {
+        let regions = problem.decode.rank(*rank).regions.len() as u32;
+        verify::check_rank_part(problem, *rank, observation, verdicts, (*part, parts, regions))
+    })
+    .into_iter()
+    .flatten()
+    .collect()
 }
+
+/// A rank is cut into at most this many parts for the oracle's threads: each part is one call to the judge.
+const MAX_RANK_PARTS: usize = 4;
 
 /// `judge` of each `(rank, verdicts)`, the ranks spread over the machine's cores; the answers in the order given.
 fn each_rank_in_parallel<T: Send>(
     ranks: &[(RankId, Verdicts)],
     judge: impl Fn(RankId, &Verdicts) -> T + Sync,
 ) -> Vec<T> {
-    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(ranks.len()).max(1);
+    each_in_parallel(ranks, |(rank, verdicts)| judge(*rank, verdicts))
+}
+
+/// `judge` of each task, the tasks spread over the machine's cores; the answers in the order given.
+fn each_in_parallel<I: Sync, T: Send>(tasks: &[I], judge: impl Fn(&I) -> T + Sync) -> Vec<T> {
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(tasks.len()).max(1);
     if workers == 1 {
-        return ranks.iter().map(|(rank, verdicts)| judge(*rank, verdicts)).collect();
+        return tasks.iter().map(&judge).collect();
     }
-    let mut per_rank: Vec<Option<T>> = std::iter::repeat_with(|| None).take(ranks.len()).collect();
+    let mut answers: Vec<Option<T>> = std::iter::repeat_with(|| None).take(tasks.len()).collect();
     let judge = &judge;
     std::thread::scope(|scope| {
-        // Rank i goes to worker i % workers, so every worker gets a similar share.
+        // Task i goes to worker i % workers, so every worker gets a similar share.
         let handles: Vec<_> = (0..workers)
             .map(|worker| {
                 scope.spawn(move || {
-                    let mine = ranks.iter().enumerate().skip(worker).step_by(workers);
-                    mine.map(|(index, (rank, verdicts))| (index, judge(*rank, verdicts))).collect::<Vec<_>>()
+                    let mine = tasks.iter().enumerate().skip(worker).step_by(workers);
+                    mine.map(|(index, task)| (index, judge(task))).collect::<Vec<_>>()
                 })
             })
             .collect();
         for handle in handles {
             match handle.join() {
-                Ok(done) => done.into_iter().for_each(|(index, answer)| per_rank[index] = Some(answer)),
+                Ok(done) => done.into_iter().for_each(|(index, answer)| answers[index] = Some(answer)),
                 Err(panic) => std::panic::resume_unwind(panic),
             }
         }
     });
-    per_rank.into_iter().map(|answer| answer.expect("every rank judged")).collect()
+    answers.into_iter().map(|answer| answer.expect("every task judged")).collect()
 }
 
 /// The oracle's verdicts for `rank`: a rejected scenario promises more than failed rooms (no byte may have moved

@@ -18,8 +18,11 @@ fn say(line: &str) {
     let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{line}\n").as_bytes());
 }
 
+/// A corpus scenario: under `scenarios/` of the working directory where there is one (a test binary carried to
+/// a GPU machine runs from the repository's copy there), else of the checkout it was built in.
 fn corpus(file: &str) -> Scenario {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join(file);
+    let root = if Path::new("scenarios").is_dir() { Path::new(".") } else { Path::new(env!("CARGO_MANIFEST_DIR")) };
+    let path = root.join("scenarios").join(file);
     scenario::load(&path).unwrap_or_else(|error| panic!("{error}"))
 }
 

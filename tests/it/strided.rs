@@ -202,6 +202,46 @@ fn the_plan_executed_directly_through_engines_passes_the_oracle(#[case] strided:
     assert_eq!((repeated.get() > 0, paged.get() > 0), (strided, strided));
 }
 
+/// A wave of several requests planned request by request on threads (`Lowered::per_request`, as `kvrelay replay
+/// --direct` plans its waves) moves exactly the whole plan's bytes, and the oracle passes every decode byte; a plan
+/// lowered for paged engines is refused by engines that take none, naming the fix.
+#[rstest]
+#[case::paged(true)]
+#[case::physical(false)]
+fn a_wave_planned_request_by_request_lands_as_the_whole_plan_does(#[case] paged: bool) {
+    use kvrelay::engine::direct::{Direct, Lowered};
+    use kvrelay::verify::Verdicts;
+
+    let text = "model: {preset: kimi-k3}\nprefill: {tp: 1, pp: 8, page_size: 64}\ndecode: {tp: 8, dcp: 8, page_size: 64}\nrequests: [{tokens: 700}, {tokens: 129}, {tokens: 1000}]\nexpect: ok\n";
+    let scenario = kvrelay::scenario::parse_seeded(text, "<wave>", "wave", Some(3)).expect("parses");
+    let problem = &scenario.problem;
+    let whole: u64 = kvrelay::plan::plan(problem).expect("plans").descriptors().iter().map(|d| d.bytes()).sum();
+    let (lowered, bytes) = Lowered::per_request(problem, paged, 2).expect("plans request by request");
+    assert_eq!(bytes, whole, "the parts move the whole plan's bytes");
+    let mut transport = Fabric::LiveSim.transport().expect("the in-memory fabric opens");
+    let mut open = |node: usize| -> Result<Box<dyn TransferEngine>, SeamError> {
+        let inner = transport
+            .engine(NodeId(node as u32), kvrelay::fabric::registry::RDMA_CAPS)
+            .map_err(|error| SeamError::Engine { call: "open", message: error.to_string() })?;
+        let (repeated, paged) = (Rc::new(Cell::new(0)), Rc::new(Cell::new(0)));
+        Ok(Box::new(Expanding { inner, repeated, paged }) as Box<dyn TransferEngine>)
+    };
+    if !paged {
+        // Expanding engines take paged entries: a plan lowered for physical offsets is refused, not relowered
+        // from nothing.
+        let refused = Direct::prepare_lowered(problem, Some(lowered), &[], &mut open).err().expect("refused");
+        assert!(refused.to_string().contains("pass its descriptors"), "{refused}");
+        return;
+    }
+    let mut direct = Direct::prepare_lowered(problem, Some(lowered), &[], &mut open).expect("prepared");
+    assert_eq!(direct.bytes(), whole);
+    direct.execute(Duration::from_secs(10)).expect("every batch completes");
+    let observation = direct.observe().expect("observed");
+    let ranks: Vec<_> = problem.decode.ranks.iter().map(|layout| (layout.rank, Verdicts::all_succeeded())).collect();
+    let violations = harness::check_ranks(problem, &observation, &ranks);
+    assert!(violations.is_empty(), "{}", violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"));
+}
+
 /// Paged entries: offsets through a page table resolve to the items it lists; an engine that does not declare
 /// them, a table the batch lacks, an offset past the table and an element across an item are refused by kind,
 /// naming the entry.

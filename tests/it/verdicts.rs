@@ -195,6 +195,49 @@ fn sparse_decode_images_are_judged_like_whole_ones(#[case] path: &str) {
     assert_eq!(violations, judge(&damaged_dense));
 }
 
+/// A decode rank judged in parts of its regions (as the harness spreads a rank over cores) gives exactly the whole
+/// rank's violations, in the same order, however many parts: damaged regions in every part, and the writes judged
+/// once.
+#[rstest::rstest]
+fn a_rank_judged_in_parts_reads_as_the_whole_rank(#[values(1, 2, 3, 4, 7)] parts: u32) {
+    use kvrelay::engine::sim::SimOptions;
+    use kvrelay::engine::tasks::run;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/state/qwen3-next-tp4-to-tp2.yaml");
+    let scenario = kvrelay::scenario::load(&path).unwrap();
+    let problem = &scenario.problem;
+    let mut observation = run(problem, &SimOptions::default()).unwrap().observation;
+    // A wrong byte in the middle of every third decode region.
+    for (index, image) in observation.images.values_mut().enumerate() {
+        if index % 3 == 0 && !image.is_empty() {
+            let at = image.len() / 2;
+            image[at] ^= 0x5A;
+        }
+    }
+    // A write made twice: an overwrite, which only the rank's writes check sees.
+    let twice = observation.writes[observation.writes.len() / 2];
+    observation.writes.push(twice);
+    let ranks: Vec<_> =
+        problem.decode.ranks.iter().map(|layout| (layout.rank, verify::Verdicts::all_succeeded())).collect();
+    let whole = verify::check_ranks(problem, &observation, &ranks);
+    assert!(whole.len() >= 3, "the damage is seen: {whole:?}");
+    let overwritten = |list: &[verify::Violation]| {
+        list.iter().filter(|violation| matches!(violation.kind, verify::ViolationKind::Overwritten { .. })).count()
+    };
+    assert_eq!(overwritten(&whole), 1, "{whole:?}");
+    let observation = &observation;
+    let in_parts: Vec<_> = ranks
+        .iter()
+        .flat_map(|(rank, verdicts)| {
+            let regions = problem.decode.rank(*rank).regions.len() as u32;
+            (0..parts).flat_map(move |part| {
+                verify::check_rank_part(problem, *rank, observation, verdicts, (part, parts, regions))
+            })
+        })
+        .collect();
+    assert_eq!(in_parts, whole);
+    assert_eq!(kvrelay::harness::check_ranks(problem, observation, &ranks), whole);
+}
+
 /// A registration is untrusted input: whatever a (buggy or lying) decode peer puts in the fields the wire accepts,
 /// the prefill side's boundary, link and per-chunk planning answer with a plan or an error, never a panic.
 mod lying_peers {

@@ -411,6 +411,7 @@ impl CudaEngine {
         if words.is_empty() {
             return Ok(None);
         }
+        self.shared.settle_fills()?;
         if copy_engines && !per_block {
             for copy in words.chunks_exact(3) {
                 // SAFETY: both ranges were checked against live allocations of this context.
@@ -466,6 +467,7 @@ impl CudaEngine {
         if queue.words.is_empty() {
             return Ok(None);
         }
+        self.shared.settle_fills()?;
         let count = (queue.words.len() / PAGED_WORDS) as u64;
         let tables =
             queue.tables.chunks(2).map(|pair| u64::from(pair[0]) | u64::from(*pair.get(1).unwrap_or(&0)) << 32);
@@ -606,9 +608,9 @@ impl TransferEngine for CudaEngine {
         _item_len: u64,
         pattern: Pattern,
     ) -> Result<Memory, SeamError> {
+        // Generated on the shared stream, and complete before any engine's stream reads or writes it: every
+        // engine settles the queued fills before its next launch (`Shared::settle_fills`).
         let region = self.shared.make_region(len, self.id, Contents::Pattern(pattern))?;
-        // Generated on the shared stream: complete before any engine's stream reads or writes it.
-        self.shared.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
         Ok(self.add_region(region))
     }
 

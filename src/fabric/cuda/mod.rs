@@ -97,6 +97,11 @@ struct Shared {
     /// Bumped whenever `State::live` changes: a connection's cached liveness of its peer's memory is current while
     /// this is unchanged, so a batch takes the state's lock only after a registration came or went.
     generation: std::sync::atomic::AtomicU64,
+    /// Patterns and sentinels put on `stream` so far, and how many of them a `cuStreamSynchronize` has seen finish:
+    /// a registration returns once its fill is queued, and an engine's first launch after it waits for every fill
+    /// ([`Shared::settle_fills`]), once for a wave of registrations rather than once a region.
+    fills: std::sync::atomic::AtomicU64,
+    fills_settled: std::sync::atomic::AtomicU64,
     gpu: u32,
     device: Arc<Device>,
 }
@@ -200,7 +205,7 @@ impl Shared {
     fn make_region(&self, len: u64, owner: u32, contents: Contents<'_>) -> Result<Region, SeamError> {
         let (allocation, ptr) = self.alloc(len, owner)?;
         let filled = match contents {
-            Contents::Pattern(pattern) => self.generate(ptr, len, pattern),
+            Contents::Pattern(pattern) => self.generate_counted(ptr, len, pattern),
             Contents::Fill(fill) => self.upload_fill(ptr, len, fill),
         };
         if let Err(error) = filled {
@@ -208,6 +213,28 @@ impl Shared {
             return Err(error);
         }
         Ok(Region { _allocation: allocation, ptr, len })
+    }
+
+    /// Queues `pattern` over the new region at `ptr` ([`Shared::generate`]) and counts it, for
+    /// [`Shared::settle_fills`]: the count goes up after the fill is on the stream.
+    fn generate_counted(&self, ptr: u64, len: u64, pattern: Pattern) -> Result<(), SeamError> {
+        self.generate(ptr, len, pattern)?;
+        self.fills.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Waits for every fill queued before this call: an engine calls it before it launches anything that reads or
+    /// writes registered memory. A peer learns of a region only after its registration returned, so any fill its
+    /// launch depends on was counted before this reads the count.
+    fn settle_fills(&self) -> Result<(), SeamError> {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        let queued = self.fills.load(Acquire);
+        if self.fills_settled.load(Acquire) >= queued {
+            return Ok(());
+        }
+        self.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
+        self.fills_settled.fetch_max(queued, AcqRel);
+        Ok(())
     }
 
     /// Arbitrary contents (the conformance cases' fills) go up in 64 MiB pieces; patterns never take this path.
@@ -300,6 +327,8 @@ impl CudaTransport {
             judge_rows: device.judge_rows.clone(),
             state: Mutex::default(),
             generation: 0.into(),
+            fills: 0.into(),
+            fills_settled: 0.into(),
             gpu,
             device,
         };
@@ -459,11 +488,18 @@ struct JudgeCounters {
     entries: std::sync::atomic::AtomicU64,
     table_ns: std::sync::atomic::AtomicU64,
     device_ns: std::sync::atomic::AtomicU64,
+    /// From the first call's start to the last call's answers.
+    span: Mutex<Option<(std::time::Instant, std::time::Instant)>>,
 }
 
 impl JudgeCounters {
-    fn add(&self, checks: usize, entries: usize, table: std::time::Duration, device: std::time::Duration) {
+    /// One call: its checks and entries, and its start, end of table building, and answers.
+    fn add(&self, checks: usize, entries: usize, [began, built, answered]: [std::time::Instant; 3]) {
         use std::sync::atomic::Ordering::Relaxed;
+        let (table, device) = (built - began, answered - built);
+        let mut span = self.span.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *span = Some(span.map_or((began, answered), |(first, last)| (first.min(began), last.max(answered))));
+        drop(span);
         self.calls.fetch_add(1, Relaxed);
         self.checks.fetch_add(checks as u64, Relaxed);
         self.entries.fetch_add(entries as u64, Relaxed);
@@ -479,6 +515,12 @@ impl JudgeCounters {
             entries: self.entries.swap(0, Relaxed),
             table_seconds: self.table_ns.swap(0, Relaxed) as f64 / 1e9,
             device_seconds: self.device_ns.swap(0, Relaxed) as f64 / 1e9,
+            span_seconds: self
+                .span
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take()
+                .map_or(0.0, |(first, last)| (last - first).as_secs_f64()),
         }
     }
 }
@@ -492,6 +534,8 @@ pub struct JudgeStats {
     pub entries: u64,
     pub table_seconds: f64,
     pub device_seconds: f64,
+    /// From the first call's start to the last call's answers (wall clock, the calls overlapping).
+    pub span_seconds: f64,
 }
 
 /// A device opened, or why it could not be.
@@ -508,6 +552,11 @@ static DEVICES: std::sync::OnceLock<Mutex<BTreeMap<u32, Opened>>> = std::sync::O
 struct Spares {
     by_size: BTreeMap<usize, Vec<u64>>,
     bytes: u64,
+    /// Allocations handed back so far, and how many of the first of them were handed back before the last
+    /// `cuCtxSynchronize` (nothing on the GPU still uses those): a reuse synchronises only when a spare came back
+    /// since, once for a whole wave of regions rather than once a region.
+    kept: u64,
+    settled: u64,
 }
 
 impl Device {
@@ -518,16 +567,19 @@ impl Device {
     /// A spare allocation of exactly `size` bytes, once every stream finished what it still did with it (a freed
     /// allocation's last kernel may still run: `cuMemFree` would have waited for it).
     fn reuse(&self, size: usize) -> Result<Option<u64>, SeamError> {
-        let ptr = {
+        let (ptr, unsettled) = {
             let mut spares = self.spares();
             let ptr = spares.by_size.get_mut(&size).and_then(Vec::pop);
             if ptr.is_some() {
                 spares.bytes -= size as u64;
             }
-            ptr
+            // `ptr` was handed back at most `kept` spares ago: settled once everything up to `kept` is.
+            (ptr, (spares.settled < spares.kept).then_some(spares.kept))
         };
-        if ptr.is_some() {
+        if let (Some(_), Some(kept)) = (ptr, unsettled) {
             self.ctx.synchronize().map_err(|error| driver("cuCtxSynchronize", error))?;
+            let mut spares = self.spares();
+            spares.settled = spares.settled.max(kept);
         }
         Ok(ptr)
     }
@@ -536,6 +588,7 @@ impl Device {
         let mut spares = self.spares();
         spares.by_size.entry(size).or_default().push(ptr);
         spares.bytes += size as u64;
+        spares.kept += 1;
     }
 
     /// Frees every spare allocation (after everything on the GPU finished); the bytes freed.

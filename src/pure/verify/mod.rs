@@ -356,11 +356,28 @@ pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankI
 /// [`check_outcome`] for one decode rank alone: `observation` needs only that rank's images and writes, so a
 /// decode process can verify its own memory.
 pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, verdicts: &Verdicts) -> Vec<Violation> {
+    let regions = problem.decode.rank(rank).regions.len() as u32;
+    check_rank_part(problem, rank, observation, verdicts, (0, 1, regions))
+}
+
+/// The share of [`check_rank`] that part `part` of `parts` judges: the regions from `part * n / parts` up to the
+/// next part's first (`n`: the rank's regions, the third of `(part, parts, n)`), and in the last part the rank's
+/// writes. The parts' violations, concatenated in part order, are exactly [`check_rank`]'s: a rank's regions are
+/// judged independently of each other, so the harness spreads the parts of a rank over cores.
+pub fn check_rank_part(
+    problem: &Problem,
+    rank: RankId,
+    observation: &Observation,
+    verdicts: &Verdicts,
+    (part, parts, regions): (u32, u32, u32),
+) -> Vec<Violation> {
+    let parts = parts.max(1);
+    let bound = |part: u32| (u64::from(part) * u64::from(regions) / u64::from(parts)) as u32;
     let sources = Sources::new(problem);
     let rows = expect::RowCache::default();
     let mut violations = Vec::new();
     let mut resident = Vec::new();
-    for index in 0..problem.decode.rank(rank).regions.len() as u32 {
+    for index in bound(part)..bound(part + 1) {
         let key = RegionKey { side: Side::Decode, rank, region: index };
         if let Some(region) = observation.resident.get(&key) {
             resident.push((key, region));
@@ -375,7 +392,9 @@ pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, ve
         region.run(&mut violations);
     }
     judge_resident(problem, &sources, &rows, &resident, verdicts, &mut violations);
-    check_writes(problem, observation, rank, verdicts, &mut violations);
+    if part + 1 >= parts {
+        check_writes(problem, observation, rank, verdicts, &mut violations);
+    }
     violations
 }
 

@@ -117,6 +117,62 @@ impl Lowered {
         }
         Ok(Lowered { paged, pairs })
     }
+
+    /// Plans and lowers every request of `problem` on its own (the problem with that one request: the same
+    /// regions, the same pages), `workers` requests at a time on threads of their own, and joins the parts in
+    /// request order: a wave of many requests is planned in the time of its slowest few. The plan of one request
+    /// does not depend on the others (each request's rows go to its own pages); the oracle judges the result as
+    /// it judges the whole problem's plan. The bytes the parts move, with them.
+    pub fn per_request(problem: &Problem, paged: bool, workers: usize) -> Result<(Lowered, u64), String> {
+        let one = |request: &crate::model::Request| -> Result<(Lowered, u64), String> {
+            let alone = Problem { requests: vec![request.clone()], ..problem.clone() };
+            let descriptors = crate::plan::plan(&alone).map_err(|error| error.to_string())?.descriptors();
+            let bytes = descriptors.iter().map(Descriptor::bytes).sum();
+            Ok((Lowered::new(&alone, &descriptors, paged).map_err(|error| error.to_string())?, bytes))
+        };
+        let requests = &problem.requests;
+        let workers = workers.clamp(1, requests.len().max(1));
+        let mut parts: Vec<Option<Result<(Lowered, u64), String>>> = requests.iter().map(|_| None).collect();
+        std::thread::scope(|scope| {
+            let one = &one;
+            let handles: Vec<_> = (0..workers)
+                .map(|worker| {
+                    scope.spawn(move || {
+                        let mine = requests.iter().enumerate().skip(worker).step_by(workers);
+                        mine.map(|(index, request)| (index, one(request))).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for handle in handles {
+                let done = handle.join().map_err(|_| "a planning thread panicked".to_owned())?;
+                done.into_iter().for_each(|(index, part)| parts[index] = Some(part));
+            }
+            Ok::<_, String>(())
+        })?;
+        let mut joined = Lowered { paged, pairs: BTreeMap::new() };
+        let mut bytes = 0;
+        for part in parts {
+            let (part, part_bytes) = part.ok_or("a request was not planned")??;
+            joined.append(part);
+            bytes += part_bytes;
+        }
+        Ok((joined, bytes))
+    }
+
+    /// `other`'s entries after this one's, pair by pair, its page tables renumbered after this pair's.
+    fn append(&mut self, other: Lowered) {
+        for (key, mut pair) in other.pairs {
+            let into = self.pairs.entry(key).or_default();
+            let shift = into.tables.len() as u32;
+            for entry in &mut pair.entries {
+                entry.paging.local = entry.paging.local.map(|table| table + shift);
+                entry.paging.remote = entry.paging.remote.map(|table| table + shift);
+            }
+            into.entries.append(&mut pair.entries);
+            into.tables.append(&mut pair.tables);
+            into.index.extend(pair.index.into_iter().map(|(key, table)| (key, table + shift)));
+        }
+    }
 }
 
 /// One prefill engine's batches, by connection.
@@ -175,6 +231,16 @@ impl<N: TransferEngine> Direct<N> {
         let paged = senders.values().next().is_some_and(|(nic, _)| nic.limits().paged);
         let lowered = match lowered {
             Some(lowered) if lowered.paged == paged => lowered,
+            Some(lowered) if descriptors.is_empty() => {
+                return Err(SeamError::Engine {
+                    call: "prepare",
+                    message: format!(
+                        "the plan was lowered for engines that {} paged entries and these {}: lower it for them (pass its descriptors)",
+                        if lowered.paged { "take" } else { "do not take" },
+                        if paged { "do" } else { "do not" }
+                    ),
+                })
+            }
             _ => Lowered::new(problem, descriptors, paged)?,
         };
         let mut bytes = 0u64;
