@@ -303,11 +303,11 @@ pub fn cross_check_ranks_within(
 /// (where there are more cores than ranks, each rank cut into parts of its regions, [`verify::check_rank_part`]);
 /// the violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
 pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let cores = crate::running::parallel::cores();
     let parts = (cores / ranks.len().max(1)).clamp(1, MAX_RANK_PARTS) as u32;
     let tasks: Vec<(&(RankId, Verdicts), u32)> =
         ranks.iter().flat_map(|rank| (0..parts).map(move |part| (rank, part))).collect();
-    each_in_parallel(&tasks, |((rank, verdicts), part)| {
+    crate::running::parallel::spread(&tasks, cores, |((rank, verdicts), part)| {
         let regions = problem.decode.rank(*rank).regions.len() as u32;
         verify::check_rank_part(problem, *rank, observation, verdicts, (*part, parts, regions))
     })
@@ -324,35 +324,9 @@ fn each_rank_in_parallel<T: Send>(
     ranks: &[(RankId, Verdicts)],
     judge: impl Fn(RankId, &Verdicts) -> T + Sync,
 ) -> Vec<T> {
-    each_in_parallel(ranks, |(rank, verdicts)| judge(*rank, verdicts))
-}
-
-/// `judge` of each task, the tasks spread over the machine's cores; the answers in the order given.
-fn each_in_parallel<I: Sync, T: Send>(tasks: &[I], judge: impl Fn(&I) -> T + Sync) -> Vec<T> {
-    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(tasks.len()).max(1);
-    if workers == 1 {
-        return tasks.iter().map(&judge).collect();
-    }
-    let mut answers: Vec<Option<T>> = std::iter::repeat_with(|| None).take(tasks.len()).collect();
-    let judge = &judge;
-    std::thread::scope(|scope| {
-        // Task i goes to worker i % workers, so every worker gets a similar share.
-        let handles: Vec<_> = (0..workers)
-            .map(|worker| {
-                scope.spawn(move || {
-                    let mine = tasks.iter().enumerate().skip(worker).step_by(workers);
-                    mine.map(|(index, task)| (index, judge(task))).collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        for handle in handles {
-            match handle.join() {
-                Ok(done) => done.into_iter().for_each(|(index, answer)| answers[index] = Some(answer)),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-    });
-    answers.into_iter().map(|answer| answer.expect("every task judged")).collect()
+    crate::running::parallel::spread(ranks, crate::running::parallel::cores(), |(rank, verdicts)| {
+        judge(*rank, verdicts)
+    })
 }
 
 /// The oracle's verdicts for `rank`: a rejected scenario promises more than failed rooms (no byte may have moved

@@ -173,7 +173,6 @@ fn a_repeated_entry_spans_its_last_element_on_each_side() {
 #[case::elements(false)]
 fn the_plan_executed_directly_through_engines_passes_the_oracle(#[case] strided: bool) {
     use kvrelay::engine::direct::Direct;
-    use kvrelay::verify::Verdicts;
 
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/basic/kimi-k3-pp8-tp1-to-tp8-dcp8.yaml");
@@ -182,7 +181,7 @@ fn the_plan_executed_directly_through_engines_passes_the_oracle(#[case] strided:
     let descriptors = kvrelay::plan::plan(problem).expect("plans").descriptors();
     let mut transport = Fabric::LiveSim.transport().expect("the in-memory fabric opens");
     let (repeated, paged) = (Rc::new(Cell::new(0)), Rc::new(Cell::new(0)));
-    let mut direct = Direct::prepare(problem, &descriptors, |node| {
+    let direct = Direct::prepare(problem, &descriptors, |node| {
         let inner = transport
             .engine(NodeId(node as u32), kvrelay::fabric::registry::RDMA_CAPS)
             .map_err(|error| SeamError::Engine { call: "open", message: error.to_string() })?;
@@ -194,12 +193,21 @@ fn the_plan_executed_directly_through_engines_passes_the_oracle(#[case] strided:
     .expect("prepared");
     let planned: u64 = descriptors.iter().map(|descriptor| descriptor.bytes()).sum();
     assert_eq!(direct.bytes(), planned);
+    executes_and_passes_the_oracle(problem, direct);
+    assert_eq!((repeated.get() > 0, paged.get() > 0), (strided, strided));
+}
+
+/// Executes `direct`'s batches and judges every decode rank: no violation.
+fn executes_and_passes_the_oracle<N: TransferEngine>(
+    problem: &kvrelay::model::Problem,
+    mut direct: kvrelay::engine::direct::Direct<N>,
+) {
     direct.execute(Duration::from_secs(10)).expect("every batch completes");
     let observation = direct.observe().expect("observed");
-    let ranks: Vec<_> = problem.decode.ranks.iter().map(|layout| (layout.rank, Verdicts::all_succeeded())).collect();
+    let ranks: Vec<_> =
+        problem.decode.ranks.iter().map(|layout| (layout.rank, kvrelay::verify::Verdicts::all_succeeded())).collect();
     let violations = harness::check_ranks(problem, &observation, &ranks);
     assert!(violations.is_empty(), "{}", violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"));
-    assert_eq!((repeated.get() > 0, paged.get() > 0), (strided, strided));
 }
 
 /// A wave of several requests planned request by request on threads (`Lowered::per_request`, as `kvrelay replay
@@ -210,7 +218,6 @@ fn the_plan_executed_directly_through_engines_passes_the_oracle(#[case] strided:
 #[case::physical(false)]
 fn a_wave_planned_request_by_request_lands_as_the_whole_plan_does(#[case] paged: bool) {
     use kvrelay::engine::direct::{Direct, Lowered};
-    use kvrelay::verify::Verdicts;
 
     let text = "model: {preset: kimi-k3}\nprefill: {tp: 1, pp: 8, page_size: 64}\ndecode: {tp: 8, dcp: 8, page_size: 64}\nrequests: [{tokens: 700}, {tokens: 129}, {tokens: 1000}]\nexpect: ok\n";
     let scenario = kvrelay::scenario::parse_seeded(text, "<wave>", "wave", Some(3)).expect("parses");
@@ -233,13 +240,9 @@ fn a_wave_planned_request_by_request_lands_as_the_whole_plan_does(#[case] paged:
         assert!(refused.to_string().contains("pass its descriptors"), "{refused}");
         return;
     }
-    let mut direct = Direct::prepare_lowered(problem, Some(lowered), &[], &mut open).expect("prepared");
+    let direct = Direct::prepare_lowered(problem, Some(lowered), &[], &mut open).expect("prepared");
     assert_eq!(direct.bytes(), whole);
-    direct.execute(Duration::from_secs(10)).expect("every batch completes");
-    let observation = direct.observe().expect("observed");
-    let ranks: Vec<_> = problem.decode.ranks.iter().map(|layout| (layout.rank, Verdicts::all_succeeded())).collect();
-    let violations = harness::check_ranks(problem, &observation, &ranks);
-    assert!(violations.is_empty(), "{}", violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"));
+    executes_and_passes_the_oracle(problem, direct);
 }
 
 /// Paged entries: offsets through a page table resolve to the items it lists; an engine that does not declare

@@ -130,29 +130,11 @@ impl Lowered {
             let bytes = descriptors.iter().map(Descriptor::bytes).sum();
             Ok((Lowered::new(&alone, &descriptors, paged).map_err(|error| error.to_string())?, bytes))
         };
-        let requests = &problem.requests;
-        let workers = workers.clamp(1, requests.len().max(1));
-        let mut parts: Vec<Option<Result<(Lowered, u64), String>>> = requests.iter().map(|_| None).collect();
-        std::thread::scope(|scope| {
-            let one = &one;
-            let handles: Vec<_> = (0..workers)
-                .map(|worker| {
-                    scope.spawn(move || {
-                        let mine = requests.iter().enumerate().skip(worker).step_by(workers);
-                        mine.map(|(index, request)| (index, one(request))).collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            for handle in handles {
-                let done = handle.join().map_err(|_| "a planning thread panicked".to_owned())?;
-                done.into_iter().for_each(|(index, part)| parts[index] = Some(part));
-            }
-            Ok::<_, String>(())
-        })?;
+        let parts = crate::running::parallel::spread(&problem.requests, workers, one);
         let mut joined = Lowered { paged, pairs: BTreeMap::new() };
         let mut bytes = 0;
         for part in parts {
-            let (part, part_bytes) = part.ok_or("a request was not planned")??;
+            let (part, part_bytes) = part?;
             joined.append(part);
             bytes += part_bytes;
         }
