@@ -89,7 +89,8 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
     let problem = &scenario.problem;
     let descriptors = crate::plan::plan(problem)?.descriptors();
     let engines = CudaTransport::new().map_err(anyhow::Error::msg)?;
-    let (mut best_run, mut best_oracle, mut best_walk, mut bytes) = (f64::INFINITY, f64::INFINITY, f64::INFINITY, 0u64);
+    let (mut best_run, mut best_oracle, mut bytes) = (f64::INFINITY, f64::INFINITY, 0u64);
+    let (mut best_walk, mut best_whole) = (f64::INFINITY, f64::INFINITY);
     let mut best_phases = crate::engine::direct::Phases::default();
     let mut best_judged = crate::fabric::cuda::JudgeStats::default();
     for _ in 0..iterations.clamp(1, 5) {
@@ -118,6 +119,10 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
         let walked = harness::check_ranks(problem, &walk_only(&observation), &ranks);
         best_walk = best_walk.min(start.elapsed().as_secs_f64());
         anyhow::ensure!(walked.is_empty(), "the oracle's walk alone found {} violations", walked.len());
+        let start = Instant::now();
+        let whole = harness::check_ranks_in_parts(problem, &observation, &ranks, 1);
+        best_whole = best_whole.min(start.elapsed().as_secs_f64());
+        anyhow::ensure!(whole.is_empty(), "the oracle found {} violations judging whole ranks", whole.len());
     }
     let rate = |seconds: f64| bytes as f64 / seconds.max(1e-12) / 1e9;
     outln!(
@@ -149,7 +154,7 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
         best_judged.span_seconds
     );
     outln!(
-        "  the oracle's walk alone (the same ranks on the same threads, every question answered yes at once, no compares): {best_walk:.6} s"
+        "  the oracle's walk alone (the same ranks on the same threads, every question answered yes at once, no compares): {best_walk:.6} s; the verification with each rank whole (one part, one compare call a rank): {best_whole:.6} s"
     );
     Ok(())
 }

@@ -303,8 +303,18 @@ pub fn cross_check_ranks_within(
 /// (where there are more cores than ranks, each rank cut into parts of its regions, [`verify::check_rank_part`]);
 /// the violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
 pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
-    let cores = crate::running::parallel::cores();
-    let parts = (cores / ranks.len().max(1)).clamp(1, MAX_RANK_PARTS) as u32;
+    let parts = (crate::running::parallel::cores() / ranks.len().max(1)).clamp(1, MAX_RANK_PARTS);
+    check_ranks_in_parts(problem, observation, ranks, parts as u32)
+}
+
+/// [`check_ranks`] with every rank cut into `parts` parts (at least one), the parts spread over the cores.
+pub fn check_ranks_in_parts(
+    problem: &Problem,
+    observation: &Observation,
+    ranks: &[(RankId, Verdicts)],
+    parts: u32,
+) -> Vec<Violation> {
+    let (cores, parts) = (crate::running::parallel::cores(), parts.max(1));
     let tasks: Vec<(&(RankId, Verdicts), u32)> =
         ranks.iter().flat_map(|rank| (0..parts).map(move |part| (rank, part))).collect();
     crate::running::parallel::spread(&tasks, cores, |((rank, verdicts), part)| {

@@ -244,11 +244,13 @@ impl Compare for DeviceCompare {
         let began = Instant::now();
         let mut table = JudgeTable::default();
         // The lengths of the kept memory asked about, copied out under the lock: the tables are built without it,
-        // so the harness's per-rank threads build theirs side by side.
+        // so the harness's per-rank threads build theirs side by side. Each handle is looked up once (a call's
+        // thousands of checks name a few hundred regions), so the lock is held briefly.
+        let handles: std::collections::BTreeSet<u64> =
+            checks.iter().map(|check| check.handle).chain(rows.iter().map(|check| check.handle)).collect();
         let kept: BTreeMap<u64, u64> = {
             let state = shared.state();
-            let handles = checks.iter().map(|check| check.handle).chain(rows.iter().map(|check| check.handle));
-            handles.filter_map(|handle| state.resident.get(&handle).map(|len| (handle, *len))).collect()
+            handles.into_iter().filter_map(|handle| state.resident.get(&handle).map(|len| (handle, *len))).collect()
         };
         table.plain(checks, &kept)?;
         table.rows(tables, rows, &kept)?;
