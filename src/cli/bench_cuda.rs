@@ -8,7 +8,7 @@
 use std::io::Write as _;
 use std::time::Instant;
 
-use super::replay::wave_text;
+use super::load::wave_text;
 use crate::fabric::cuda::CudaTransport;
 use crate::harness::{self, Budget};
 use crate::scenario;

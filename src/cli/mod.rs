@@ -36,6 +36,7 @@ mod bench;
 mod bench_cuda;
 mod bench_lists;
 mod certify;
+mod load;
 mod matrix;
 mod merge;
 mod planners;
@@ -245,7 +246,7 @@ pub enum Command {
     /// Replay a load shape through the engines on the in-memory fabric (default: 128 requests of 32,768 input
     /// tokens at concurrency 16 on Kimi-K3 PP8/TP1 -> TP8/DCP8 with KDA state), every decode byte verified; reports
     /// input tokens/s, bytes/s, peak memory and per-request latency percentiles.
-    Replay(replay::ReplayArgs),
+    Replay(load::ReplayArgs),
     /// Plant known layout bugs (mutants) in kvrelay's own plans, run each through the engines on the in-memory
     /// fabric, and require the oracle to catch every one; prints the table of mutants caught.
     Selftest(selftest::SelftestArgs),

@@ -9,7 +9,7 @@ use std::io::Write as _;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use super::replay::{latency_line, progress, request_latencies_ms, wave_text, ReplayArgs};
+use super::load::{latency_line, progress, request_latencies_ms, wave_text, ReplayArgs};
 use crate::engine::live::LiveOptions;
 use crate::harness::{self, Budget};
 use crate::scenario::{self, Scenario};
