@@ -38,7 +38,7 @@ pub use pure::{faults, limits, model, plan, scenario, seed, verify, wire};
 pub mod fabric;
 
 pub mod running;
-pub use running::{control, engine, exec, external, harness, process};
+pub use running::{control, engine, exec, external, harness, parallel, process};
 
 pub mod tools;
 pub use tools::{certify, explain, from_config, matrix, render, report, selftest, shard, shrink, swarm};

@@ -303,7 +303,7 @@ pub fn cross_check_ranks_within(
 /// (where there are more cores than ranks, each rank cut into parts of its regions, [`verify::check_rank_part`]);
 /// the violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
 pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
-    let parts = (crate::running::parallel::cores() / ranks.len().max(1)).clamp(1, MAX_RANK_PARTS);
+    let parts = (crate::parallel::cores() / ranks.len().max(1)).clamp(1, MAX_RANK_PARTS);
     check_ranks_in_parts(problem, observation, ranks, parts as u32)
 }
 
@@ -314,10 +314,10 @@ pub fn check_ranks_in_parts(
     ranks: &[(RankId, Verdicts)],
     parts: u32,
 ) -> Vec<Violation> {
-    let (cores, parts) = (crate::running::parallel::cores(), parts.max(1));
+    let (cores, parts) = (crate::parallel::cores(), parts.max(1));
     let tasks: Vec<(&(RankId, Verdicts), u32)> =
         ranks.iter().flat_map(|rank| (0..parts).map(move |part| (rank, part))).collect();
-    crate::running::parallel::spread(&tasks, cores, |((rank, verdicts), part)| {
+    crate::parallel::spread(&tasks, cores, |((rank, verdicts), part)| {
         let regions = problem.decode.rank(*rank).regions.len() as u32;
         verify::check_rank_part(problem, *rank, observation, verdicts, (*part, parts, regions))
     })
@@ -334,9 +334,7 @@ fn each_rank_in_parallel<T: Send>(
     ranks: &[(RankId, Verdicts)],
     judge: impl Fn(RankId, &Verdicts) -> T + Sync,
 ) -> Vec<T> {
-    crate::running::parallel::spread(ranks, crate::running::parallel::cores(), |(rank, verdicts)| {
-        judge(*rank, verdicts)
-    })
+    crate::parallel::spread(ranks, crate::parallel::cores(), |(rank, verdicts)| judge(*rank, verdicts))
 }
 
 /// The oracle's verdicts for `rank`: a rejected scenario promises more than failed rooms (no byte may have moved

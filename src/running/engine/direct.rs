@@ -130,7 +130,7 @@ impl Lowered {
             let bytes = descriptors.iter().map(Descriptor::bytes).sum();
             Ok((Lowered::new(&alone, &descriptors, paged).map_err(|error| error.to_string())?, bytes))
         };
-        let parts = crate::running::parallel::spread(&problem.requests, workers, one);
+        let parts = crate::parallel::spread(&problem.requests, workers, one);
         let mut joined = Lowered { paged, pairs: BTreeMap::new() };
         let mut bytes = 0;
         for part in parts {
