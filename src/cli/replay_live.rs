@@ -183,9 +183,8 @@ fn wave_size(concurrency: u32, tokens: u32, free: Option<u64>, overlapped: bool)
     let mut size = concurrency;
     while let Some(free) = free {
         let probe = scenario::parse_seeded(&wave_text(size, tokens), "<replay>", "replay-kimi-k3", Some(0))?;
-        let decode = probe.problem.decode.ranks.iter().flat_map(|rank| &rank.regions);
-        let judged: Option<u64> = decode.map(|region| region.item_len.checked_mul(u64::from(region.item_count))).sum();
-        let held = harness::simulated_bytes(&probe.problem).zip(if overlapped { judged } else { Some(0) });
+        let judged = if overlapped { harness::side_bytes(&probe.problem.decode) } else { Some(0) };
+        let held = harness::simulated_bytes(&probe.problem).zip(judged);
         let needed = held.and_then(|(wave, judged)| wave.checked_add(judged)).unwrap_or(u64::MAX);
         if needed <= free / 10 * 9 || size == 1 {
             break;
@@ -269,8 +268,7 @@ pub(super) fn replay_live(args: &ReplayArgs, fabric: &harness::Fabric) -> anyhow
             let which = CrossCheck::Turn(wave as usize);
             let wave_result = match direct {
                 Some(device) => device.direct_execute(next, which).map(|executed| {
-                    let count = executed.scenario.problem.requests.len() as u32;
-                    // The oracle thread is gone only after an error of its own: its verdicts say so below.
+                    // The oracle's thread is gone only if it panicked: its join says so below.
                     let _ = to_oracle.send(executed);
                     (count, None)
                 }),

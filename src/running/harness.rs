@@ -157,12 +157,14 @@ fn available_memory() -> Option<u64> {
 
 /// Bytes every region of both sides registers; `None` past `u64` (checked, never wrapping).
 pub fn simulated_bytes(problem: &Problem) -> Option<u64> {
+    side_bytes(&problem.prefill)?.checked_add(side_bytes(&problem.decode)?)
+}
+
+/// The bytes of one side's regions, every rank's (`None`: past 2^64).
+pub fn side_bytes(side: &crate::model::SideLayout) -> Option<u64> {
     let mut total = 0u64;
-    for side in [&problem.prefill, &problem.decode] {
-        for region in side.ranks.iter().flat_map(|rank| &rank.regions) {
-            let bytes = region.item_len.checked_mul(u64::from(region.item_count))?;
-            total = total.checked_add(bytes)?;
-        }
+    for region in side.ranks.iter().flat_map(|rank| &rank.regions) {
+        total = total.checked_add(region.item_len.checked_mul(u64::from(region.item_count))?)?;
     }
     Some(total)
 }

@@ -211,8 +211,8 @@ fn executes_and_passes_the_oracle<N: TransferEngine>(
 }
 
 /// A wave of several requests planned request by request on threads (`Lowered::per_request`, as `kvrelay replay
-/// --direct` plans its waves) moves exactly the whole plan's bytes, and the oracle passes every decode byte; a plan
-/// lowered for paged engines is refused by engines that take none, naming the fix.
+/// --direct` plans its waves) moves exactly the whole plan's bytes and lands every decode byte where the oracle wants
+/// it, through engines that take paged entries and through engines that take physical offsets.
 #[rstest]
 #[case::paged(true)]
 #[case::physical(false)]
@@ -226,23 +226,45 @@ fn a_wave_planned_request_by_request_lands_as_the_whole_plan_does(#[case] paged:
     let (lowered, bytes) = Lowered::per_request(problem, paged, 2).expect("plans request by request");
     assert_eq!(bytes, whole, "the parts move the whole plan's bytes");
     let mut transport = Fabric::LiveSim.transport().expect("the in-memory fabric opens");
+    // Engines that take paged entries (Expanding), or the in-memory engines as they are (physical offsets).
     let mut open = |node: usize| -> Result<Box<dyn TransferEngine>, SeamError> {
         let inner = transport
             .engine(NodeId(node as u32), kvrelay::fabric::registry::RDMA_CAPS)
             .map_err(|error| SeamError::Engine { call: "open", message: error.to_string() })?;
+        if !paged {
+            return Ok(inner);
+        }
         let (repeated, paged) = (Rc::new(Cell::new(0)), Rc::new(Cell::new(0)));
         Ok(Box::new(Expanding { inner, repeated, paged }) as Box<dyn TransferEngine>)
     };
-    if !paged {
-        // Expanding engines take paged entries: a plan lowered for physical offsets is refused, not relowered
-        // from nothing.
-        let refused = Direct::prepare_lowered(problem, Some(lowered), &[], &mut open).err().expect("refused");
-        assert!(refused.to_string().contains("pass its descriptors"), "{refused}");
-        return;
-    }
     let direct = Direct::prepare_lowered(problem, Some(lowered), &[], &mut open).expect("prepared");
     assert_eq!(direct.bytes(), whole);
     executes_and_passes_the_oracle(problem, direct);
+}
+
+/// A plan lowered for the other kind of engine, with no descriptors to lower again, is refused naming the fix; a
+/// problem with a decode staging ring (offsets handed out across requests) is not planned request by request.
+#[test]
+fn a_plan_lowered_for_other_engines_or_across_a_staging_ring_is_refused() {
+    use kvrelay::engine::direct::{Direct, Lowered};
+
+    let text = "model: {preset: kimi-k3}\nprefill: {tp: 1, pp: 8, page_size: 64}\ndecode: {tp: 8, dcp: 8, page_size: 64}\nrequests: [{tokens: 129}, {tokens: 64}]\nexpect: ok\n";
+    let scenario = kvrelay::scenario::parse_seeded(text, "<wave>", "wave", Some(3)).expect("parses");
+    let problem = &scenario.problem;
+    let (lowered, _) = Lowered::per_request(problem, true, 2).expect("plans");
+    let mut transport = Fabric::LiveSim.transport().expect("the in-memory fabric opens");
+    let refused = Direct::prepare_lowered(problem, Some(lowered), &[], |node| {
+        transport
+            .engine(NodeId(node as u32), kvrelay::fabric::registry::RDMA_CAPS)
+            .map_err(|error| SeamError::Engine { call: "open", message: error.to_string() })
+    })
+    .err()
+    .expect("refused");
+    assert!(refused.to_string().contains("pass its descriptors"), "{refused}");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/mha/gqa-staging-tp4-to-tp2.yaml");
+    let staging = kvrelay::scenario::load(&path).unwrap_or_else(|error| panic!("{error}"));
+    let why = Lowered::per_request(&staging.problem, true, 2).err().expect("refused");
+    assert!(why.contains("staging ring"), "{why}");
 }
 
 /// Paged entries: offsets through a page table resolve to the items it lists; an engine that does not declare

@@ -121,9 +121,14 @@ impl Lowered {
     /// Plans and lowers every request of `problem` on its own (the problem with that one request: the same
     /// regions, the same pages), `workers` requests at a time on threads of their own, and joins the parts in
     /// request order: a wave of many requests is planned in the time of its slowest few. The plan of one request
-    /// does not depend on the others (each request's rows go to its own pages); the oracle judges the result as
-    /// it judges the whole problem's plan. The bytes the parts move, with them.
+    /// does not depend on the others (each request's rows go to its own pages), except through a decode staging
+    /// ring, whose chunk offsets are handed out across requests: such a problem is refused. The oracle judges the
+    /// result as it judges the whole problem's plan. The bytes the parts move, with them.
     pub fn per_request(problem: &Problem, paged: bool, workers: usize) -> Result<(Lowered, u64), String> {
+        let regions = problem.decode.ranks.iter().flat_map(|rank| &rank.regions);
+        if regions.clone().any(|region| region.kind == crate::model::RegionKind::Staging) {
+            return Err("a decode staging ring places each request after the ones before it: plan the problem whole (Lowered::new)".to_owned());
+        }
         let one = |request: &crate::model::Request| -> Result<(Lowered, u64), String> {
             let alone = Problem { requests: vec![request.clone()], ..problem.clone() };
             let descriptors = crate::plan::plan(&alone).map_err(|error| error.to_string())?.descriptors();
