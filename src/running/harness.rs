@@ -302,26 +302,27 @@ pub fn cross_check_ranks_within(
 }
 
 /// [`verify::check_rank`] for each `(rank, verdicts)`, the ranks judged in parallel across the machine's cores
-/// (where there are more cores than ranks, each rank cut into parts of its regions, [`verify::check_rank_part`]);
-/// the violations in the order given (the same list [`verify::check_ranks`], a sequential loop, returns).
+/// (each rank's writes a task of their own, and where there are more cores than ranks, its regions cut into parts,
+/// [`verify::Share`]); the violations in the order given (the same list [`verify::check_ranks`], a sequential loop,
+/// returns).
 pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
     let parts = (crate::parallel::cores() / ranks.len().max(1)).clamp(1, MAX_RANK_PARTS);
     check_ranks_in_parts(problem, observation, ranks, parts as u32)
 }
 
-/// [`check_ranks`] with every rank cut into `parts` parts (at least one), the parts spread over the cores.
+/// [`check_ranks`] with every rank's regions cut into `parts` parts (at least one), the shares spread over the
+/// cores; the source index ([`verify::Sources`]) built once for all of them.
 pub fn check_ranks_in_parts(
     problem: &Problem,
     observation: &Observation,
     ranks: &[(RankId, Verdicts)],
     parts: u32,
 ) -> Vec<Violation> {
-    let (cores, parts) = (crate::parallel::cores(), parts.max(1));
-    let tasks: Vec<(&(RankId, Verdicts), u32)> =
-        ranks.iter().flat_map(|rank| (0..parts).map(move |part| (rank, part))).collect();
-    crate::parallel::spread(&tasks, cores, |((rank, verdicts), part)| {
-        let regions = problem.decode.rank(*rank).regions.len() as u32;
-        verify::check_rank_part(problem, *rank, observation, verdicts, (*part, parts, regions))
+    let sources = verify::Sources::new(problem);
+    let tasks: Vec<(&(RankId, Verdicts), verify::Share)> =
+        ranks.iter().flat_map(|rank| verify::Share::all(parts).map(move |share| (rank, share))).collect();
+    crate::parallel::spread(&tasks, crate::parallel::cores(), |((rank, verdicts), share)| {
+        verify::check_rank_share(&sources, *rank, observation, verdicts, *share)
     })
     .into_iter()
     .flatten()

@@ -197,22 +197,24 @@ fn the_plan_executed_directly_through_engines_passes_the_oracle(#[case] strided:
     assert_eq!((repeated.get() > 0, paged.get() > 0), (strided, strided));
 }
 
-/// Executes `direct`'s batches and judges every decode rank: no violation.
+/// Executes `direct`'s batches and judges every decode rank: no violation. The observation judged.
 fn executes_and_passes_the_oracle<N: TransferEngine>(
     problem: &kvrelay::model::Problem,
     mut direct: kvrelay::engine::direct::Direct<N>,
-) {
+) -> kvrelay::verify::Observation {
     direct.execute(Duration::from_secs(10)).expect("every batch completes");
     let observation = direct.observe().expect("observed");
     let ranks: Vec<_> =
         problem.decode.ranks.iter().map(|layout| (layout.rank, kvrelay::verify::Verdicts::all_succeeded())).collect();
     let violations = harness::check_ranks(problem, &observation, &ranks);
     assert!(violations.is_empty(), "{}", violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"));
+    observation
 }
 
 /// A wave of several requests planned request by request on threads (`Lowered::per_request`, as `kvrelay replay
 /// --direct` plans its waves) moves exactly the whole plan's bytes and lands every decode byte where the oracle wants
-/// it, through engines that take paged entries and through engines that take physical offsets.
+/// it, through engines that take paged entries and through engines that take physical offsets. The writes recorded
+/// for the oracle on the planning thread (`Lowered::record_writes`) are the ones the engines' batches make.
 #[rstest]
 #[case::paged(true)]
 #[case::physical(false)]
@@ -239,7 +241,13 @@ fn a_wave_planned_request_by_request_lands_as_the_whole_plan_does(#[case] paged:
     };
     let direct = Direct::prepare_lowered(problem, Some(lowered), &[], &mut open).expect("prepared");
     assert_eq!(direct.bytes(), whole);
-    executes_and_passes_the_oracle(problem, direct);
+    let observation = executes_and_passes_the_oracle(problem, direct);
+    let (mut recorded, _) = Lowered::per_request(problem, paged, 2).expect("plans request by request");
+    recorded.record_writes().expect("records");
+    let direct = Direct::prepare_lowered(problem, Some(recorded), &[], &mut open).expect("prepared");
+    let early = direct.observe().expect("observed").writes;
+    assert!(!early.is_empty());
+    assert_eq!(early, observation.writes, "the writes recorded before the engines are the batches' writes");
 }
 
 /// A plan lowered for the other kind of engine, with no descriptors to lower again, is refused naming the fix; a

@@ -195,9 +195,9 @@ fn sparse_decode_images_are_judged_like_whole_ones(#[case] path: &str) {
     assert_eq!(violations, judge(&damaged_dense));
 }
 
-/// A decode rank judged in parts of its regions (as the harness spreads a rank over cores) gives exactly the whole
-/// rank's violations, in the same order, however many parts: damaged regions in every part, and the writes judged
-/// once.
+/// A decode rank judged in shares (parts of its regions, then its writes, as the harness spreads a rank over cores)
+/// gives exactly the whole rank's violations, in the same order, however many parts: damaged regions in every part,
+/// and the writes judged once.
 #[rstest::rstest]
 fn a_rank_judged_in_parts_reads_as_the_whole_rank(#[values(1, 2, 3, 4, 7)] parts: u32) {
     use kvrelay::engine::sim::SimOptions;
@@ -225,13 +225,13 @@ fn a_rank_judged_in_parts_reads_as_the_whole_rank(#[values(1, 2, 3, 4, 7)] parts
     };
     assert_eq!(overwritten(&whole), 1, "{whole:?}");
     let observation = &observation;
+    let sources = verify::Sources::new(problem);
     let in_parts: Vec<_> = ranks
         .iter()
         .flat_map(|(rank, verdicts)| {
-            let regions = problem.decode.rank(*rank).regions.len() as u32;
-            (0..parts).flat_map(move |part| {
-                verify::check_rank_part(problem, *rank, observation, verdicts, (part, parts, regions))
-            })
+            let sources = &sources;
+            verify::Share::all(parts)
+                .flat_map(move |share| verify::check_rank_share(sources, *rank, observation, verdicts, share))
         })
         .collect();
     assert_eq!(in_parts, whole);

@@ -46,8 +46,8 @@ fn timed(
 pub(super) fn ceilings(shared: &Arc<Shared>, bytes: u64, row: u64) -> Result<Ceilings, SeamError> {
     let stream = &shared.stream;
     let gbs = |moved: u64, ms: f64| moved as f64 / (ms.max(1e-9) * 1e6);
-    let (src, src_ptr) = shared.alloc(bytes, 0)?;
-    let (dst, dst_ptr) = shared.alloc(bytes, 0)?;
+    let (src, src_ptr, _) = shared.alloc(bytes, 0, None)?;
+    let (dst, dst_ptr, _) = shared.alloc(bytes, 0, None)?;
     shared.generate(src_ptr, bytes, Pattern::Source { number: 1 })?;
     let copy_ms = timed(stream, 5, || {
         // SAFETY: both allocations are `bytes` long.

@@ -21,8 +21,13 @@ pub(super) struct Holder {
 
 impl Drop for Holder {
     fn drop(&mut self) {
-        if let Some(region) = self.region.take() {
+        if let Some(mut region) = self.region.take() {
             self.shared.state().resident.remove(&region.ptr);
+            // Nothing on the GPU still uses it: it was kept after a `cuCtxSynchronize`, and every compare or read
+            // of it synchronised its stream before answering (a failed compare's slot does so when dropped). A
+            // test may have planted a byte in it.
+            region.idle();
+            region.written();
             drop(region); // its allocation goes back to the GPU's spares
         }
     }

@@ -533,9 +533,22 @@ impl CudaEngine {
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
+        // Whether nothing on the GPU can still use this engine's unexposed regions: every fill is settled, and
+        // nothing this engine launched still runs (its stream reached an event recorded now). Only this engine
+        // reads them; only an exposed region can be written by another engine's stream.
+        use std::sync::atomic::Ordering::Acquire;
+        let fills_settled = self.shared.fills_settled.load(Acquire) >= self.shared.fills.load(Acquire);
+        let quiet = fills_settled
+            && self.in_flight.is_empty()
+            && self.queued_batches.is_empty()
+            && self.stream.record_event(None).is_ok_and(|event| event.is_complete());
         let mut state = self.shared.state();
-        for region in self.regions.values() {
-            state.live.remove(&region.ptr);
+        for region in self.regions.values_mut() {
+            match state.live.remove(&region.ptr) {
+                Some(live) if live.exposed => region.written(),
+                Some(_) if quiet => region.idle(),
+                _ => {}
+            }
         }
         state.mail.remove(&self.id);
         drop(state);
@@ -622,8 +635,10 @@ impl TransferEngine for CudaEngine {
         self.ring();
         let mut bytes = vec![0u8; self.region(memory)?.len as usize];
         self.read(memory, 0, &mut bytes)?;
-        let region = self.regions.remove(&memory.id).ok_or(SeamError::UnknownMemory(memory.id))?;
-        self.shared.forget(region.ptr, region.len);
+        let mut region = self.regions.remove(&memory.id).ok_or(SeamError::UnknownMemory(memory.id))?;
+        if self.shared.forget(region.ptr, region.len) {
+            region.written();
+        }
         Ok(Image::from([(0, bytes)]))
     }
 
@@ -649,11 +664,9 @@ impl TransferEngine for CudaEngine {
         // The peer's memory is checked here, as a NIC checks keys when a peer connects: a batch takes the shared
         // state's lock only after a registration came or went since.
         let generation = self.shared.generation.load(std::sync::atomic::Ordering::Acquire);
-        let state = self.shared.state();
-        let live = |target: &RemoteMemory| {
-            Some(state.live.get(&target.addr).is_some_and(|(len, owner)| *len == target.len && *owner == target.key))
-        };
-        end.alive = Some((generation, remote.iter().map(live).collect()));
+        let mut state = self.shared.state();
+        let alive = remote.iter().map(|target| Some(state.writable(target))).collect();
+        end.alive = Some((generation, alive));
         drop(state);
         end.peer = Some(Peer { engine, conn: peer_conn, remote: Arc::from(remote) });
         Ok(())
@@ -672,12 +685,11 @@ impl TransferEngine for CudaEngine {
         };
         let unknown = batch.entries.iter().any(|entry| cache.get(entry.remote as usize).is_some_and(Option::is_none));
         if unknown {
-            let state = self.shared.state();
+            let mut state = self.shared.state();
             for entry in &batch.entries {
                 let index = entry.remote as usize;
                 if let (Some(slot @ None), Some(target)) = (cache.get_mut(index), peer.remote.get(index)) {
-                    let live = state.live.get(&target.addr);
-                    *slot = Some(live.is_some_and(|(len, owner)| *len == target.len && *owner == target.key));
+                    *slot = Some(state.writable(target));
                 }
             }
         }

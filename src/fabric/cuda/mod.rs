@@ -39,6 +39,7 @@ mod ceilings;
 mod compare;
 mod engine;
 mod kernels;
+mod spares;
 
 pub use ceilings::Ceilings;
 pub use compare::plant;
@@ -48,6 +49,7 @@ use ceilings::ceilings;
 use compare::{DeviceCompare, Holder, JudgeSlot};
 use engine::Staging;
 use kernels::KERNELS;
+use spares::{Found, Spare, Spares};
 
 /// The environment variable naming the GPU (its ordinal) the fabric runs on.
 pub const DEVICE_ENV: &str = "KVRELAY_CUDA_DEVICE";
@@ -106,15 +108,38 @@ struct Shared {
     device: Arc<Device>,
 }
 
+/// A live allocation: its length, its owning engine, and whether a peer was told it may write there (a connection
+/// to it checked; the allocation then never returns to the spares as still holding its pattern).
+#[derive(Debug, Clone, Copy)]
+struct Live {
+    len: u64,
+    owner: u32,
+    exposed: bool,
+}
+
 #[derive(Default)]
 struct State {
-    /// Live allocations by device address: (length, owning engine).
-    live: BTreeMap<u64, (u64, u32)>,
+    /// Live allocations by device address.
+    live: BTreeMap<u64, Live>,
     /// Resident regions handed to the oracle, by device address: their length.
     resident: BTreeMap<u64, u64>,
     /// Notifications for each engine: (its connection end, tag), in the order their batches completed.
     mail: BTreeMap<u32, VecDeque<(ConnId, u32)>>,
     next_engine: u32,
+}
+
+impl State {
+    /// Whether `target` (a peer's advertised memory) is a live allocation of this length and owner; if so, it is
+    /// marked exposed: a write may land there from now on.
+    fn writable(&mut self, target: &super::seam::RemoteMemory) -> bool {
+        match self.live.get_mut(&target.addr) {
+            Some(live) if live.len == target.len && live.owner == target.key => {
+                live.exposed = true;
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 impl Shared {
@@ -131,12 +156,13 @@ impl Shared {
     /// Allocates `len` bytes (at least one) of device memory for engine `owner`, accounted: with `cuMemAlloc`,
     /// never from a stream-ordered pool (cudarc's default where the device has one), because pool memory has no
     /// legacy CUDA IPC handle and UCX's `cuda_ipc` then cannot reach it: measured on the H200, NIXL moved such
-    /// memory between processes by emulating RDMA over TCP (`rma_am(tcp/lo)`, 0.4 GB/s).
-    fn alloc(&self, len: u64, owner: u32) -> Result<(DeviceAlloc, u64), SeamError> {
+    /// memory between processes by emulating RDMA over TCP (`rma_am(tcp/lo)`, 0.4 GB/s). A spare of the size is
+    /// taken first, one still holding source pattern `want` first (`true`: it does; nothing need be generated).
+    fn alloc(&self, len: u64, owner: u32, want: Option<u32>) -> Result<(DeviceAlloc, u64, bool), SeamError> {
         let size = usize::try_from(len.max(1)).map_err(|_| SeamError::Exhausted("device memory"))?;
         self.ctx.bind_to_thread().map_err(|error| driver("cuCtxSetCurrent", error))?;
-        let ptr = match self.device.reuse(size)? {
-            Some(ptr) => ptr,
+        let (ptr, filled) = match self.device.reuse(size, want)? {
+            Some(found) => found,
             None => {
                 let (mut free, _) = self.ctx.mem_get_info().map_err(|error| driver("cuMemGetInfo", error))?;
                 if size > free && self.device.release_spares() > 0 {
@@ -156,19 +182,22 @@ impl Shared {
                 // `DeviceAlloc`'s drop hands it back.
                 let ptr = unsafe { result::malloc_sync(size) }.map_err(|error| driver("cuMemAlloc", error))?;
                 self.account(size as i64);
-                ptr
+                (ptr, false)
             }
         };
-        let allocation = DeviceAlloc { ctx: self.ctx.clone(), ptr, spare: Some((self.device.clone(), size)) };
-        self.state().live.insert(ptr, (len, owner));
+        let spare = Some(SpareOf { device: self.device.clone(), size, holds: None, idle: false });
+        let allocation = DeviceAlloc { ctx: self.ctx.clone(), ptr, spare };
+        self.state().live.insert(ptr, Live { len, owner, exposed: false });
         self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        Ok((allocation, ptr))
+        Ok((allocation, ptr, filled))
     }
 
-    /// Forgets the registration at `ptr` (its allocation goes back to the GPU's spares when its `DeviceAlloc` drops).
-    fn forget(&self, ptr: u64, _len: u64) {
-        self.state().live.remove(&ptr);
+    /// Forgets the registration at `ptr` (its allocation goes back to the GPU's spares when its `DeviceAlloc`
+    /// drops); whether a peer was told it may write there.
+    fn forget(&self, ptr: u64, _len: u64) -> bool {
+        let live = self.state().live.remove(&ptr);
         self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        live.is_some_and(|live| live.exposed)
     }
 
     /// Adds `bytes` (negative: frees) to the GPU's accounting, raising its peak.
@@ -202,9 +231,18 @@ impl Shared {
 
     /// A region of `len` bytes for engine `owner` holding `contents` (generated on the device for a pattern,
     /// uploaded in 64 MiB pieces for a fill), accounted; ordered before anything later on the stream.
+    /// A source pattern is generated only where the allocation is not a spare still holding it.
     fn make_region(&self, len: u64, owner: u32, contents: Contents<'_>) -> Result<Region, SeamError> {
-        let (allocation, ptr) = self.alloc(len, owner)?;
+        let want = match contents {
+            Contents::Pattern(Pattern::Source { number }) => Some(number),
+            _ => None,
+        };
+        let (mut allocation, ptr, holds) = self.alloc(len, owner, want)?;
         let filled = match contents {
+            Contents::Pattern(_) if holds => {
+                self.device.counters.reused_patterns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
             Contents::Pattern(pattern) => self.generate_counted(ptr, len, pattern),
             Contents::Fill(fill) => self.upload_fill(ptr, len, fill),
         };
@@ -212,13 +250,17 @@ impl Shared {
             self.forget(ptr, len);
             return Err(error);
         }
-        Ok(Region { _allocation: allocation, ptr, len })
+        if let Some(spare) = &mut allocation.spare {
+            spare.holds = want;
+        }
+        Ok(Region { allocation, ptr, len })
     }
 
     /// Queues `pattern` over the new region at `ptr` ([`Shared::generate`]) and counts it, for
     /// [`Shared::settle_fills`]: the count goes up after the fill is on the stream.
     fn generate_counted(&self, ptr: u64, len: u64, pattern: Pattern) -> Result<(), SeamError> {
         self.generate(ptr, len, pattern)?;
+        self.device.counters.patterns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.fills.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         Ok(())
     }
@@ -232,7 +274,7 @@ impl Shared {
         if self.fills_settled.load(Acquire) >= queued {
             return Ok(());
         }
-        self.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))?;
+        self.device.timed(|| self.stream.synchronize()).map_err(|error| driver("cuStreamSynchronize", error))?;
         self.fills_settled.fetch_max(queued, AcqRel);
         Ok(())
     }
@@ -272,7 +314,7 @@ impl Shared {
     /// Keeps `region` on the device for the oracle's compare kernel (after everything on the stream ran): no
     /// engine may write it any more.
     fn keep_region(self: &Arc<Self>, region: Region) -> Result<Kept, SeamError> {
-        if let Err(error) = self.ctx.synchronize() {
+        if let Err(error) = self.device.timed(|| self.ctx.synchronize()) {
             self.forget(region.ptr, region.len);
             return Err(driver("cuCtxSynchronize", error));
         }
@@ -344,13 +386,25 @@ impl CudaTransport {
 
     /// Device memory free on this GPU now, in bytes, counting the allocations kept for reuse ([`Spares`]).
     pub fn free_bytes(&self) -> u64 {
-        let spare = self.shared.device.spares().bytes;
+        let spare = self.shared.device.spares().bytes();
         self.shared.ctx.mem_get_info().map_or(0, |(free, _)| free as u64) + spare
     }
 
     /// What the oracle's compares on this GPU cost since the last call (which starts them over).
     pub fn judge_stats(&self) -> JudgeStats {
         self.shared.device.judged.take()
+    }
+
+    /// Patterns generated and reused, and the waits for the GPU, since the last call ([`DeviceStats`]).
+    pub fn device_stats(&self) -> DeviceStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        let counters = &self.shared.device.counters;
+        DeviceStats {
+            patterns: counters.patterns.swap(0, Relaxed),
+            reused_patterns: counters.reused_patterns.swap(0, Relaxed),
+            waits: counters.waits.swap(0, Relaxed),
+            wait_seconds: counters.wait_ns.swap(0, Relaxed) as f64 / 1e9,
+        }
     }
 
     /// Starts the peak over from what is held now.
@@ -448,8 +502,9 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if let Some(region) = self.region.take() {
+        if let Some(mut region) = self.region.take() {
             self.shared.forget(region.ptr, region.len);
+            region.written(); // another engine (NIXL) had it
         }
     }
 }
@@ -463,6 +518,8 @@ struct Device {
     judged: JudgeCounters,
     /// Regions' allocations handed back, by size, for the next region of the same size ([`Device::reuse`]).
     spares: Mutex<Spares>,
+    /// Patterns generated and reused, and the waits for the GPU ([`CudaTransport::device_stats`]).
+    counters: Counters,
     /// Streams and descriptor-table buffers of engines gone, for the next engines (a replay's waves make new ones;
     /// `cuStreamCreate`, `cuMemHostAlloc` and `cuMemAlloc` on the doorbell's path cost more than a launch).
     streams: Mutex<Vec<Arc<CudaStream>>>,
@@ -538,74 +595,85 @@ pub struct JudgeStats {
     pub span_seconds: f64,
 }
 
+/// Counted as regions are registered and engines wait for the GPU (atomics: engines on several threads).
+#[derive(Default)]
+struct Counters {
+    patterns: std::sync::atomic::AtomicU64,
+    reused_patterns: std::sync::atomic::AtomicU64,
+    waits: std::sync::atomic::AtomicU64,
+    wait_ns: std::sync::atomic::AtomicU64,
+}
+
+/// Since the last [`CudaTransport::device_stats`]: source patterns and sentinels generated on the device, source
+/// patterns found still in place in a spare allocation (nothing generated), and the host's waits for the GPU
+/// (`cuCtxSynchronize` or `cuStreamSynchronize` before a reuse, a launch after fills, or keeping memory for the
+/// oracle) with the seconds they took.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DeviceStats {
+    pub patterns: u64,
+    pub reused_patterns: u64,
+    pub waits: u64,
+    pub wait_seconds: f64,
+}
+
 /// A device opened, or why it could not be.
 type Opened = Result<Arc<Device>, String>;
 
 /// The devices opened so far, by ordinal.
 static DEVICES: std::sync::OnceLock<Mutex<BTreeMap<u32, Opened>>> = std::sync::OnceLock::new();
 
-/// Device allocations no region holds, kept for the next region of the same size: a replay's waves register the
-/// same regions again, and `cuMemAlloc` plus `cuMemFree` of a wave's gigabytes cost more than its writes. Each is
-/// refilled (pattern, fill or sentinel) before anything reads it, as a fresh allocation is; counted in the device
-/// memory the process holds (`Device::allocated`), freed when an allocation does not fit beside them.
-#[derive(Default)]
-struct Spares {
-    by_size: BTreeMap<usize, Vec<u64>>,
-    bytes: u64,
-    /// Allocations handed back so far, and how many of the first of them were handed back before the last
-    /// `cuCtxSynchronize` (nothing on the GPU still uses those): a reuse synchronises only when a spare came back
-    /// since, once for a whole wave of regions rather than once a region.
-    kept: u64,
-    settled: u64,
-}
-
 impl Device {
     fn spares(&self) -> MutexGuard<'_, Spares> {
         self.spares.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A spare allocation of exactly `size` bytes, once every stream finished what it still did with it (a freed
-    /// allocation's last kernel may still run: `cuMemFree` would have waited for it).
-    fn reuse(&self, size: usize) -> Result<Option<u64>, SeamError> {
-        let (ptr, unsettled) = {
-            let mut spares = self.spares();
-            let ptr = spares.by_size.get_mut(&size).and_then(Vec::pop);
-            if ptr.is_some() {
-                spares.bytes -= size as u64;
-            }
-            // `ptr` was handed back at most `kept` spares ago: settled once everything up to `kept` is.
-            (ptr, (spares.settled < spares.kept).then_some(spares.kept))
+    /// A spare allocation of exactly `size` bytes that nothing on the GPU still uses, one holding source pattern
+    /// `want` first (`true`: it does): where only spares whose last kernel may still run are kept, the context is
+    /// synchronised once for all of them (a freed allocation's `cuMemFree` would have waited for its last kernel).
+    fn reuse(&self, size: usize, want: Option<u32>) -> Result<Option<(u64, bool)>, SeamError> {
+        let busy = match self.spares().take(size, want) {
+            Found::Spare { ptr, filled } => return Ok(Some((ptr, filled))),
+            Found::None => return Ok(None),
+            Found::Busy(busy) => busy,
         };
-        if let (Some(_), Some(kept)) = (ptr, unsettled) {
-            self.ctx.synchronize().map_err(|error| driver("cuCtxSynchronize", error))?;
-            let mut spares = self.spares();
-            spares.settled = spares.settled.max(kept);
-        }
-        Ok(ptr)
-    }
-
-    fn keep_spare(&self, ptr: u64, size: usize) {
+        let synchronised = self.timed(|| self.ctx.synchronize());
         let mut spares = self.spares();
-        spares.by_size.entry(size).or_default().push(ptr);
-        spares.bytes += size as u64;
-        spares.kept += 1;
+        spares.settled(busy, synchronised.is_ok());
+        synchronised.map_err(|error| driver("cuCtxSynchronize", error))?;
+        Ok(match spares.take(size, want) {
+            Found::Spare { ptr, filled } => Some((ptr, filled)),
+            Found::Busy(busy) => {
+                spares.settled(busy, false); // another thread took the idle ones meanwhile: a fresh allocation
+                None
+            }
+            Found::None => None,
+        })
     }
 
     /// Frees every spare allocation (after everything on the GPU finished); the bytes freed.
     fn release_spares(&self) -> u64 {
-        let spares = std::mem::take(&mut *self.spares());
-        if spares.bytes == 0 || self.ctx.bind_to_thread().is_err() {
+        let (ptrs, bytes) = self.spares().drain();
+        if bytes == 0 || self.ctx.bind_to_thread().is_err() {
             return 0;
         }
-        for (_, ptrs) in spares.by_size {
-            for ptr in ptrs {
-                // SAFETY: `ptr` came from cuMemAlloc in `Shared::alloc`, no region holds it (its `DeviceAlloc` was
-                // dropped), and it is freed once, here; cuMemFree waits for work still using it.
-                let _ = unsafe { result::free_sync(ptr) };
-            }
+        for ptr in ptrs {
+            // SAFETY: `ptr` came from cuMemAlloc in `Shared::alloc`, no region holds it (its `DeviceAlloc` was
+            // dropped), and it is freed once, here; cuMemFree waits for work still using it.
+            let _ = unsafe { result::free_sync(ptr) };
         }
-        self.account(-(spares.bytes as i64));
-        spares.bytes
+        self.account(-(bytes as i64));
+        bytes
+    }
+
+    /// `synchronise` (a `cuCtxSynchronize` or `cuStreamSynchronize`), counted with the time it waited.
+    #[allow(clippy::disallowed_methods, reason = "the fabric times its own waits for the replay's breakdown")]
+    fn timed<E>(&self, synchronise: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let start = std::time::Instant::now();
+        let outcome = synchronise();
+        self.counters.waits.fetch_add(1, Relaxed);
+        self.counters.wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Relaxed);
+        outcome
     }
 
     /// A stream for a new engine: one an engine gone left, or a new one.
@@ -692,6 +760,7 @@ impl Device {
             peak,
             judged,
             spares: Mutex::default(),
+            counters: Counters::default(),
             streams: Mutex::default(),
             tables: Mutex::default(),
             judges: Mutex::default(),
@@ -765,18 +834,28 @@ impl Transport for CudaTransport {
     }
 }
 
-/// One `cuMemAlloc` allocation: a region's goes back to its GPU's spares when dropped (`spare`: the GPU and the
-/// allocation's size), any other is freed (with its context current).
+/// One `cuMemAlloc` allocation: a region's goes back to its GPU's spares when dropped (`spare`), any other is freed
+/// (with its context current).
 struct DeviceAlloc {
     ctx: Arc<CudaContext>,
     ptr: u64,
-    spare: Option<(Arc<Device>, usize)>,
+    spare: Option<SpareOf>,
+}
+
+/// Where a region's allocation goes when dropped: its GPU's spares, as `size` bytes still holding source pattern
+/// `holds` (set only for a generated source pattern, cleared once anything may have written it), `idle` where its
+/// last use on the GPU is known to have finished.
+struct SpareOf {
+    device: Arc<Device>,
+    size: usize,
+    holds: Option<u32>,
+    idle: bool,
 }
 
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
-        if let Some((device, size)) = self.spare.take() {
-            device.keep_spare(self.ptr, size);
+        if let Some(SpareOf { device, size, holds, idle }) = self.spare.take() {
+            device.spares().keep(size, Spare { ptr: self.ptr, holds }, idle);
         } else if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` came from cuMemAlloc in `Shared::alloc` and is freed once, here; cuMemFree waits for
             // work still using it.
@@ -787,7 +866,25 @@ impl Drop for DeviceAlloc {
 
 /// A region this engine registered.
 struct Region {
-    _allocation: DeviceAlloc,
+    allocation: DeviceAlloc,
     ptr: u64,
     len: u64,
+}
+
+impl Region {
+    /// Something may have written the region (a peer was told of it, a test may plant a byte, another engine had
+    /// it): its allocation no longer holds its pattern when handed back.
+    fn written(&mut self) {
+        if let Some(spare) = &mut self.allocation.spare {
+            spare.holds = None;
+        }
+    }
+
+    /// Nothing on the GPU can still use the region (its last use was waited for): its allocation is reused with no
+    /// synchronisation.
+    fn idle(&mut self) {
+        if let Some(spare) = &mut self.allocation.spare {
+            spare.idle = true;
+        }
+    }
 }

@@ -356,26 +356,51 @@ pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankI
 /// [`check_outcome`] for one decode rank alone: `observation` needs only that rank's images and writes, so a
 /// decode process can verify its own memory.
 pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, verdicts: &Verdicts) -> Vec<Violation> {
-    let regions = problem.decode.rank(rank).regions.len() as u32;
-    check_rank_part(problem, rank, observation, verdicts, (0, 1, regions))
+    let sources = Sources::new(problem);
+    [Share::Regions { part: 0, parts: 1 }, Share::Writes]
+        .into_iter()
+        .flat_map(|share| check_rank_share(&sources, rank, observation, verdicts, share))
+        .collect()
 }
 
-/// The share of [`check_rank`] that part `part` of `parts` judges: the regions from `part * n / parts` up to the
-/// next part's first (`n`: the rank's regions, the third of `(part, parts, n)`), and in the last part the rank's
-/// writes. The parts' violations, concatenated in part order, are exactly [`check_rank`]'s: a rank's regions are
-/// judged independently of each other, so the harness spreads the parts of a rank over cores.
-pub fn check_rank_part(
-    problem: &Problem,
+/// A share of [`check_rank`]'s work: part `part` of `parts` of the rank's regions (from `part * n / parts` up to
+/// the next part's first, `n` the rank's regions), or its writes (each written once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Share {
+    Regions { part: u32, parts: u32 },
+    Writes,
+}
+
+impl Share {
+    /// A rank's shares in [`check_rank`]'s order: its regions in `parts` parts, then its writes.
+    pub fn all(parts: u32) -> impl Iterator<Item = Share> {
+        let parts = parts.max(1);
+        (0..parts).map(move |part| Share::Regions { part, parts }).chain([Share::Writes])
+    }
+}
+
+/// The violations of one [`Share`] of [`check_rank`], judged against `sources` (built once for the problem: every
+/// share reads it). The shares' violations, concatenated in [`Share::all`]'s order, are exactly [`check_rank`]'s:
+/// a rank's regions are judged independently of each other, so the harness spreads a rank's shares over cores.
+pub fn check_rank_share(
+    sources: &Sources<'_>,
     rank: RankId,
     observation: &Observation,
     verdicts: &Verdicts,
-    (part, parts, regions): (u32, u32, u32),
+    share: Share,
 ) -> Vec<Violation> {
-    let parts = parts.max(1);
-    let bound = |part: u32| (u64::from(part) * u64::from(regions) / u64::from(parts)) as u32;
-    let sources = Sources::new(problem);
-    let rows = expect::RowCache::default();
+    let problem = sources.problem;
     let mut violations = Vec::new();
+    let (part, parts) = match share {
+        Share::Writes => {
+            check_writes(problem, observation, rank, verdicts, &mut violations);
+            return violations;
+        }
+        Share::Regions { part, parts } => (part, parts.max(1)),
+    };
+    let regions = problem.decode.rank(rank).regions.len() as u64;
+    let bound = |part: u32| (u64::from(part) * regions / u64::from(parts)) as u32;
+    let rows = expect::RowCache::default();
     let mut resident = Vec::new();
     for index in bound(part)..bound(part + 1) {
         let key = RegionKey { side: Side::Decode, rank, region: index };
@@ -388,13 +413,10 @@ pub fn check_rank_part(
             (None, Some(image)) => Image::Sparse(Chunks::new(image)),
             (None, None) => panic!("observation lacks decode region {key:?}"),
         };
-        let region = RegionCheck { problem, sources: &sources, key, bytes, verdicts, rows: &rows };
+        let region = RegionCheck { problem, sources, key, bytes, verdicts, rows: &rows };
         region.run(&mut violations);
     }
-    judge_resident(problem, &sources, &rows, &resident, verdicts, &mut violations);
-    if part + 1 >= parts {
-        check_writes(problem, observation, rank, verdicts, &mut violations);
-    }
+    judge_resident(problem, sources, &rows, &resident, verdicts, &mut violations);
     violations
 }
 
@@ -761,30 +783,34 @@ fn check_writes(
     verdicts: &Verdicts,
     violations: &mut Vec<Violation>,
 ) {
-    let mut by_region: BTreeMap<RegionKey, Vec<(u64, u64)>> = BTreeMap::new();
+    // The rank's writes in a list a region (a wave's records number thousands a rank: one sort of them all, or a
+    // map of lists, costs more than the check itself); records naming no region of the rank are not writes to judge
+    // here.
+    let regions = &problem.decode.rank(rank).regions;
+    let mut by_region: Vec<Vec<(u64, u64)>> = vec![Vec::new(); regions.len()];
     for write in observation.writes.iter().filter(|write| write.target.rank == rank) {
-        by_region.entry(write.target).or_default().push((write.offset, write.length));
+        if let (Side::Decode, Some(list)) = (write.target.side, by_region.get_mut(write.target.region as usize)) {
+            list.push((write.offset, write.length));
+        }
     }
-    for (key, mut writes) in by_region {
-        let failed: Vec<(u64, u64)> = problem
-            .requests
-            .iter()
-            .filter(|request| verdicts.failed.contains(&request.id))
-            .flat_map(|request| expect::territory(problem, key.rank, key.region, request))
-            .collect();
+    let failed_requests: Vec<&crate::model::Request> =
+        problem.requests.iter().filter(|request| verdicts.failed.contains(&request.id)).collect();
+    for (index, mut writes) in by_region.into_iter().enumerate().filter(|(_, writes)| !writes.is_empty()) {
+        let index = index as u32;
+        let failed: Vec<(u64, u64)> =
+            failed_requests.iter().flat_map(|request| expect::territory(problem, rank, index, request)).collect();
         writes.retain(|(offset, length)| !failed.iter().any(|(a, b)| *a <= *offset && offset + length <= *b));
         writes.sort_unstable();
-        let region = &problem.decode.rank(key.rank).regions[key.region as usize];
-        let label = format!("layer {} {}", region.layer, tensor_name(problem, region));
+        let region = &regions[index as usize];
         let mut end = 0;
         for (offset, length) in writes {
             if offset < end {
                 let overlap = end.min(offset + length) - offset;
                 violations.push(Violation {
-                    rank: key.rank,
-                    region: label.clone(),
+                    rank,
+                    region: format!("layer {} {}", region.layer, tensor_name(problem, region)),
                     place: format!("row {}", offset / region.row_len()),
-                    at: Located { region: key.region, offset, length: overlap },
+                    at: Located { region: index, offset, length: overlap },
                     kind: ViolationKind::Overwritten { offset, length: overlap },
                 });
             }

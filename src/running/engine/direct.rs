@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::sim::{decode_node, prefill_node};
+use super::sim::{register_decode, register_prefill};
 use crate::fabric::seam::{
     Batch, BatchStatus, ConnId, Entry, Event, Memory, PageTable, Paging, RemoteMemory, Repeat, SeamError,
     TransferEngine,
@@ -83,6 +83,8 @@ impl Pair {
 pub struct Lowered {
     paged: bool,
     pairs: BTreeMap<(RankId, RankId), Pair>,
+    /// The writes the pairs' batches make, for the oracle, where [`Lowered::record_writes`] computed them already.
+    writes: Option<Vec<WriteRecord>>,
 }
 
 impl Lowered {
@@ -115,7 +117,25 @@ impl Lowered {
                 paging,
             });
         }
-        Ok(Lowered { paged, pairs })
+        Ok(Lowered { paged, pairs, writes: None })
+    }
+
+    /// Computes the writes the batches will make, for the oracle (what [`Direct::prepare_lowered`] does otherwise
+    /// once the engines are registered): a replay records them on its planning thread, off the GPU's path.
+    pub fn record_writes(&mut self) -> Result<(), SeamError> {
+        let mut writes = Vec::new();
+        for ((_, target), pair) in &mut self.pairs {
+            let batch = Batch {
+                entries: std::mem::take(&mut pair.entries),
+                notify: None,
+                tables: std::mem::take(&mut pair.tables),
+            };
+            let recorded = record_spans(&mut writes, *target, &batch);
+            (pair.entries, pair.tables) = (batch.entries, batch.tables);
+            recorded?;
+        }
+        self.writes = Some(writes);
+        Ok(())
     }
 
     /// Plans and lowers every request of `problem` on its own (the problem with that one request: the same
@@ -136,7 +156,7 @@ impl Lowered {
             Ok((Lowered::new(&alone, &descriptors, paged).map_err(|error| error.to_string())?, bytes))
         };
         let parts = crate::parallel::spread(&problem.requests, workers, one);
-        let mut joined = Lowered { paged, pairs: BTreeMap::new() };
+        let mut joined = Lowered { paged, pairs: BTreeMap::new(), writes: None };
         let mut bytes = 0;
         for part in parts {
             let (part, part_bytes) = part?;
@@ -204,20 +224,25 @@ impl<N: TransferEngine> Direct<N> {
         let mut node = 0;
         let mut senders = BTreeMap::new();
         for layout in &problem.prefill.ranks {
-            let built = prefill_node(problem, &sources, layout, open(node)?)?;
+            let mut nic = open(node)?;
+            let regions = register_prefill(&mut nic, &sources, layout)?;
             node += 1;
-            senders.insert(layout.rank, (built.nic, built.regions));
+            senders.insert(layout.rank, (nic, regions));
         }
         let mut receivers = BTreeMap::new();
         for layout in &problem.decode.ranks {
-            let built = decode_node(problem, layout, open(node)?)?;
+            let mut nic = open(node)?;
+            let regions = register_decode(&mut nic, layout)?;
             node += 1;
-            receivers.insert(layout.rank, (built.nic, built.regions));
+            receivers.insert(layout.rank, (nic, regions));
         }
         let registered = std::time::Instant::now();
         let paged = senders.values().next().is_some_and(|(nic, _)| nic.limits().paged);
-        let lowered = match lowered {
-            Some(lowered) if lowered.paged == paged => lowered,
+        let (lowered, recorded) = match lowered {
+            Some(mut lowered) if lowered.paged == paged => {
+                let recorded = lowered.writes.take();
+                (lowered, recorded)
+            }
             Some(lowered) if descriptors.is_empty() => {
                 return Err(SeamError::Engine {
                     call: "prepare",
@@ -228,7 +253,7 @@ impl<N: TransferEngine> Direct<N> {
                     ),
                 })
             }
-            _ => Lowered::new(problem, descriptors, paged)?,
+            _ => (Lowered::new(problem, descriptors, paged)?, None),
         };
         let mut bytes = 0u64;
         let mut batches: BTreeMap<RankId, Vec<(ConnId, RankId, Batch)>> = BTreeMap::new();
@@ -257,7 +282,10 @@ impl<N: TransferEngine> Direct<N> {
             .collect();
         let receivers = receivers.into_iter().map(|(rank, (nic, regions))| (rank, nic, regions)).collect();
         let lowered = std::time::Instant::now();
-        let writes = write_records(&senders)?;
+        let writes = match recorded {
+            Some(writes) => writes,
+            None => write_records(&senders)?,
+        };
         let prepared = Prepared {
             register: (registered - start).as_secs_f64(),
             batches: (lowered - registered).as_secs_f64(),
@@ -411,18 +439,23 @@ fn write_records<N>(senders: &[Sender<N>]) -> Result<Vec<WriteRecord>, SeamError
     let mut writes: Vec<WriteRecord> = Vec::new();
     for sender in senders {
         for (_, target, batch) in &sender.batches {
-            batch
-                .remote_spans(|region, offset, length| {
-                    let target = RegionKey { side: Side::Decode, rank: *target, region };
-                    match writes.last_mut() {
-                        Some(last) if last.target == target && last.offset + last.length == offset => {
-                            last.length += length;
-                        }
-                        _ => writes.push(WriteRecord { target, offset, length }),
-                    }
-                })
-                .ok_or(SeamError::Exhausted("page table entries"))?;
+            record_spans(&mut writes, *target, batch)?;
         }
     }
     Ok(writes)
+}
+
+/// The decode bytes `batch` writes on rank `target`, appended to `writes` (runs that continue the last one joined).
+fn record_spans(writes: &mut Vec<WriteRecord>, target: RankId, batch: &Batch) -> Result<(), SeamError> {
+    batch
+        .remote_spans(|region, offset, length| {
+            let target = RegionKey { side: Side::Decode, rank: target, region };
+            match writes.last_mut() {
+                Some(last) if last.target == target && last.offset + last.length == offset => {
+                    last.length += length;
+                }
+                _ => writes.push(WriteRecord { target, offset, length }),
+            }
+        })
+        .ok_or(SeamError::Exhausted("page table entries"))
 }

@@ -494,8 +494,7 @@ pub(super) fn prefill_node<N: TransferEngine>(
     layout: &RankLayout,
     mut nic: N,
 ) -> Result<Node<PrefillEngine, N>, SeamError> {
-    let regions =
-        register_regions(&mut nic, layout, |index| Pattern::Source { number: sources.number(layout.rank, index) })?;
+    let regions = register_prefill(&mut nic, sources, layout)?;
     let engine = PrefillEngine::new(
         layout.rank,
         problem.model.clone(),
@@ -516,7 +515,7 @@ pub(super) fn decode_node<N: TransferEngine>(
     layout: &RankLayout,
     mut nic: N,
 ) -> Result<Node<DecodeEngine, N>, SeamError> {
-    let regions = register_regions(&mut nic, layout, |_| Pattern::Sentinel)?;
+    let regions = register_decode(&mut nic, layout)?;
     let descs: Vec<MemoryDesc> = regions
         .iter()
         .map(|memory| MemoryDesc { address: memory.addr, length_bytes: memory.len, rkey: memory.key })
@@ -628,6 +627,22 @@ pub(super) fn directory(problem: &Problem) -> BTreeMap<RankId, NodeId> {
 /// Registers every region of `layout` on `nic`, in the engine's kind of memory, each holding the pattern
 /// `pattern(region index)` gives (generated in place: the in-memory fabric materialises only the chunks written to,
 /// and reads the rest from the pattern; a device fabric generates it on the device).
+/// Prefill rank `layout`'s regions registered on `nic`, each holding its source pattern (no rank engine: what
+/// `engine::direct` registers).
+pub(super) fn register_prefill<N: TransferEngine>(
+    nic: &mut N,
+    sources: &Sources<'_>,
+    layout: &RankLayout,
+) -> Result<Vec<Memory>, SeamError> {
+    register_regions(nic, layout, |index| Pattern::Source { number: sources.number(layout.rank, index) })
+}
+
+/// Decode rank `layout`'s regions registered on `nic`, filled with the sentinel (no rank engine, no registration
+/// message: what `engine::direct` registers).
+pub(super) fn register_decode<N: TransferEngine>(nic: &mut N, layout: &RankLayout) -> Result<Vec<Memory>, SeamError> {
+    register_regions(nic, layout, |_| Pattern::Sentinel)
+}
+
 fn register_regions<N: TransferEngine>(
     nic: &mut N,
     layout: &RankLayout,
