@@ -23,11 +23,15 @@ impl Drop for Holder {
     fn drop(&mut self) {
         if let Some(mut region) = self.region.take() {
             self.shared.state().resident.remove(&region.ptr);
-            // Nothing on the GPU still uses it: it was kept after a `cuCtxSynchronize`, and every compare or read
-            // of it synchronised its stream before answering (a failed compare's slot does so when dropped). A
-            // test may have planted a byte in it.
+            // Nothing on the GPU still uses it: it was kept after its writes finished, and every compare or read of
+            // it synchronised its stream before answering (a failed compare's slot does so when dropped).
             region.idle();
-            region.written();
+            // Reset to the sentinel here, on the oracle's side, so the next wave's decode region of this size takes
+            // it as registered (a fill queued on the shared stream, settled before any engine's next launch like
+            // every fill); whatever a test planted is gone with it.
+            let reset = self.shared.ctx.bind_to_thread().is_ok()
+                && self.shared.generate_counted(region.ptr, region.len, Pattern::Sentinel).is_ok();
+            region.holds(reset.then_some(Pattern::Sentinel));
             drop(region); // its allocation goes back to the GPU's spares
         }
     }

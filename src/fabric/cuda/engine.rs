@@ -412,6 +412,7 @@ impl CudaEngine {
             return Ok(None);
         }
         self.shared.settle_fills()?;
+        self.shared.device.launched();
         if copy_engines && !per_block {
             for copy in words.chunks_exact(3) {
                 // SAFETY: both ranges were checked against live allocations of this context.
@@ -468,6 +469,7 @@ impl CudaEngine {
             return Ok(None);
         }
         self.shared.settle_fills()?;
+        self.shared.device.launched();
         let count = (queue.words.len() / PAGED_WORDS) as u64;
         let tables =
             queue.tables.chunks(2).map(|pair| u64::from(pair[0]) | u64::from(*pair.get(1).unwrap_or(&0)) << 32);
@@ -537,7 +539,8 @@ impl Drop for CudaEngine {
         // nothing this engine launched still runs (its stream reached an event recorded now). Only this engine
         // reads them; only an exposed region can be written by another engine's stream.
         use std::sync::atomic::Ordering::Acquire;
-        let fills_settled = self.shared.fills_settled.load(Acquire) >= self.shared.fills.load(Acquire);
+        let device = &self.shared.device;
+        let fills_settled = device.fills_settled.load(Acquire) >= device.fills.load(Acquire);
         let quiet = fills_settled
             && self.in_flight.is_empty()
             && self.queued_batches.is_empty()

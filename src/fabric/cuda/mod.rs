@@ -99,11 +99,6 @@ struct Shared {
     /// Bumped whenever `State::live` changes: a connection's cached liveness of its peer's memory is current while
     /// this is unchanged, so a batch takes the state's lock only after a registration came or went.
     generation: std::sync::atomic::AtomicU64,
-    /// Patterns and sentinels put on `stream` so far, and how many of them a `cuStreamSynchronize` has seen finish:
-    /// a registration returns once its fill is queued, and an engine's first launch after it waits for every fill
-    /// ([`Shared::settle_fills`]), once for a wave of registrations rather than once a region.
-    fills: std::sync::atomic::AtomicU64,
-    fills_settled: std::sync::atomic::AtomicU64,
     gpu: u32,
     device: Arc<Device>,
 }
@@ -157,8 +152,8 @@ impl Shared {
     /// never from a stream-ordered pool (cudarc's default where the device has one), because pool memory has no
     /// legacy CUDA IPC handle and UCX's `cuda_ipc` then cannot reach it: measured on the H200, NIXL moved such
     /// memory between processes by emulating RDMA over TCP (`rma_am(tcp/lo)`, 0.4 GB/s). A spare of the size is
-    /// taken first, one still holding source pattern `want` first (`true`: it does; nothing need be generated).
-    fn alloc(&self, len: u64, owner: u32, want: Option<u32>) -> Result<(DeviceAlloc, u64, bool), SeamError> {
+    /// taken first, one still holding pattern `want` first (`true`: it does; nothing need be generated).
+    fn alloc(&self, len: u64, owner: u32, want: Option<Pattern>) -> Result<(DeviceAlloc, u64, bool), SeamError> {
         let size = usize::try_from(len.max(1)).map_err(|_| SeamError::Exhausted("device memory"))?;
         self.ctx.bind_to_thread().map_err(|error| driver("cuCtxSetCurrent", error))?;
         let (ptr, filled) = match self.device.reuse(size, want)? {
@@ -231,11 +226,11 @@ impl Shared {
 
     /// A region of `len` bytes for engine `owner` holding `contents` (generated on the device for a pattern,
     /// uploaded in 64 MiB pieces for a fill), accounted; ordered before anything later on the stream.
-    /// A source pattern is generated only where the allocation is not a spare still holding it.
+    /// A pattern is generated only where the allocation is not a spare still holding it.
     fn make_region(&self, len: u64, owner: u32, contents: Contents<'_>) -> Result<Region, SeamError> {
         let want = match contents {
-            Contents::Pattern(Pattern::Source { number }) => Some(number),
-            _ => None,
+            Contents::Pattern(pattern) => Some(pattern),
+            Contents::Fill(_) => None,
         };
         let (mut allocation, ptr, holds) = self.alloc(len, owner, want)?;
         let filled = match contents {
@@ -259,9 +254,10 @@ impl Shared {
     /// Queues `pattern` over the new region at `ptr` ([`Shared::generate`]) and counts it, for
     /// [`Shared::settle_fills`]: the count goes up after the fill is on the stream.
     fn generate_counted(&self, ptr: u64, len: u64, pattern: Pattern) -> Result<(), SeamError> {
+        self.device.launched();
         self.generate(ptr, len, pattern)?;
         self.device.counters.patterns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.fills.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.device.fills.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         Ok(())
     }
 
@@ -270,12 +266,32 @@ impl Shared {
     /// launch depends on was counted before this reads the count.
     fn settle_fills(&self) -> Result<(), SeamError> {
         use std::sync::atomic::Ordering::{AcqRel, Acquire};
-        let queued = self.fills.load(Acquire);
-        if self.fills_settled.load(Acquire) >= queued {
+        let queued = self.device.fills.load(Acquire);
+        if self.device.fills_settled.load(Acquire) >= queued {
             return Ok(());
         }
         self.device.timed(|| self.stream.synchronize()).map_err(|error| driver("cuStreamSynchronize", error))?;
-        self.fills_settled.fetch_max(queued, AcqRel);
+        self.device.fills_settled.fetch_max(queued, AcqRel);
+        Ok(())
+    }
+
+    /// Waits for every launch and fill queued so far that writes registered memory (the shared stream and every
+    /// engine's stream; not the oracle's compare streams, which only read), once for all of them: a keep after
+    /// nothing new was queued waits for nothing. Launches are counted before they are queued, so any launch that
+    /// happened before this call is waited for.
+    fn settle_writes(&self) -> Result<(), cudarc::driver::DriverError> {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        let device = &self.device;
+        let seen = device.launches.load(Acquire);
+        if device.launches_settled.load(Acquire) >= seen {
+            return Ok(());
+        }
+        let streams = device.engine_streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        device.timed(|| {
+            device.stream.synchronize()?;
+            streams.iter().try_for_each(|stream| stream.synchronize())
+        })?;
+        device.launches_settled.fetch_max(seen, AcqRel);
         Ok(())
     }
 
@@ -311,12 +327,12 @@ impl Shared {
         self.stream.synchronize().map_err(|error| driver("cuStreamSynchronize", error))
     }
 
-    /// Keeps `region` on the device for the oracle's compare kernel (after everything on the stream ran): no
-    /// engine may write it any more.
+    /// Keeps `region` on the device for the oracle's compare kernel (after every launch and fill that writes
+    /// registered memory ran, [`Shared::settle_writes`]): no engine may write it any more.
     fn keep_region(self: &Arc<Self>, region: Region) -> Result<Kept, SeamError> {
-        if let Err(error) = self.device.timed(|| self.ctx.synchronize()) {
+        if let Err(error) = self.settle_writes() {
             self.forget(region.ptr, region.len);
-            return Err(driver("cuCtxSynchronize", error));
+            return Err(driver("cuStreamSynchronize", error));
         }
         let mut state = self.state();
         state.live.remove(&region.ptr);
@@ -369,8 +385,6 @@ impl CudaTransport {
             judge_rows: device.judge_rows.clone(),
             state: Mutex::default(),
             generation: 0.into(),
-            fills: 0.into(),
-            fills_settled: 0.into(),
             gpu,
             device,
         };
@@ -496,6 +510,12 @@ impl DeviceBuffer {
     /// Keeps the memory on the device for the oracle's compare ([`Kept`]); no engine may write it any more.
     pub fn keep(mut self) -> Result<Kept, SeamError> {
         let region = self.region.take().expect("a buffer holds its region until dropped or kept");
+        // Another engine's copies (NIXL's UCX, on streams of its own in this context) are not counted launches:
+        // the whole context is waited for.
+        if let Err(error) = self.shared.device.timed(|| self.shared.ctx.synchronize()) {
+            self.shared.forget(region.ptr, region.len);
+            return Err(driver("cuCtxSynchronize", error));
+        }
         self.shared.keep_region(region)
     }
 }
@@ -520,6 +540,18 @@ struct Device {
     spares: Mutex<Spares>,
     /// Patterns generated and reused, and the waits for the GPU ([`CudaTransport::device_stats`]).
     counters: Counters,
+    /// Patterns and sentinels put on `stream` so far (by any transport on this GPU: they share the stream), and how
+    /// many of them a `cuStreamSynchronize` has seen finish: a registration returns once its fill is queued, and an
+    /// engine's first launch after it waits for every fill ([`Shared::settle_fills`]), once for a wave of
+    /// registrations rather than once a region.
+    fills: std::sync::atomic::AtomicU64,
+    fills_settled: std::sync::atomic::AtomicU64,
+    /// Launches and fills that write registered memory, counted as they are queued, and how many of them a
+    /// synchronisation of every engine stream has seen finish ([`Shared::settle_writes`]).
+    launches: std::sync::atomic::AtomicU64,
+    launches_settled: std::sync::atomic::AtomicU64,
+    /// Every stream an engine was given (the pool below holds the idle ones): what a keep waits for.
+    engine_streams: Mutex<Vec<Arc<CudaStream>>>,
     /// Streams and descriptor-table buffers of engines gone, for the next engines (a replay's waves make new ones;
     /// `cuStreamCreate`, `cuMemHostAlloc` and `cuMemAlloc` on the doorbell's path cost more than a launch).
     streams: Mutex<Vec<Arc<CudaStream>>>,
@@ -627,10 +659,10 @@ impl Device {
         self.spares.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A spare allocation of exactly `size` bytes that nothing on the GPU still uses, one holding source pattern
+    /// A spare allocation of exactly `size` bytes that nothing on the GPU still uses, one holding pattern
     /// `want` first (`true`: it does): where only spares whose last kernel may still run are kept, the context is
     /// synchronised once for all of them (a freed allocation's `cuMemFree` would have waited for its last kernel).
-    fn reuse(&self, size: usize, want: Option<u32>) -> Result<Option<(u64, bool)>, SeamError> {
+    fn reuse(&self, size: usize, want: Option<Pattern>) -> Result<Option<(u64, bool)>, SeamError> {
         let busy = match self.spares().take(size, want) {
             Found::Spare { ptr, filled } => return Ok(Some((ptr, filled))),
             Found::None => return Ok(None),
@@ -679,7 +711,16 @@ impl Device {
     /// A stream for a new engine: one an engine gone left, or a new one.
     fn take_stream(&self) -> Option<Arc<CudaStream>> {
         let kept = self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
-        kept.or_else(|| self.ctx.new_stream().ok())
+        kept.or_else(|| {
+            let stream = self.ctx.new_stream().ok()?;
+            self.engine_streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(stream.clone());
+            Some(stream)
+        })
+    }
+
+    /// Counts a launch or fill about to be queued that writes registered memory ([`Shared::settle_writes`]).
+    fn launched(&self) {
+        self.launches.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 
     /// The smallest descriptor-table buffer an engine gone left holding at least `words` words, else a new one.
@@ -761,6 +802,11 @@ impl Device {
             judged,
             spares: Mutex::default(),
             counters: Counters::default(),
+            fills: 0.into(),
+            fills_settled: 0.into(),
+            launches: 0.into(),
+            launches_settled: 0.into(),
+            engine_streams: Mutex::default(),
             streams: Mutex::default(),
             tables: Mutex::default(),
             judges: Mutex::default(),
@@ -842,13 +888,13 @@ struct DeviceAlloc {
     spare: Option<SpareOf>,
 }
 
-/// Where a region's allocation goes when dropped: its GPU's spares, as `size` bytes still holding source pattern
-/// `holds` (set only for a generated source pattern, cleared once anything may have written it), `idle` where its
-/// last use on the GPU is known to have finished.
+/// Where a region's allocation goes when dropped: its GPU's spares, as `size` bytes still holding pattern `holds`
+/// (set for a generated source pattern until anything may have written it, and for the sentinel a kept region is
+/// reset to when the oracle hands it back), `idle` where its last use on the GPU is known to have finished.
 struct SpareOf {
     device: Arc<Device>,
     size: usize,
-    holds: Option<u32>,
+    holds: Option<Pattern>,
     idle: bool,
 }
 
@@ -875,8 +921,13 @@ impl Region {
     /// Something may have written the region (a peer was told of it, a test may plant a byte, another engine had
     /// it): its allocation no longer holds its pattern when handed back.
     fn written(&mut self) {
+        self.holds(None);
+    }
+
+    /// What the region's allocation holds when handed back.
+    fn holds(&mut self, pattern: Option<Pattern>) {
         if let Some(spare) = &mut self.allocation.spare {
-            spare.holds = None;
+            spare.holds = pattern;
         }
     }
 

@@ -4,13 +4,15 @@
 
 use std::collections::BTreeMap;
 
-/// One spare allocation: its device address, and the source pattern it still holds where nothing can have written
-/// it since the pattern was generated (`holds`: a prefill region no peer was told of, handed back by its engine),
-/// so a region asking for that pattern takes it as it is instead of generating it again.
+use crate::fabric::seam::Pattern;
+
+/// One spare allocation: its device address, and the pattern it holds where that is known (`holds`: a prefill
+/// region's source pattern where no peer was told of it, the sentinel a kept decode region is reset to when the
+/// oracle hands it back), so a region asking for that pattern takes it as it is instead of generating it again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Spare {
     pub(super) ptr: u64,
-    pub(super) holds: Option<u32>,
+    pub(super) holds: Option<Pattern>,
 }
 
 /// The spares of one GPU, by size: `idle` ones nothing on the GPU can still use (handed back after their last use
@@ -48,9 +50,9 @@ impl Spares {
         self.bytes += size as u64;
     }
 
-    /// An idle spare of `size` bytes, one that holds source pattern `want` first, else one holding no pattern
-    /// (kept for the regions that ask for theirs), else any.
-    pub(super) fn take(&mut self, size: usize, want: Option<u32>) -> Found {
+    /// An idle spare of `size` bytes, one that holds pattern `want` first, else one holding no pattern (those
+    /// holding one are kept for the regions that ask for it), else any.
+    pub(super) fn take(&mut self, size: usize, want: Option<Pattern>) -> Found {
         if let Some(list) = self.idle.get_mut(&size).filter(|list| !list.is_empty()) {
             let at = list
                 .iter()
@@ -87,9 +89,15 @@ impl Spares {
 #[cfg(test)]
 mod tests {
     use super::{Found, Spare, Spares};
+    use crate::fabric::seam::Pattern;
 
     fn spare(ptr: u64, holds: Option<u32>) -> Spare {
-        Spare { ptr, holds }
+        Spare { ptr, holds: source(holds) }
+    }
+
+    /// Source pattern `number` (`u32::MAX`: the sentinel).
+    fn source(number: Option<u32>) -> Option<Pattern> {
+        number.map(|number| if number == u32::MAX { Pattern::Sentinel } else { Pattern::Source { number } })
     }
 
     #[test]
@@ -98,12 +106,12 @@ mod tests {
         spares.keep(64, spare(1, None), true);
         spares.keep(64, spare(2, Some(7)), true);
         spares.keep(64, spare(3, Some(9)), true);
-        assert_eq!(spares.take(64, Some(7)), Found::Spare { ptr: 2, filled: true });
+        assert_eq!(spares.take(64, source(Some(7))), Found::Spare { ptr: 2, filled: true });
         // No spare holds pattern 8: one holding none is taken, and it must be generated.
-        assert_eq!(spares.take(64, Some(8)), Found::Spare { ptr: 1, filled: false });
+        assert_eq!(spares.take(64, source(Some(8))), Found::Spare { ptr: 1, filled: false });
         // Only one holding another pattern is left: taken, never said filled.
-        assert_eq!(spares.take(64, Some(8)), Found::Spare { ptr: 3, filled: false });
-        assert_eq!(spares.take(64, Some(8)), Found::None);
+        assert_eq!(spares.take(64, source(Some(8))), Found::Spare { ptr: 3, filled: false });
+        assert_eq!(spares.take(64, source(Some(8))), Found::None);
         assert_eq!(spares.bytes(), 0);
     }
 
@@ -113,8 +121,17 @@ mod tests {
         spares.keep(64, spare(1, Some(7)), true);
         spares.keep(64, spare(2, None), true);
         spares.keep(64, spare(3, Some(7)), true);
-        assert_eq!(spares.take(64, None), Found::Spare { ptr: 2, filled: false });
-        assert_eq!(spares.take(64, None), Found::Spare { ptr: 3, filled: false });
+        assert_eq!(spares.take(64, source(None)), Found::Spare { ptr: 2, filled: false });
+        assert_eq!(spares.take(64, source(None)), Found::Spare { ptr: 3, filled: false });
+    }
+
+    #[test]
+    fn a_sentinel_spare_is_filled_for_a_sentinel_and_never_for_a_source() {
+        let mut spares = Spares::default();
+        spares.keep(64, spare(1, Some(u32::MAX)), true);
+        spares.keep(64, spare(2, Some(u32::MAX)), true);
+        assert_eq!(spares.take(64, source(Some(u32::MAX))), Found::Spare { ptr: 2, filled: true });
+        assert_eq!(spares.take(64, source(Some(5))), Found::Spare { ptr: 1, filled: false });
     }
 
     #[test]
@@ -123,23 +140,25 @@ mod tests {
         spares.keep(64, spare(1, Some(7)), false);
         spares.keep(128, spare(2, None), false);
         assert_eq!(spares.bytes(), 192);
-        let Found::Busy(busy) = spares.take(64, Some(7)) else { panic!("a busy spare is not handed out as idle") };
+        let Found::Busy(busy) = spares.take(64, source(Some(7))) else {
+            panic!("a busy spare is not handed out as idle")
+        };
         assert_eq!(busy.values().map(Vec::len).sum::<usize>(), 2, "every size's busy spares, settled at once");
         // Taken away for the synchronisation, the spares are still counted, and not handed out twice.
         assert_eq!(spares.bytes(), 192);
-        assert_eq!(spares.take(64, Some(7)), Found::None);
+        assert_eq!(spares.take(64, source(Some(7))), Found::None);
         spares.settled(busy, true);
-        assert_eq!(spares.take(64, Some(7)), Found::Spare { ptr: 1, filled: true });
-        assert_eq!(spares.take(128, None), Found::Spare { ptr: 2, filled: false });
+        assert_eq!(spares.take(64, source(Some(7))), Found::Spare { ptr: 1, filled: true });
+        assert_eq!(spares.take(128, source(None)), Found::Spare { ptr: 2, filled: false });
     }
 
     #[test]
     fn spares_whose_synchronisation_failed_stay_busy() {
         let mut spares = Spares::default();
         spares.keep(64, spare(1, None), false);
-        let Found::Busy(busy) = spares.take(64, None) else { panic!("busy expected") };
+        let Found::Busy(busy) = spares.take(64, source(None)) else { panic!("busy expected") };
         spares.settled(busy, false);
-        assert!(matches!(spares.take(64, None), Found::Busy(_)));
+        assert!(matches!(spares.take(64, source(None)), Found::Busy(_)));
     }
 
     #[test]
@@ -150,6 +169,6 @@ mod tests {
         let (mut ptrs, bytes) = spares.drain();
         ptrs.sort_unstable();
         assert_eq!((ptrs, bytes), (vec![1, 2], 96));
-        assert_eq!(spares.take(64, None), Found::None);
+        assert_eq!(spares.take(64, source(None)), Found::None);
     }
 }
