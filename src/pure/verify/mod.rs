@@ -357,10 +357,7 @@ pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankI
 /// decode process can verify its own memory.
 pub fn check_rank(problem: &Problem, rank: RankId, observation: &Observation, verdicts: &Verdicts) -> Vec<Violation> {
     let sources = Sources::new(problem);
-    [Share::Regions { part: 0, parts: 1 }, Share::Writes]
-        .into_iter()
-        .flat_map(|share| check_rank_share(&sources, rank, observation, verdicts, share))
-        .collect()
+    Share::all(1).flat_map(|share| check_rank_share(&sources, rank, observation, verdicts, share)).collect()
 }
 
 /// A share of [`check_rank`]'s work: part `part` of `parts` of the rank's regions (from `part * n / parts` up to

@@ -624,9 +624,6 @@ pub(super) fn directory(problem: &Problem) -> BTreeMap<RankId, NodeId> {
     problem.prefill.ranks.iter().enumerate().map(|(index, layout)| (layout.rank, NodeId(index as u32))).collect()
 }
 
-/// Registers every region of `layout` on `nic`, in the engine's kind of memory, each holding the pattern
-/// `pattern(region index)` gives (generated in place: the in-memory fabric materialises only the chunks written to,
-/// and reads the rest from the pattern; a device fabric generates it on the device).
 /// Prefill rank `layout`'s regions registered on `nic`, each holding its source pattern (no rank engine: what
 /// `engine::direct` registers).
 pub(super) fn register_prefill<N: TransferEngine>(
@@ -643,6 +640,9 @@ pub(super) fn register_decode<N: TransferEngine>(nic: &mut N, layout: &RankLayou
     register_regions(nic, layout, |_| Pattern::Sentinel)
 }
 
+/// Registers every region of `layout` on `nic`, in the engine's kind of memory, each holding the pattern
+/// `pattern(region index)` gives (generated in place: the in-memory fabric materialises only the chunks written to,
+/// and reads the rest from the pattern; a device fabric generates it on the device).
 fn register_regions<N: TransferEngine>(
     nic: &mut N,
     layout: &RankLayout,
