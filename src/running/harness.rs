@@ -312,6 +312,10 @@ pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankI
 
 /// [`check_ranks`] with every rank's regions cut into `parts` parts (at least one), the shares spread over the
 /// cores; the source index ([`verify::Sources`]) built once for all of them.
+///
+/// Every rank's region shares are queued before any rank's writes: a region share may wait for its judge (resident
+/// memory: one compare call on the device), a writes share only computes, so the threads start every wait first and
+/// the short writes shares fill in behind them. The violations are put back in [`verify::Share::all`]'s order.
 pub fn check_ranks_in_parts(
     problem: &Problem,
     observation: &Observation,
@@ -319,14 +323,18 @@ pub fn check_ranks_in_parts(
     parts: u32,
 ) -> Vec<Violation> {
     let sources = verify::Sources::new(problem);
-    let tasks: Vec<(&(RankId, Verdicts), verify::Share)> =
-        ranks.iter().flat_map(|rank| verify::Share::all(parts).map(move |share| (rank, share))).collect();
-    crate::parallel::spread(&tasks, crate::parallel::cores(), |((rank, verdicts), share)| {
-        verify::check_rank_share(&sources, *rank, observation, verdicts, *share)
-    })
-    .into_iter()
-    .flatten()
-    .collect()
+    let shares: Vec<verify::Share> = verify::Share::all(parts).collect();
+    // (rank's index, share's index in `Share::all`), region shares first.
+    let mut tasks: Vec<(usize, usize)> =
+        (0..ranks.len()).flat_map(|rank| (0..shares.len()).map(move |share| (rank, share))).collect();
+    tasks.sort_by_key(|(rank, share)| (shares[*share] == verify::Share::Writes, *rank, *share));
+    let judged = crate::parallel::spread(&tasks, crate::parallel::cores(), |(rank, share)| {
+        let (rank, verdicts) = &ranks[*rank];
+        verify::check_rank_share(&sources, *rank, observation, verdicts, shares[*share])
+    });
+    let mut in_order: Vec<_> = tasks.into_iter().zip(judged).collect();
+    in_order.sort_by_key(|(task, _)| *task);
+    in_order.into_iter().flat_map(|(_, violations)| violations).collect()
 }
 
 /// A rank is cut into at most this many parts for the oracle's threads: each part is one call to the judge.
