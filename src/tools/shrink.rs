@@ -99,6 +99,7 @@ pub fn violation_signature(violation: &Violation) -> Signature {
         ViolationKind::OutsideRegion { .. } => "past the region".to_owned(),
         ViolationKind::IndexLengths { .. } => "state index lengths differ".to_owned(),
         ViolationKind::Unjudged { .. } => "device memory not judged".to_owned(),
+        ViolationKind::StrayWrite { .. } => "a write outside the decode memory".to_owned(),
     };
     Signature { class: "oracle", detail: format!("{}: {class}", without_numbers(&violation.region)) }
 }

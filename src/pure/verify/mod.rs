@@ -275,6 +275,9 @@ pub enum ViolationKind {
     IndexLengths { request: u32, prefill: usize, decode: usize },
     /// Resident memory could not be judged (its owner failed to answer or to read back).
     Unjudged { why: String },
+    /// A recorded write reaches outside the rank's decode memory: past the end of its region (`region_len`), or into a
+    /// region the rank does not have (`None`). The fabrics refuse such writes, so one is a bug of the run itself.
+    StrayWrite { offset: u64, length: u64, region_len: Option<u64> },
 }
 
 impl fmt::Display for Violation {
@@ -304,6 +307,17 @@ impl fmt::Display for ViolationKind {
                 write!(f, "request {request} has {prefill} prefill and {decode} decode state indices")
             }
             ViolationKind::Unjudged { why } => write!(f, "could not be judged: {why}"),
+            ViolationKind::StrayWrite { offset, length, region_len: Some(len) } => {
+                write!(
+                    f,
+                    "a write of bytes {offset}..{} reaches past the region's {len} B",
+                    offset.saturating_add(*length)
+                )
+            }
+            ViolationKind::StrayWrite { offset, length, region_len: None } => {
+                let end = offset.saturating_add(*length);
+                write!(f, "a write of bytes {offset}..{end} names a decode region this rank does not have")
+            }
         }
     }
 }
@@ -781,14 +795,31 @@ fn check_writes(
     violations: &mut Vec<Violation>,
 ) {
     // The rank's writes in a list a region (a wave's records number thousands a rank: one sort of them all, or a
-    // map of lists, costs more than the check itself); records naming no region of the rank are not writes to judge
-    // here.
+    // map of lists, costs more than the check itself); a record reaching outside the rank's decode regions is a
+    // violation of its own.
     let regions = &problem.decode.rank(rank).regions;
     let mut by_region: Vec<Vec<(u64, u64)>> = vec![Vec::new(); regions.len()];
-    for write in observation.writes.iter().filter(|write| write.target.rank == rank) {
-        if let (Side::Decode, Some(list)) = (write.target.side, by_region.get_mut(write.target.region as usize)) {
-            list.push((write.offset, write.length));
+    let decode_writes =
+        observation.writes.iter().filter(|write| write.target.rank == rank && write.target.side == Side::Decode);
+    for write in decode_writes {
+        let index = write.target.region;
+        let (offset, length) = (write.offset, write.length);
+        let region = regions.get(index as usize);
+        let region_len = region.map(Region::len_bytes);
+        if region_len.is_none_or(|len| offset.checked_add(length).is_none_or(|end| end > len)) {
+            violations.push(Violation {
+                rank,
+                region: region.map_or_else(
+                    || format!("region {index} (the rank has {})", regions.len()),
+                    |region| format!("layer {} {}", region.layer, tensor_name(problem, region)),
+                ),
+                place: format!("bytes {offset}..{}", offset.saturating_add(length)),
+                at: Located { region: index, offset, length },
+                kind: ViolationKind::StrayWrite { offset, length, region_len },
+            });
+            continue;
         }
+        by_region[index as usize].push((offset, length));
     }
     let failed_requests: Vec<&crate::model::Request> =
         problem.requests.iter().filter(|request| verdicts.failed.contains(&request.id)).collect();
