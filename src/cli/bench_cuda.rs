@@ -93,6 +93,8 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
     let (mut best_walk, mut best_whole) = (f64::INFINITY, f64::INFINITY);
     let mut best_phases = crate::engine::direct::Phases::default();
     let mut best_judged = crate::fabric::cuda::JudgeStats::default();
+    let spreads = verification_spreads();
+    let mut best_spread = vec![f64::INFINITY; spreads.len()];
     for _ in 0..iterations.clamp(1, 5) {
         let mut direct = Direct::prepare(problem, &descriptors, |node| {
             Ok(engines.cuda_engine(crate::fabric::seam::NodeId(node as u32)))
@@ -123,6 +125,12 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
         let whole = harness::check_ranks_in_parts(problem, &observation, &ranks, 1);
         best_whole = best_whole.min(start.elapsed().as_secs_f64());
         anyhow::ensure!(whole.is_empty(), "the oracle found {} violations judging whole ranks", whole.len());
+        for ((parts, threads), best) in spreads.iter().zip(&mut best_spread) {
+            let start = Instant::now();
+            let spread = harness::check_ranks_on(problem, &observation, &ranks, *parts, *threads);
+            *best = best.min(start.elapsed().as_secs_f64());
+            anyhow::ensure!(spread.is_empty(), "the oracle found {} violations in {parts} parts", spread.len());
+        }
     }
     let rate = |seconds: f64| bytes as f64 / seconds.max(1e-12) / 1e9;
     outln!(
@@ -156,7 +164,28 @@ fn direct(scenario: &scenario::Scenario, iterations: u32, share: &dyn Fn(f64) ->
     outln!(
         "  the oracle's walk alone (the same ranks on the same threads, every question answered yes at once, no compares): {best_walk:.6} s; the verification with each rank whole (one part, one compare call a rank): {best_whole:.6} s"
     );
+    let by_spread: Vec<String> = spreads
+        .iter()
+        .zip(&best_spread)
+        .map(|((parts, threads), seconds)| format!("{parts}/{threads} {:.3} ms", seconds * 1e3))
+        .collect();
+    outln!(
+        "  the verification by parts a rank / threads (the default: {} parts, {} threads), best of {}: {}",
+        harness::rank_parts(problem.decode.ranks.len()),
+        crate::parallel::cores(),
+        iterations.clamp(1, 5),
+        by_spread.join(", ")
+    );
     Ok(())
+}
+
+/// The (parts a rank, threads) the benchmark times the verification with: 1, 2 and 4 parts on 4, 8 and every core,
+/// so a run shows which spread this machine's cores and GPU favour.
+fn verification_spreads() -> Vec<(u32, usize)> {
+    let cores = crate::parallel::cores();
+    let mut threads: Vec<usize> = [4, 8, cores].into_iter().filter(|threads| *threads <= cores).collect();
+    threads.dedup();
+    [1, 2, 4].into_iter().flat_map(|parts| threads.iter().map(move |threads| (parts, *threads))).collect()
 }
 
 /// A judge that answers every question yes without looking: the oracle's walk timed alone.

@@ -306,8 +306,12 @@ pub fn cross_check_ranks_within(
 /// [`verify::Share`]); the violations in the order given (the same list [`verify::check_ranks`], a sequential loop,
 /// returns).
 pub fn check_ranks(problem: &Problem, observation: &Observation, ranks: &[(RankId, Verdicts)]) -> Vec<Violation> {
-    let parts = (crate::parallel::cores() / ranks.len().max(1)).clamp(1, MAX_RANK_PARTS);
-    check_ranks_in_parts(problem, observation, ranks, parts as u32)
+    check_ranks_in_parts(problem, observation, ranks, rank_parts(ranks.len()))
+}
+
+/// The parts [`check_ranks`] cuts each of `ranks` ranks into: the cores shared out, at most [`MAX_RANK_PARTS`].
+pub fn rank_parts(ranks: usize) -> u32 {
+    (crate::parallel::cores() / ranks.max(1)).clamp(1, MAX_RANK_PARTS) as u32
 }
 
 /// [`check_ranks`] with every rank's regions cut into `parts` parts (at least one), the shares spread over the
@@ -322,13 +326,25 @@ pub fn check_ranks_in_parts(
     ranks: &[(RankId, Verdicts)],
     parts: u32,
 ) -> Vec<Violation> {
+    check_ranks_on(problem, observation, ranks, parts, crate::parallel::cores())
+}
+
+/// [`check_ranks_in_parts`] on at most `threads` threads (the caller's among them): how the GPU benchmark compares
+/// ways of spreading the oracle.
+pub fn check_ranks_on(
+    problem: &Problem,
+    observation: &Observation,
+    ranks: &[(RankId, Verdicts)],
+    parts: u32,
+    threads: usize,
+) -> Vec<Violation> {
     let sources = verify::Sources::new(problem);
     let shares: Vec<verify::Share> = verify::Share::all(parts).collect();
     // (rank's index, share's index in `Share::all`), region shares first.
     let mut tasks: Vec<(usize, usize)> =
         (0..ranks.len()).flat_map(|rank| (0..shares.len()).map(move |share| (rank, share))).collect();
     tasks.sort_by_key(|(rank, share)| (shares[*share] == verify::Share::Writes, *rank, *share));
-    let judged = crate::parallel::spread(&tasks, crate::parallel::cores(), |(rank, share)| {
+    let judged = crate::parallel::spread(&tasks, threads, |(rank, share)| {
         let (rank, verdicts) = &ranks[*rank];
         verify::check_rank_share(&sources, *rank, observation, verdicts, shares[*share])
     });
