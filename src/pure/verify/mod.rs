@@ -413,10 +413,13 @@ pub fn check_rank_share(
     let bound = |part: u32| (u64::from(part) * regions / u64::from(parts)) as u32;
     let rows = expect::RowCache::default();
     let mut resident = Vec::new();
+    let key = |region| RegionKey { side: Side::Decode, rank, region };
+    // The part's resident regions in one ordered walk of the map, not a lookup a region.
+    let mut resident_part = observation.resident.range(key(bound(part))..key(bound(part + 1))).peekable();
     for index in bound(part)..bound(part + 1) {
-        let key = RegionKey { side: Side::Decode, rank, region: index };
-        if let Some(region) = observation.resident.get(&key) {
-            resident.push((key, region));
+        let key = key(index);
+        if let Some((key, region)) = resident_part.next_if(|(found, _)| **found == key) {
+            resident.push((*key, region));
             continue;
         }
         let bytes = match (observation.images.get(&key), observation.sparse.get(&key)) {
