@@ -375,10 +375,10 @@ fn gathered_writes_land_the_same_bytes_as_one_write_per_copy() {
 /// A write record that reaches outside the rank's decode memory (past its region's end, into a region the rank does
 /// not have, or with an end past u64) is a violation naming it, never a panic or a record passed over.
 #[rstest::rstest]
-#[case::past_the_region_end(0, "last byte", "reaches past the region's")]
-#[case::a_region_the_rank_lacks(1_000_000, "zero", "names a decode region this rank does not have")]
-#[case::an_end_past_u64(0, "near u64's end", "reaches past the region's")]
-fn a_stray_write_record_is_a_violation(#[case] region: u32, #[case] start: &str, #[case] says: &str) {
+#[case::past_the_region_end(0, |len| len - 1, "reaches past the region's")]
+#[case::a_region_the_rank_lacks(1_000_000, |_| 0, "names a decode region this rank does not have")]
+#[case::an_end_past_u64(0, |_| u64::MAX - 8, "reaches past the region's")]
+fn a_stray_write_record_is_a_violation(#[case] region: u32, #[case] offset: fn(u64) -> u64, #[case] says: &str) {
     use kvrelay::engine::sim::SimOptions;
     use kvrelay::engine::tasks::run;
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/state/qwen3-next-tp4-to-tp2.yaml");
@@ -388,12 +388,8 @@ fn a_stray_write_record_is_a_violation(#[case] region: u32, #[case] start: &str,
     let rank = problem.decode.ranks[0].rank;
     let ranks = vec![(rank, verify::Verdicts::all_succeeded())];
     assert!(verify::check_ranks(problem, &observation, &ranks).is_empty(), "the run itself is clean");
-    let region_len = problem.decode.rank(rank).regions[0].len_bytes();
-    let (offset, length) = match start {
-        "last byte" => (region_len - 1, 64),
-        "near u64's end" => (u64::MAX - 8, 64),
-        _ => (0, 64),
-    };
+    // A 64-byte write starting at `offset(the first region's length)`.
+    let (offset, length) = (offset(problem.decode.rank(rank).regions[0].len_bytes()), 64);
     let target = verify::RegionKey { side: kvrelay::model::Side::Decode, rank, region };
     observation.writes.push(verify::WriteRecord { target, offset, length });
     let violations = verify::check_ranks(problem, &observation, &ranks);
